@@ -1,0 +1,34 @@
+# `make run` and `make test` set everything up on a fresh machine: each builds .venv from
+# pyproject.toml (re-built when pyproject.toml changes) and then does its job.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: run test lint bench-quick clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) -e '.[test,dev,ucx]'
+	touch $@
+
+run: $(VENV)/.base
+	$(PY) -m asynccoll.cli demo
+
+test: $(VENV)/.test
+	$(PY) -m pytest
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+bench-quick: $(VENV)/.test
+	mkdir -p bench/results
+	$(PY) bench/sched_overhead.py --quick --out bench/results/sched_overhead.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

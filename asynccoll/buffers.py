@@ -1,0 +1,115 @@
+"""Array backends: view buffers as bytes, allocate like another array, reduce in place.
+
+NumPy arrays are always supported; CuPy arrays where CuPy is installed (imported lazily, so a
+machine without a GPU never pays for it). Every function here works on contiguous arrays only
+and raises ``ValueError`` naming the argument otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "REDUCE_OPS",
+    "as_bytes",
+    "check_array",
+    "dtype_from_wire",
+    "dtype_to_wire",
+    "empty_like",
+    "is_cupy",
+    "reduce_into",
+]
+
+#: dtypes that may appear in a frame header (by NumPy's ``dtype.str``, little-endian forms).
+ALLOWED_DTYPES: frozenset[str] = frozenset(
+    np.dtype(t).newbyteorder("<").str if np.dtype(t).itemsize > 1 else np.dtype(t).str
+    for t in (
+        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+) | {"|u1", "|i1", "|b1", ""}
+
+#: element-wise reductions by name: ``fn(a, b, out=...)``.
+REDUCE_OPS: dict[str, Callable[..., Any]] = {
+    "sum": np.add,
+    "prod": np.multiply,
+    "min": np.minimum,
+    "max": np.maximum,
+}
+
+
+def is_cupy(a: Any) -> bool:
+    """True when ``a`` is a CuPy array (checked without importing CuPy)."""
+    return type(a).__module__.startswith("cupy")
+
+
+def check_array(a: Any, name: str = "array") -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``a`` is a contiguous array."""
+    if isinstance(a, np.ndarray):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous (got strides {a.strides})")
+        return
+    if is_cupy(a):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous (got a non-contiguous CuPy array)")
+        return
+    raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(a).__name__}")
+
+
+def as_bytes(a: Any) -> memoryview:
+    """A writable byte view of a contiguous host array, sharing its memory (no copy)."""
+    if isinstance(a, memoryview):
+        return a.cast("B") if a.format != "B" or a.ndim != 1 else a
+    if isinstance(a, (bytes, bytearray)):
+        return memoryview(a)
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"expected a NumPy array or buffer, got {type(a).__name__}")
+    if not a.flags.c_contiguous:
+        raise ValueError("array must be C-contiguous")
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def empty_like(a: Any, count: int | None = None) -> Any:
+    """A new 1-D array of ``a``'s backend and dtype with ``count`` elements (default ``a.size``)."""
+    n = a.size if count is None else count
+    if is_cupy(a):
+        import cupy  # noqa: PLC0415
+
+        return cupy.empty(n, dtype=a.dtype)
+    return np.empty(n, dtype=a.dtype)
+
+
+def reduce_into(op: str, out: Any, other: Any) -> None:
+    """``out = op(out, other)`` in place, for NumPy or CuPy arrays of equal shape."""
+    try:
+        fn = REDUCE_OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown op {op!r}; expected one of {sorted(REDUCE_OPS)}") from None
+    if is_cupy(out):
+        import cupy  # noqa: PLC0415
+
+        fn = getattr(cupy, fn.__name__)
+    if out.dtype == np.bool_ and op == "sum":
+        fn = np.logical_or
+    fn(out, other, out=out)
+
+
+def dtype_to_wire(dt: np.dtype[Any]) -> str:
+    """The header string of a dtype (little-endian ``dtype.str``)."""
+    s: str = dt.str if dt.itemsize == 1 else dt.newbyteorder("<").str
+    return s
+
+
+def dtype_from_wire(s: str) -> np.dtype[Any]:
+    """The dtype a header names; ``ValueError`` unless it is on :data:`ALLOWED_DTYPES`."""
+    if s not in ALLOWED_DTYPES:
+        raise ValueError(f"dtype {s!r} is not allowed on the wire")
+    return np.dtype(s or "u1")
+
+
+assert sys.byteorder == "little", "asynccoll assumes a little-endian host"

@@ -1,0 +1,84 @@
+"""The exceptions asynccoll raises.
+
+Every library error derives from :class:`AsyncCollError`::
+
+    AsyncCollError
+    ├── ScheduleError              a schedule is malformed (names the op)
+    ├── ExecutionError             an execution went wrong (stale data message, failed kernel)
+    ├── CollectiveTimeoutError     a collective did not finish in time (names who is awaited)
+    ├── BusyError                  two tasks used one resource that allows one at a time
+    └── TransportError
+        ├── TransportClosedError   we closed it
+        ├── PeerLostError          the peer or the network failed (``.rank``; cause chained)
+        ├── ProtocolError          a peer sent a malformed or over-limit frame
+        └── AuthenticationError    a peer failed the handshake
+
+Bad arguments raise the built-in ``TypeError`` / ``ValueError`` naming the parameter.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncCollError",
+    "AuthenticationError",
+    "BusyError",
+    "CollectiveTimeoutError",
+    "ExecutionError",
+    "PeerLostError",
+    "ProtocolError",
+    "ScheduleError",
+    "TransportClosedError",
+    "TransportError",
+]
+
+
+class AsyncCollError(Exception):
+    """Base class of every error asynccoll raises on its own account."""
+
+
+class ScheduleError(AsyncCollError, ValueError):
+    """A schedule is malformed; the message names the offending op."""
+
+
+class ExecutionError(AsyncCollError):
+    """An execution failed: a kernel raised, or a peer sent data for a finished execution."""
+
+
+class CollectiveTimeoutError(AsyncCollError, TimeoutError):
+    """A collective did not complete within its timeout.
+
+    ``pending`` lists the ops still waiting, as ``(rank, op_id, description)`` tuples.
+    """
+
+    def __init__(self, message: str, pending: list[tuple[int, int, str]] | None = None) -> None:
+        super().__init__(message)
+        self.pending = pending or []
+
+
+class BusyError(AsyncCollError):
+    """Two tasks tried to use a resource that serves one at a time."""
+
+
+class TransportError(AsyncCollError):
+    """Base of the transport errors."""
+
+
+class TransportClosedError(TransportError):
+    """The transport (or this endpoint) was closed by us; nothing more can be sent or received."""
+
+
+class PeerLostError(TransportError):
+    """A peer disconnected or failed; every pending operation that needs it fails with this."""
+
+    def __init__(self, rank: int, reason: str = "connection lost") -> None:
+        super().__init__(f"peer rank {rank} lost: {reason}")
+        self.rank = rank
+        self.reason = reason
+
+
+class ProtocolError(TransportError):
+    """A frame was malformed or exceeded the limits."""
+
+
+class AuthenticationError(TransportError):
+    """A peer failed the handshake that proves knowledge of the job secret."""

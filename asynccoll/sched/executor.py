@@ -1,0 +1,430 @@
+"""The executor: runs one rank's committed schedule on an asyncio loop.
+
+Ops fire in a deterministic order (a FIFO of ready ops, filled in op-id order of successors) as
+their thresholds are met; completion notifies successors in O(out-degree). Sends and receives are
+futures from the transport (no task per op); small kernels run inline, large ones in the loop's
+default executor (NumPy releases the GIL), so the loop never blocks for long. Nothing polls.
+
+An **execution** is one run of the schedule. It is *armed* (its source receives posted), then
+*started* from inside (:meth:`Executor.start`: its other sources fire) or activated from outside
+(a source receive completes), and completes when the schedule's final op completes. Then its
+unmatched receives are retired, ``on_complete(execution)`` runs (read results there: a persistent
+schedule may begin overwriting its buffers right after), and a **persistent** executor arms the
+next execution at once; a non-persistent one arms it on the next :meth:`start`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..buffers import dtype_to_wire, is_cupy
+from ..errors import CollectiveTimeoutError, ExecutionError, ScheduleError, TransportClosedError
+from ..transport.base import PROTOCOL_VERSION, Format, Header, Kind, Message, Transport
+from .kernels import KERNELS, Kernel, Payload
+from .schedule import BufRef, Schedule
+from .trace import COMPLETED, FIRED, POSTED, Trace
+
+__all__ = ["Executor"]
+
+_NOP, _SEND, _RECV, _COMPUTE = 0, 1, 2, 3
+_KIND_CODE = {"nop": _NOP, "send": _SEND, "recv": _RECV, "compute": _COMPUTE}
+_MSG_KIND = {"data": int(Kind.DATA), "activation": int(Kind.ACTIVATION)}
+
+
+class Executor:
+    """Executes ``schedule`` for one rank over ``transport`` with ``buffers`` bound to its slots.
+
+    ``sched_id`` must be the same on every rank for the same collective (messages carry it).
+    ``offload_bytes``: kernels whose output exceeds this run in the loop's executor.
+    Raises :class:`ScheduleError` for an uncommitted schedule and ``ValueError`` naming the slot
+    for a missing or ill-fitting buffer.
+    """
+
+    def __init__(self, schedule: Schedule, transport: Transport,
+                 buffers: Mapping[str, Any] | None = None, *, sched_id: int,
+                 persistent: bool = False, on_complete: Callable[[int], None] | None = None,
+                 trace_capacity: int = 64,
+                 trace_sink: Callable[[dict[str, Any]], None] | None = None,
+                 offload_bytes: int = 4 << 20) -> None:
+        if not schedule.committed:
+            raise ScheduleError(f"schedule {schedule.name!r} must be committed before execution")
+        if transport.rank != schedule.rank or transport.world_size != schedule.world_size:
+            raise ValueError(
+                f"schedule is for rank {schedule.rank} of {schedule.world_size}, transport is "
+                f"rank {transport.rank} of {transport.world_size}")
+        self.schedule = schedule
+        self.transport = transport
+        self.sched_id = sched_id
+        self.persistent = persistent
+        self.on_complete = on_complete
+        self.offload_bytes = offload_bytes
+        ops = schedule.ops
+        n = len(ops)
+        self._n = n
+        self._kind = [_KIND_CODE[op.kind] for op in ops]
+        self._succ = schedule.successors()
+        self._thr = [op.k for op in ops]
+        self._start_sources = [i for i, op in enumerate(ops) if not op.deps and op.kind != "recv"]
+        self._recv_sources = [i for i, op in enumerate(ops) if not op.deps and op.kind == "recv"]
+        assert schedule.final is not None
+        self._final = schedule.final
+        self._kernels: list[Kernel | None] = [
+            KERNELS[op.kernel] if op.kind == "compute" else None for op in ops]
+        self.trace = Trace(n, trace_capacity, trace_sink)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: deque[int] = deque()
+        self._draining = False
+        self._count = [0] * n
+        self._fired = bytearray(n)
+        self._payloads: dict[int, Payload] = {}
+        self._msgs: dict[int, Message] = {}
+        self._times: np.ndarray = self.trace.times[0]
+        self._bytes: np.ndarray = self.trace.nbytes[0]
+        self._done: asyncio.Future[int] | None = None
+        self._armed = False
+        self._started = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self.execution = 0
+        self.completed = -1
+        self.bind(buffers or {})
+        if persistent:
+            self._arm()
+
+    # -- binding -----------------------------------------------------------------------------
+    def bind(self, buffers: Mapping[str, Any]) -> None:
+        """Bind arrays to slots (flattened views, no copies); precompute every op's views."""
+        bound: dict[str, Any] = {}
+        for slot, spec in self.schedule.slots.items():
+            if slot not in buffers:
+                raise ValueError(f"buffer for slot {slot!r} is missing (slots: "
+                                 f"{sorted(self.schedule.slots)})")
+            a = buffers[slot]
+            if not (isinstance(a, np.ndarray) or is_cupy(a)):
+                raise TypeError(f"buffer {slot!r} must be a NumPy or CuPy array, "
+                                f"got {type(a).__name__}")
+            if not a.flags.c_contiguous:
+                raise ValueError(f"buffer {slot!r} must be C-contiguous")
+            a = a.reshape(-1)
+            if spec.count is not None and a.size != spec.count:
+                raise ValueError(f"buffer {slot!r} has {a.size} elements, the schedule "
+                                 f"declares {spec.count}")
+            if spec.dtype is not None and np.dtype(spec.dtype) != a.dtype:
+                raise ValueError(f"buffer {slot!r} has dtype {a.dtype}, the schedule "
+                                 f"declares {spec.dtype}")
+            bound[slot] = a
+        self.buffers = bound
+        device_ok = getattr(self.transport, "supports_device", False)
+
+        def view(ref: BufRef | None) -> Any:
+            if ref is None:
+                return None
+            a = bound[ref.slot]
+            end = a.size if ref.count is None else ref.offset + ref.count
+            if end > a.size:
+                raise ValueError(f"{ref} runs past buffer {ref.slot!r} of {a.size} elements")
+            return a[ref.offset:end]
+
+        self._views: list[tuple[Any, ...]] = []
+        for op in self.schedule.ops:
+            if op.kind in ("send", "recv"):
+                arr = view(op.buf)
+                if arr is None:
+                    wire = None
+                    meta: tuple[Any, ...] = ("", (), 0)
+                elif is_cupy(arr) and not device_ok:
+                    wire = np.empty(arr.size, arr.dtype)  # host staging
+                    meta = (dtype_to_wire(arr.dtype), (arr.size,), arr.nbytes)
+                else:
+                    wire = memoryview(arr.view(np.uint8)) if isinstance(arr, np.ndarray) else arr
+                    meta = (dtype_to_wire(arr.dtype), (arr.size,), arr.nbytes)
+                self._views.append((arr, wire, *meta))
+            elif op.kind == "compute":
+                out = view(op.output)
+                ins = [view(r) for r in op.inputs]
+                self._views.append((out, ins, 0 if out is None else out.nbytes))
+            else:
+                self._views.append(())
+
+    # -- public control ----------------------------------------------------------------------
+    def start(self) -> asyncio.Future[int]:
+        """Activate the current execution from inside; return the future of its completion.
+
+        Idempotent per execution (its start ops are consumable). The future resolves to the
+        execution number, or fails with the execution's error.
+        """
+        if self._closed:
+            raise TransportClosedError("executor is closed")
+        if self._error is not None:
+            raise self._error
+        if not self._armed:
+            self._arm()
+        assert self._done is not None
+        fut = self._done
+        if not self._started:
+            self._started = True
+            self.trace.started(self.execution, time.time())
+            self._ready.extend(self._start_sources)
+            self._drain()
+        return fut
+
+    @property
+    def current(self) -> asyncio.Future[int]:
+        """The completion future of the armed (or next) execution."""
+        if not self._armed:
+            self._arm()
+        assert self._done is not None
+        return self._done
+
+    async def wait(self, timeout: float | None = None) -> int:
+        """Wait for the current execution; :class:`CollectiveTimeoutError` lists pending ops."""
+        fut = self.current
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            raise CollectiveTimeoutError(
+                f"rank {self.schedule.rank}: execution {self.execution} of "
+                f"{self.schedule.name or 'schedule'} not complete after {timeout} s; waiting on: "
+                + "; ".join(d for _, _, d in self.pending()), self.pending()) from None
+
+    def test(self) -> bool:
+        """True when the current execution has completed."""
+        return self._done is not None and self._done.done()
+
+    def pending(self) -> list[tuple[int, int, str]]:
+        """``(rank, op id, description)`` of each op of the current execution not yet done."""
+        out = []
+        t = self._times
+        for i, op in enumerate(self.schedule.ops):
+            if not np.isnan(t[i, COMPLETED]):
+                continue
+            if self._fired[i] or (op.kind == "recv" and not op.deps and self._armed):
+                what = {"send": "sending to", "recv": "waiting for"}.get(op.kind)
+                desc = f"op {i} {op.describe()}"
+                if what:
+                    desc += f" ({what} rank {op.peer})"
+                out.append((self.schedule.rank, i, desc))
+        return out
+
+    def close(self) -> None:
+        """Stop: the pending execution fails with TransportClosedError; receives are retired."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(TransportClosedError("executor closed"))
+            self._done.exception()
+        self._ready.clear()
+        self.transport.matcher.forget(self.sched_id)
+
+    # -- the engine --------------------------------------------------------------------------
+    def _arm(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        e = self.execution
+        n = self._n
+        self._count = [0] * n
+        self._fired = bytearray(n)
+        self._payloads.clear()
+        self._msgs.clear()
+        self._times = self.trace.begin(e, time.time())
+        self._bytes = self.trace.row_bytes(e)
+        self._done = self._loop.create_future()
+        self._armed = True
+        self._started = False
+        self._ready.extend(self._recv_sources)
+        self._drain()
+
+    def _drain(self) -> None:
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            ready = self._ready
+            while ready:
+                self._fire(ready.popleft())
+        finally:
+            self._draining = False
+
+    def _fire(self, i: int) -> None:
+        fired = self._fired
+        if fired[i]:
+            return
+        fired[i] = 1
+        now = time.time()
+        t = self._times
+        t[i, FIRED] = now
+        t[i, POSTED] = now
+        kind = self._kind[i]
+        e = self.execution
+        if kind == _NOP:
+            self._complete(i, 0)
+        elif kind == _SEND:
+            self._post_send(i, e)
+        elif kind == _RECV:
+            op = self.schedule.ops[i]
+            v = self._views[i]
+            fut = self.transport.post_recv(op.peer, self.sched_id, e, op.tag, v[1])
+            if fut.done():
+                self._recv_done(e, i, fut)
+            else:
+                fut.add_done_callback(functools.partial(self._recv_done, e, i))
+        else:
+            self._run_kernel(i, e)
+
+    def _post_send(self, i: int, e: int) -> None:
+        op = self.schedule.ops[i]
+        arr, wire, dtype, shape, length = self._views[i]
+        fmt = int(Format.DENSE)
+        if op.payload_from >= 0:
+            p = self._payloads.get(op.payload_from)
+            if p is None:
+                self._fail(ExecutionError(f"op {i}: compute op {op.payload_from} returned no "
+                                          "payload to send"))
+                return
+            wire = _bytes_of(p.data)
+            dtype, shape, fmt, length = p.dtype, p.shape, p.fmt, len(wire)
+        elif wire is not None and arr is not wire and isinstance(wire, np.ndarray):
+            wire[...] = arr.get()  # CuPy over a host-only transport: stage through host memory
+            wire = memoryview(wire.view(np.uint8))
+        h = Header(PROTOCOL_VERSION, _MSG_KIND[op.msg], self.sched_id, e, op.tag,
+                   self.schedule.rank, dtype, shape, fmt, length)
+        fut = self.transport.post_send(op.peer, h, b"" if wire is None else wire)
+        if fut.done():
+            self._send_done(e, i, length, fut)
+        else:
+            fut.add_done_callback(functools.partial(self._send_done, e, i, length))
+
+    def _send_done(self, e: int, i: int, length: int, fut: asyncio.Future[None]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if e != self.execution or not self._armed:
+            return
+        if exc is not None:
+            self._fail(exc)
+            return
+        self._complete(i, length)
+
+    def _recv_done(self, e: int, i: int, fut: asyncio.Future[Message]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if e != self.execution or not self._armed:
+            return
+        if exc is not None:
+            self._fail(exc)
+            return
+        msg = fut.result()
+        arr, wire, dtype, _shape, length = self._views[i]
+        h = msg.header
+        if wire is not None and h.fmt == Format.DENSE and (h.dtype != dtype or h.length != length):
+            op = self.schedule.ops[i]
+            self._fail(ExecutionError(
+                f"rank {self.schedule.rank} op {i} {op.describe()}: rank {h.src} sent "
+                f"{h.length} bytes of {h.dtype or 'raw'}, expected {length} bytes of {dtype} "
+                "(mismatched shapes or dtypes across ranks?)"))
+            return
+        if isinstance(wire, np.ndarray):
+            arr.set(wire)  # staged CuPy receive
+        self._msgs[i] = msg
+        self._complete(i, h.length)
+
+    def _run_kernel(self, i: int, e: int) -> None:
+        op = self.schedule.ops[i]
+        out, ins, nbytes = self._views[i]
+        msgs = [self._msgs[r] for r in op.recvs if r in self._msgs]
+        kernel = self._kernels[i]
+        assert kernel is not None
+        if nbytes > self.offload_bytes and isinstance(out, np.ndarray):
+            assert self._loop is not None
+            fut = self._loop.run_in_executor(None, kernel, out, ins, op.params, msgs)
+            fut.add_done_callback(functools.partial(self._kernel_done, e, i, nbytes))
+            return
+        try:
+            result = kernel(out, ins, op.params, msgs)
+        except Exception as exc:
+            self._fail(ExecutionError(f"rank {self.schedule.rank} op {i} {op.describe()} "
+                                      f"failed: {exc!r}"), exc)
+            return
+        if result is not None:
+            self._payloads[i] = result
+        self._complete(i, nbytes)
+
+    def _kernel_done(self, e: int, i: int, nbytes: int, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled() or e != self.execution or not self._armed:
+            return
+        exc = fut.exception()
+        if exc is not None:
+            op = self.schedule.ops[i]
+            self._fail(ExecutionError(f"rank {self.schedule.rank} op {i} {op.describe()} "
+                                      f"failed: {exc!r}"), exc)
+            return
+        result = fut.result()
+        if result is not None:
+            self._payloads[i] = result
+        self._complete(i, nbytes)
+        self._drain()
+
+    def _complete(self, i: int, nbytes: int) -> None:
+        self._times[i, COMPLETED] = time.time()
+        self._bytes[i] = nbytes
+        if i == self._final:
+            self._finish()
+            return
+        count = self._count
+        thr = self._thr
+        ready = self._ready
+        for s in self._succ[i]:
+            c = count[s] + 1
+            count[s] = c
+            if c == thr[s]:
+                ready.append(s)
+        if not self._draining:
+            self._drain()
+
+    def _finish(self) -> None:
+        e = self.execution
+        self._armed = False
+        self._ready.clear()
+        self.completed = e
+        self.transport.finish(self.sched_id, e)
+        done = self._done
+        assert done is not None
+        try:
+            if self.on_complete is not None:
+                self.on_complete(e)
+        except Exception as exc:
+            self._fail(ExecutionError(f"on_complete of execution {e} raised {exc!r}"), exc)
+            return
+        finally:
+            self.trace.end(e, time.time())
+        self.execution = e + 1
+        if not done.done():
+            done.set_result(e)
+        if self.persistent and not self._closed:
+            self._arm()
+
+    def _fail(self, exc: BaseException, cause: BaseException | None = None) -> None:
+        if cause is not None and exc.__cause__ is None:
+            exc.__cause__ = cause
+        self._error = exc
+        self._armed = False
+        self._ready.clear()
+        self.transport.finish(self.sched_id, self.execution)
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(exc)
+            self._done.exception()  # also raised by the next start(); no unretrieved warning
+
+
+def _bytes_of(data: Any) -> memoryview:
+    if isinstance(data, np.ndarray):
+        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    m = memoryview(data)
+    return m.cast("B") if m.format != "B" or m.ndim != 1 else m

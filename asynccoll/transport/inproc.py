@@ -1,0 +1,160 @@
+"""``inproc://NAME/RANK``: many ranks in one process, for tests and simulation.
+
+A :class:`InprocFabric` stands for the network: the ranks that listen on it, and optional seeded
+per-link delays. With delays, messages of different ``(schedule, execution, tag)`` on one link may
+overtake each other; messages with the same key never do (as in MPI). Without delays a send copies
+the payload straight into the posted receive (one copy, like a wire), or into the held queue.
+
+Fabrics are found by name in a per-process registry, as sockets are found by port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import PeerLostError, ProtocolError, TransportClosedError
+from .base import Header, Limits, Transport, _readable_bytes
+from .registry import parse_address
+
+__all__ = ["InprocFabric", "InprocTransport"]
+
+_FABRICS: weakref.WeakValueDictionary[str, InprocFabric] = weakref.WeakValueDictionary()
+
+
+class InprocFabric:
+    """The in-process network named ``name``.
+
+    ``delay``: the largest one-way delay in seconds; each message's delay is drawn uniformly
+    from ``[0, delay]`` by a generator seeded with ``seed``; ``link_delay`` adds a fixed delay
+    per ``(src, dst)`` link (a straggler's slow link, say).
+    """
+
+    def __init__(self, name: str, *, delay: float = 0.0, seed: int = 0,
+                 link_delay: Mapping[tuple[int, int], float] | None = None) -> None:
+        if name in _FABRICS:
+            raise ValueError(f"an inproc fabric named {name!r} already exists")
+        self.name = name
+        self.delay = delay
+        self.link_delay = dict(link_delay or {})
+        self.rng = random.Random(seed)
+        self.endpoints: dict[int, InprocTransport] = {}
+        self._last: dict[tuple[int, int, int, int, int], float] = {}
+        _FABRICS[name] = self
+
+    @classmethod
+    def get(cls, name: str) -> InprocFabric:
+        try:
+            return _FABRICS[name]
+        except KeyError:
+            return cls(name)
+
+    def delay_of(self, src: int, dst: int, h: Header) -> float:
+        d = self.link_delay.get((src, dst), 0.0)
+        if self.delay:
+            d += self.rng.uniform(0.0, self.delay)
+        if not d:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        key = (src, dst, h.sched, h.execution, h.tag)
+        at = max(loop.time() + d, self._last.get(key, 0.0))
+        self._last[key] = at
+        if len(self._last) > 4096:
+            now = loop.time()
+            self._last = {k: v for k, v in self._last.items() if v > now}
+        return at - loop.time()
+
+
+class InprocTransport(Transport):
+    """One rank's endpoint on an :class:`InprocFabric`."""
+
+    scheme = "inproc"
+
+    def __init__(self, rank: int, world_size: int, *, fabric: InprocFabric | None = None,
+                 limits: Limits | None = None) -> None:
+        super().__init__(rank, world_size, limits=limits)
+        self._fabric = fabric
+        self._address = ""
+        self._closed = False
+        self._peers: dict[int, InprocTransport] = {}
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    async def listen(self, address: str = "") -> str:
+        if self._fabric is None:
+            scheme, loc = parse_address(address or "inproc://default")
+            if scheme != "inproc":
+                raise ValueError(f"InprocTransport cannot listen on {address!r}")
+            self._fabric = InprocFabric.get(loc.split("/")[0] or "default")
+        if self.rank in self._fabric.endpoints:
+            raise ValueError(f"rank {self.rank} already listens on fabric {self._fabric.name!r}")
+        self._fabric.endpoints[self.rank] = self
+        self._address = f"inproc://{self._fabric.name}/{self.rank}"
+        return self._address
+
+    async def connect(self, peers: Mapping[int, str], timeout: float = 30.0) -> None:
+        if self._fabric is None:
+            raise TransportClosedError("listen() first")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for rank, addr in peers.items():
+            _, loc = parse_address(addr)
+            while rank not in self._fabric.endpoints:
+                if loop.time() > deadline:
+                    raise PeerLostError(rank, f"no endpoint at {addr} within {timeout} s")
+                await asyncio.sleep(0.001)
+            self._peers[rank] = self._fabric.endpoints[rank]
+
+    def post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            fut: asyncio.Future[None] = loop.create_future()
+            fut.set_exception(TransportClosedError("transport closed"))
+            return fut
+        if dst == self.rank:
+            return self._loopback(header, payload)
+        peer = self._peers.get(dst)
+        if peer is None or peer._closed:
+            fut = loop.create_future()
+            fut.set_exception(PeerLostError(dst, "not connected" if peer is None else "closed"))
+            return fut
+        assert self._fabric is not None
+        delay = self._fabric.delay_of(self.rank, dst, header)
+        if not delay:
+            return peer._deliver(header, _readable_bytes(payload))
+        data = bytes(_readable_bytes(payload)[: header.length])  # the wire buffers it
+        loop.call_later(delay, peer._deliver, header, memoryview(data))
+        fut = loop.create_future()
+        fut.set_result(None)
+        return fut
+
+    def _deliver(self, header: Header, data: memoryview) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._closed:
+            fut.set_result(None)  # the bytes left the sender; a closed peer drops them
+            return fut
+        try:
+            slot = self.matcher.begin(header)
+        except ProtocolError as exc:
+            fut.set_exception(exc)
+            return fut
+        if header.length:
+            slot.view[:] = data[: header.length]
+        self.matcher.complete(slot)
+        fut.set_result(None)
+        return fut
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.matcher.close()
+        if self._fabric is not None:
+            self._fabric.endpoints.pop(self.rank, None)
+            for peer in self._fabric.endpoints.values():
+                peer.matcher.fail_peer(self.rank, PeerLostError(self.rank, "peer closed"))
