@@ -3,6 +3,8 @@
 The public API is re-exported here; everything else is an implementation detail.
 """
 
+from ._partial_handle import PartialAllreduce
+from .comm import Communicator, connect
 from .errors import (
     AsyncCollError,
     AuthenticationError,
@@ -15,6 +17,7 @@ from .errors import (
     TransportClosedError,
     TransportError,
 )
+from .results import PartialResult
 from .sched import BufRef, Executor, Op, Schedule, SlotSpec, register_kernel
 
 __version__ = "0.1.0.dev0"
@@ -25,9 +28,12 @@ __all__ = [
     "BufRef",
     "BusyError",
     "CollectiveTimeoutError",
+    "Communicator",
     "ExecutionError",
     "Executor",
     "Op",
+    "PartialAllreduce",
+    "PartialResult",
     "PeerLostError",
     "ProtocolError",
     "Schedule",
@@ -36,5 +42,6 @@ __all__ = [
     "TransportClosedError",
     "TransportError",
     "__version__",
+    "connect",
     "register_kernel",
 ]

@@ -29,12 +29,14 @@ from ..errors import CollectiveTimeoutError, ExecutionError, ScheduleError, Tran
 from ..transport.base import PROTOCOL_VERSION, Format, Header, Kind, Message, Transport
 from .kernels import KERNELS, Kernel, Payload
 from .schedule import BufRef, Schedule
-from .trace import COMPLETED, FIRED, POSTED, Trace
+from .trace import Trace
 
 __all__ = ["Executor"]
 
 _NOP, _SEND, _RECV, _COMPUTE = 0, 1, 2, 3
 _KIND_CODE = {"nop": _NOP, "send": _SEND, "recv": _RECV, "compute": _COMPUTE}
+_NAN = float("nan")
+_DENSE = int(Format.DENSE)
 _MSG_KIND = {"data": int(Kind.DATA), "activation": int(Kind.ACTIVATION)}
 
 
@@ -85,9 +87,14 @@ class Executor:
         self._fired = bytearray(n)
         self._payloads: dict[int, Payload] = {}
         self._msgs: dict[int, Message] = {}
-        self._times: np.ndarray = self.trace.times[0]
-        self._bytes: np.ndarray = self.trace.nbytes[0]
+        # This execution's trace, in plain lists: a list store costs a fraction of a NumPy
+        # scalar store; the lists go into the trace's arrays once, when the execution ends.
+        self._t_posted: list[float] = [_NAN] * n
+        self._t_fired: list[float] = [_NAN] * n
+        self._t_done: list[float] = [_NAN] * n
+        self._nbytes: list[int] = [0] * n
         self._done: asyncio.Future[int] | None = None
+        self._last_started: asyncio.Future[int] | None = None
         self._armed = False
         self._started = False
         self._closed = False
@@ -136,6 +143,7 @@ class Executor:
         for op in self.schedule.ops:
             if op.kind in ("send", "recv"):
                 arr = view(op.buf)
+                wire: Any
                 if arr is None:
                     wire = None
                     meta: tuple[Any, ...] = ("", (), 0)
@@ -143,7 +151,7 @@ class Executor:
                     wire = np.empty(arr.size, arr.dtype)  # host staging
                     meta = (dtype_to_wire(arr.dtype), (arr.size,), arr.nbytes)
                 else:
-                    wire = memoryview(arr.view(np.uint8)) if isinstance(arr, np.ndarray) else arr
+                    wire = arr.view(np.uint8).data if isinstance(arr, np.ndarray) else arr
                     meta = (dtype_to_wire(arr.dtype), (arr.size,), arr.nbytes)
                 self._views.append((arr, wire, *meta))
             elif op.kind == "compute":
@@ -152,6 +160,18 @@ class Executor:
                 self._views.append((out, ins, 0 if out is None else out.nbytes))
             else:
                 self._views.append(())
+        # What the hot path needs per message op, resolved once here rather than per firing.
+        rank, sid = self.schedule.rank, self.sched_id
+        self._sendinfo: list[tuple[Any, ...]] = []
+        self._recvinfo: list[tuple[int, int, Any]] = []
+        for op, v in zip(self.schedule.ops, self._views, strict=True):
+            if op.kind == "send":
+                # (peer, header fields before the execution, tag, after the tag, ...)
+                self._sendinfo.append((op.peer, PROTOCOL_VERSION, _MSG_KIND[op.msg], sid, op.tag,
+                                       rank, op.payload_from, *v))
+            else:
+                self._sendinfo.append(())
+            self._recvinfo.append((op.peer, op.tag, v[1]) if op.kind == "recv" else (0, 0, None))
 
     # -- public control ----------------------------------------------------------------------
     def start(self) -> asyncio.Future[int]:
@@ -168,6 +188,7 @@ class Executor:
             self._arm()
         assert self._done is not None
         fut = self._done
+        self._last_started = fut
         if not self._started:
             self._started = True
             self.trace.started(self.execution, time.time())
@@ -184,8 +205,12 @@ class Executor:
         return self._done
 
     async def wait(self, timeout: float | None = None) -> int:
-        """Wait for the current execution; :class:`CollectiveTimeoutError` lists pending ops."""
-        fut = self.current
+        """Wait for the execution last started by :meth:`start` (none yet: the armed one).
+
+        Returns its execution number; raises its error, or :class:`CollectiveTimeoutError`
+        listing the pending ops after ``timeout`` seconds (the execution goes on).
+        """
+        fut = self._last_started if self._last_started is not None else self.current
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
@@ -195,15 +220,16 @@ class Executor:
                 + "; ".join(d for _, _, d in self.pending()), self.pending()) from None
 
     def test(self) -> bool:
-        """True when the current execution has completed."""
+        """True when the current execution (:attr:`current`; for a persistent executor, the one
+        armed after the last completion) has completed or failed; never arms one."""
         return self._done is not None and self._done.done()
 
     def pending(self) -> list[tuple[int, int, str]]:
         """``(rank, op id, description)`` of each op of the current execution not yet done."""
         out = []
-        t = self._times
+        done = self._t_done
         for i, op in enumerate(self.schedule.ops):
-            if not np.isnan(t[i, COMPLETED]):
+            if done[i] == done[i]:  # not NaN: completed
                 continue
             if self._fired[i] or (op.kind == "recv" and not op.deps and self._armed):
                 what = {"send": "sending to", "recv": "waiting for"}.get(op.kind)
@@ -218,6 +244,8 @@ class Executor:
         if self._closed:
             return
         self._closed = True
+        if self._armed:
+            self._store_trace()
         if self._done is not None and not self._done.done():
             self._done.set_exception(TransportClosedError("executor closed"))
             self._done.exception()
@@ -233,8 +261,12 @@ class Executor:
         self._fired = bytearray(n)
         self._payloads.clear()
         self._msgs.clear()
-        self._times = self.trace.begin(e, time.time())
-        self._bytes = self.trace.row_bytes(e)
+        self.trace.begin(e, time.time())
+        self._t_posted = [_NAN] * n
+        self._t_fired = [_NAN] * n
+        self._t_done = [_NAN] * n
+        self._nbytes = [0] * n
+        self.trace.attach(e, self._t_posted, self._t_fired, self._t_done, self._nbytes)
         self._done = self._loop.create_future()
         self._armed = True
         self._started = False
@@ -258,9 +290,8 @@ class Executor:
             return
         fired[i] = 1
         now = time.time()
-        t = self._times
-        t[i, FIRED] = now
-        t[i, POSTED] = now
+        self._t_fired[i] = now
+        self._t_posted[i] = now
         kind = self._kind[i]
         e = self.execution
         if kind == _NOP:
@@ -268,9 +299,8 @@ class Executor:
         elif kind == _SEND:
             self._post_send(i, e)
         elif kind == _RECV:
-            op = self.schedule.ops[i]
-            v = self._views[i]
-            fut = self.transport.post_recv(op.peer, self.sched_id, e, op.tag, v[1])
+            peer, tag, wire = self._recvinfo[i]
+            fut = self.transport.post_recv(peer, self.sched_id, e, tag, wire)
             if fut.done():
                 self._recv_done(e, i, fut)
             else:
@@ -279,23 +309,22 @@ class Executor:
             self._run_kernel(i, e)
 
     def _post_send(self, i: int, e: int) -> None:
-        op = self.schedule.ops[i]
-        arr, wire, dtype, shape, length = self._views[i]
-        fmt = int(Format.DENSE)
-        if op.payload_from >= 0:
-            p = self._payloads.get(op.payload_from)
+        (peer, version, msg_kind, sid, tag, rank, payload_from, arr, wire, dtype, shape,
+         length) = self._sendinfo[i]
+        fmt = _DENSE
+        if payload_from >= 0:
+            p = self._payloads.get(payload_from)
             if p is None:
-                self._fail(ExecutionError(f"op {i}: compute op {op.payload_from} returned no "
+                self._fail(ExecutionError(f"op {i}: compute op {payload_from} returned no "
                                           "payload to send"))
                 return
             wire = _bytes_of(p.data)
             dtype, shape, fmt, length = p.dtype, p.shape, p.fmt, len(wire)
         elif wire is not None and arr is not wire and isinstance(wire, np.ndarray):
-            wire[...] = arr.get()  # CuPy over a host-only transport: stage through host memory
-            wire = memoryview(wire.view(np.uint8))
-        h = Header(PROTOCOL_VERSION, _MSG_KIND[op.msg], self.sched_id, e, op.tag,
-                   self.schedule.rank, dtype, shape, fmt, length)
-        fut = self.transport.post_send(op.peer, h, b"" if wire is None else wire)
+            arr.get(out=wire)  # CuPy over a host-only transport: stage through host memory
+            wire = wire.view(np.uint8).data
+        h = Header(version, msg_kind, sid, e, tag, rank, dtype, shape, fmt, length)
+        fut = self.transport.post_send(peer, h, b"" if wire is None else wire)
         if fut.done():
             self._send_done(e, i, length, fut)
         else:
@@ -373,8 +402,8 @@ class Executor:
         self._drain()
 
     def _complete(self, i: int, nbytes: int) -> None:
-        self._times[i, COMPLETED] = time.time()
-        self._bytes[i] = nbytes
+        self._t_done[i] = time.time()
+        self._nbytes[i] = nbytes
         if i == self._final:
             self._finish()
             return
@@ -395,6 +424,7 @@ class Executor:
         self._ready.clear()
         self.completed = e
         self.transport.finish(self.sched_id, e)
+        self._store_trace()
         done = self._done
         assert done is not None
         try:
@@ -415,6 +445,8 @@ class Executor:
         if cause is not None and exc.__cause__ is None:
             exc.__cause__ = cause
         self._error = exc
+        if self._armed:
+            self._store_trace()
         self._armed = False
         self._ready.clear()
         self.transport.finish(self.sched_id, self.execution)
@@ -423,8 +455,13 @@ class Executor:
             self._done.exception()  # also raised by the next start(); no unretrieved warning
 
 
+    def _store_trace(self) -> None:
+        self.trace.store(self.execution, self._t_posted, self._t_fired, self._t_done,
+                         self._nbytes)
+
+
 def _bytes_of(data: Any) -> memoryview:
     if isinstance(data, np.ndarray):
-        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
     m = memoryview(data)
     return m.cast("B") if m.format != "B" or m.ndim != 1 else m

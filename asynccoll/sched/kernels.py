@@ -10,7 +10,9 @@ A kernel is called as ``fn(out, inputs, params, msgs)``:
 It may return a :class:`Payload`, which a send with ``payload_from`` set to this op transmits
 (payloads whose size is known only at run time: sparse streams, quantised buckets).
 Built-ins: ``sum``/``prod``/``min``/``max`` (``out = in0 op in1 op ...``; ``out`` may alias an
-input), ``reduce`` (``params["op"]`` names one of those), ``copy`` and ``zero``.
+input; with a single input they accumulate, ``out = out op in0``), ``reduce`` (``params["op"]``
+names one of those), ``copy`` and ``zero``. Boolean buffers reduce logically (sum/max: or,
+prod/min: and). Each runs as one NumPy/CuPy call per input, in place, without temporaries.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def register_kernel(name: str, fn: Kernel, *, replace: bool = False) -> Kernel:
 def _ufunc(out: Any, name: str) -> Any:
     fn = REDUCE_OPS[name]
     if is_cupy(out):
-        import cupy  # noqa: PLC0415
+        import cupy
 
         return getattr(cupy, fn.__name__)
     if out.dtype == np.bool_ and name in ("sum", "max"):

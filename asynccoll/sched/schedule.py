@@ -131,6 +131,8 @@ class Op:
         unknown = set(kw) - {f.name for f in fields(cls)}
         if unknown:
             raise ScheduleError(f"unknown op fields {sorted(unknown)}")
+        if "kind" not in kw:
+            raise ScheduleError(f"op {dict(d)!r} has no 'kind'")
         return cls(**kw)
 
 
@@ -218,7 +220,7 @@ class Schedule:
         if self.committed:
             return self
         if kernels is None:
-            from .kernels import KERNELS  # noqa: PLC0415
+            from .kernels import KERNELS
 
             kernels = KERNELS
         known = set(kernels)

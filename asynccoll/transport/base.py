@@ -137,7 +137,7 @@ def decode_header(raw: bytes | memoryview, world_size: int, limits: Limits = Lim
         raise ProtocolError(f"unknown payload format {fmt}")
     if not 0 <= src < world_size:
         raise ProtocolError(f"source rank {src} outside 0..{world_size - 1}")
-    if sched < 0 or execution < 0 or tag < 0 or sched >= 1 << 63 or execution >= 1 << 63:
+    if min(sched, execution, tag) < 0 or max(sched, execution, tag) >= 1 << 63:
         raise ProtocolError("schedule id, execution and tag must be non-negative 64-bit ints")
     if not 0 <= length <= limits.max_payload_bytes:
         raise ProtocolError(f"payload length {length} outside 0..{limits.max_payload_bytes}")
@@ -204,6 +204,9 @@ class Matcher:
         self.limits = limits
         self._posted: dict[Key, deque[_Posted]] = {}
         self._held: dict[Key, deque[tuple[Header, memoryview]]] = {}
+        # sched -> keys present in _posted or _held, so that finish() costs O(that schedule's
+        # keys), not O(every schedule's), when many persistent schedules share one transport
+        self._keys: dict[int, set[Key]] = {}
         self._held_bytes = 0
         self._held_count = 0
         self._finished: dict[int, int] = {}  # sched -> first execution not finished
@@ -232,6 +235,7 @@ class Matcher:
             header, data = held.popleft()
             if not held:
                 del self._held[key]
+                self._unindex(key)
             self._held_bytes -= len(data)
             self._held_count -= 1
             self._fill(fut, header, buf, data)
@@ -240,6 +244,7 @@ class Matcher:
         q = self._posted.get(key)
         if q is None:
             self._posted[key] = deque((p,))
+            self._index(key)
         else:
             q.append(p)
         return fut
@@ -251,16 +256,21 @@ class Matcher:
         """
         self._finished[sched] = max(self._finished.get(sched, 0), execution + 1)
         retired = 0
-        for key in [k for k in self._posted if k[1] == sched and k[2] <= execution]:
-            for p in self._posted.pop(key):
+        keys = self._keys.get(sched)
+        if not keys:
+            return 0
+        for key in [k for k in keys if k[2] <= execution]:
+            keys.discard(key)
+            for p in self._posted.pop(key, ()):
                 if not p.fut.done():
                     p.fut.cancel()
                 retired += 1
-        for key in [k for k in self._held if k[1] == sched and k[2] <= execution]:
-            for h, data in self._held.pop(key):
+            for h, data in self._held.pop(key, ()):
                 self._held_bytes -= len(data)
                 self._held_count -= 1
                 self._late(h)
+        if not keys:
+            del self._keys[sched]
         return retired
 
     def forget(self, sched: int) -> None:
@@ -285,10 +295,13 @@ class Matcher:
         """
         key = (header.src, header.sched, header.execution, header.tag)
         q = self._posted.get(key)
+        if q and q[0].fut.done():
+            q = self._drop_cancelled(key, q)
         if q:
             p = q.popleft()
             if not q:
                 del self._posted[key]
+                self._unindex(key)
             if p.buf is None:
                 return Slot(header, memoryview(bytearray(header.length)), p)
             if header.length > len(p.buf):
@@ -324,15 +337,19 @@ class Matcher:
             return
         key = (h.src, h.sched, h.execution, h.tag)
         q = self._posted.get(key)
+        if q and q[0].fut.done():
+            q = self._drop_cancelled(key, q)
         if q:  # a receive was posted while the payload streamed in
             p = q.popleft()
             if not q:
                 del self._posted[key]
+                self._unindex(key)
             self._fill(p.fut, h, p.buf, slot.view)
             return
         held = self._held.get(key)
         if held is None:
             self._held[key] = deque(((h, slot.view),))
+            self._index(key)
         else:
             held.append((h, slot.view))
         self._held_bytes += h.length
@@ -344,6 +361,7 @@ class Matcher:
         for key in [k for k in self._posted if k[0] == rank]:
             for p in self._posted.pop(key):
                 _fail_quietly(p.fut, exc)
+            self._unindex(key)
 
     def close(self, exc: BaseException | None = None) -> None:
         """Fail every posted receive; later posts fail at once."""
@@ -353,9 +371,36 @@ class Matcher:
                 _fail_quietly(p.fut, self._closed)
         self._posted.clear()
         self._held.clear()
+        self._keys.clear()
         self._held_bytes = self._held_count = 0
 
     # -- internals ---------------------------------------------------------------------------
+    def _index(self, key: Key) -> None:
+        keys = self._keys.get(key[1])
+        if keys is None:
+            self._keys[key[1]] = {key}
+        else:
+            keys.add(key)
+
+    def _drop_cancelled(self, key: Key, q: deque[_Posted]) -> deque[_Posted] | None:
+        """Drop receives their owner cancelled from the head of ``q``: not destinations now."""
+        while q and q[0].fut.done():
+            q.popleft()
+        if q:
+            return q
+        del self._posted[key]
+        self._unindex(key)
+        return None
+
+    def _unindex(self, key: Key) -> None:
+        if key in self._posted or key in self._held:
+            return
+        keys = self._keys.get(key[1])
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._keys[key[1]]
+
     def _late(self, h: Header) -> None:
         if h.kind == Kind.ACTIVATION:
             self.dropped += 1
@@ -474,7 +519,7 @@ def _writable_bytes(buf: Any) -> memoryview:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ValueError("receive buffer must be C-contiguous")
-        return memoryview(buf.reshape(-1).view(np.uint8))
+        return buf.reshape(-1).view(np.uint8).data
     m = memoryview(buf)
     if m.readonly:
         raise ValueError("receive buffer must be writable")
@@ -485,7 +530,7 @@ def _readable_bytes(buf: Any) -> memoryview:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ValueError("send buffer must be C-contiguous")
-        return memoryview(buf.reshape(-1).view(np.uint8))
+        return buf.reshape(-1).view(np.uint8).data
     m = memoryview(buf)
     return m.cast("B") if m.format != "B" or m.ndim != 1 else m
 

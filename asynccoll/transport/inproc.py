@@ -11,6 +11,7 @@ Fabrics are found by name in a per-process registry, as sockets are found by por
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import weakref
 from collections.abc import Mapping
@@ -52,20 +53,26 @@ class InprocFabric:
         except KeyError:
             return cls(name)
 
-    def delay_of(self, src: int, dst: int, h: Header) -> float:
+    def due_at(self, src: int, dst: int, h: Header) -> float | None:
+        """When (loop time) a message ``src -> dst`` with header ``h`` arrives; ``None``: now.
+
+        Messages with the same ``(src, dst, sched, execution, tag)`` get strictly increasing
+        times, so the loop's timer heap (which breaks ties arbitrarily) keeps them in order.
+        """
         d = self.link_delay.get((src, dst), 0.0)
         if self.delay:
             d += self.rng.uniform(0.0, self.delay)
-        if not d:
-            return 0.0
-        loop = asyncio.get_running_loop()
         key = (src, dst, h.sched, h.execution, h.tag)
-        at = max(loop.time() + d, self._last.get(key, 0.0))
+        if not d and key not in self._last:
+            return None
+        now = asyncio.get_running_loop().time()
+        last = self._last.get(key)
+        at = now + d if last is None else max(now + d, math.nextafter(last, math.inf))
         self._last[key] = at
         if len(self._last) > 4096:
-            now = loop.time()
+            # Entries already due can no longer be overtaken: a later message is due after now.
             self._last = {k: v for k, v in self._last.items() if v > now}
-        return at - loop.time()
+        return at
 
 
 class InprocTransport(Transport):
@@ -103,7 +110,7 @@ class InprocTransport(Transport):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         for rank, addr in peers.items():
-            _, loc = parse_address(addr)
+            parse_address(addr)  # rejects a malformed address early
             while rank not in self._fabric.endpoints:
                 if loop.time() > deadline:
                     raise PeerLostError(rank, f"no endpoint at {addr} within {timeout} s")
@@ -124,11 +131,12 @@ class InprocTransport(Transport):
             fut.set_exception(PeerLostError(dst, "not connected" if peer is None else "closed"))
             return fut
         assert self._fabric is not None
-        delay = self._fabric.delay_of(self.rank, dst, header)
-        if not delay:
+        at = self._fabric.due_at(self.rank, dst, header)
+        if at is None:
             return peer._deliver(header, _readable_bytes(payload))
         data = bytes(_readable_bytes(payload)[: header.length])  # the wire buffers it
-        loop.call_later(delay, peer._deliver, header, memoryview(data))
+        # call_at, not call_later: the arrival order of same-key messages is fixed by ``at``.
+        loop.call_at(at, peer._deliver, header, memoryview(data))
         fut = loop.create_future()
         fut.set_result(None)
         return fut

@@ -1,0 +1,195 @@
+"""Where the runtime's event loop runs: a progress thread of its own, or the caller's loop.
+
+External activations of partial collectives must be answered while the application computes,
+so by default (:meth:`ProgressEngine.thread`) the runtime's loop runs in a daemon thread and the
+application's awaitables bridge to it (``asyncio.run_coroutine_threadsafe`` and
+``asyncio.wrap_future``: a cancelled caller cancels the runtime's task too). The bridge costs a
+thread hop each way, some tens of microseconds. ``inline`` runs on the caller's loop instead, for
+code that never blocks it.
+
+The progress thread runs uvloop when it is installed (a faster loop, for TCP in particular) and
+lowers the interpreter's switch interval (``sys.setswitchinterval``; default 0.5 ms, process-wide,
+never raised): while the application runs pure-Python code that holds the GIL, the progress
+thread gets the GIL back after that interval. ``../shared/FACTS.md`` measured a progress thread's
+round trip p50/p99 under a GIL-holding main thread at 3.1/13.5 ms with the default 5 ms and
+0.84/2.2 ms with 0.5 ms; NumPy work that releases the GIL costs the thread almost nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from .errors import TransportClosedError
+
+__all__ = ["DEFAULT_SWITCH_INTERVAL", "ProgressEngine"]
+
+T = TypeVar("T")
+
+#: the switch interval a progress thread sets when the process's is larger (seconds).
+DEFAULT_SWITCH_INTERVAL = 0.0005
+
+
+class ProgressEngine:
+    """An event loop that runs the runtime: in a thread of its own, or the caller's (inline).
+
+    Create with :meth:`thread` or :meth:`inline`. Several communicators may share one engine
+    (P ranks of one process must: in-process transports deliver on one loop); each holds a
+    reference (:meth:`acquire`) and the last :meth:`release` stops the thread.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 thread: threading.Thread | None = None) -> None:
+        self.loop = loop
+        self._thread = thread
+        self._refs = 0
+        self._closed = False
+
+    @property
+    def mode(self) -> str:
+        """``"thread"`` or ``"inline"``."""
+        return "inline" if self._thread is None else "thread"
+
+    @classmethod
+    def inline(cls, loop: asyncio.AbstractEventLoop | None = None) -> ProgressEngine:
+        """An engine on ``loop`` (default: the running loop; ``RuntimeError`` if none runs)."""
+        return cls(loop or asyncio.get_running_loop())
+
+    @classmethod
+    def thread(cls, *, use_uvloop: bool = True,
+               switch_interval: float | None = DEFAULT_SWITCH_INTERVAL) -> ProgressEngine:
+        """Start a daemon thread running a fresh loop; return once it runs.
+
+        ``use_uvloop``: use uvloop when importable. ``switch_interval``: lower the process's
+        ``sys.setswitchinterval`` to this (``None``: leave it). Costs a thread start (< 1 ms).
+        """
+        loop: asyncio.AbstractEventLoop | None = None
+        if use_uvloop:
+            try:
+                import uvloop
+
+                loop = uvloop.new_event_loop()
+            except ImportError:
+                loop = None
+        if loop is None:
+            loop = asyncio.new_event_loop()
+        if switch_interval is not None and sys.getswitchinterval() > switch_interval:
+            sys.setswitchinterval(switch_interval)
+        started = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(started.set)
+            try:
+                loop.run_forever()
+            finally:
+                loop.close()
+
+        t = threading.Thread(target=main, name="asynccoll-progress", daemon=True)
+        t.start()
+        started.wait()
+        return cls(loop, t)
+
+    # -- sharing -----------------------------------------------------------------------------
+    def acquire(self) -> ProgressEngine:
+        """Count one more user; return self."""
+        if self._closed:
+            raise TransportClosedError("progress engine is closed")
+        self._refs += 1
+        return self
+
+    def release(self) -> None:
+        """Count one user less; the last one stops and joins the thread (a no-op inline)."""
+        self._refs -= 1
+        if self._refs <= 0:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel the loop's remaining tasks, stop it and join the thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        t = self._thread
+        if t is None or not t.is_alive():
+            return
+        if threading.current_thread() is t:
+            raise RuntimeError("a progress engine cannot be closed from its own thread")
+
+        async def cancel_rest() -> None:
+            me = asyncio.current_task()
+            rest = [task for task in asyncio.all_tasks() if task is not me]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_rest(), self.loop).result(10.0)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            t.join(10.0)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- running things ----------------------------------------------------------------------
+    def on_loop(self) -> bool:
+        """True when called from the engine's loop (its thread, or inline: its running loop)."""
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` on the engine's loop from any loop; cancellation propagates."""
+        if self.on_loop():
+            return await coro
+        if self._thread is None:
+            coro.close()
+            raise RuntimeError("this communicator runs inline on another event loop; await it "
+                               "there (or connect with progress='thread')")
+        if self._closed:
+            coro.close()
+            raise TransportClosedError("progress engine is closed")
+        cf = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return await asyncio.wrap_future(cf)
+
+    def run_blocking(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the progress thread and block until it is done (no loop needed).
+
+        Raises ``RuntimeError`` inline or on the engine's own thread (it would deadlock).
+        """
+        if self._thread is None or threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("blocking calls need progress='thread' and must not be made "
+                               "from the progress thread itself")
+        if self._closed:
+            coro.close()
+            raise TransportClosedError("progress engine is closed")
+        cf = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return cf.result()
+        except KeyboardInterrupt:
+            cf.cancel()
+            raise
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run the plain function ``fn`` on the engine's loop (for objects bound to it).
+
+        From the loop itself (or inline, with the loop running) it runs at once; from another
+        thread it blocks until the loop has run it.
+        """
+        if self.on_loop() or self._thread is None:
+            return fn()
+        if self._closed:
+            raise TransportClosedError("progress engine is closed")
+
+        async def wrapper() -> T:
+            return fn()
+
+        cf: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(wrapper(), self.loop)
+        return cf.result()

@@ -1,0 +1,252 @@
+"""Partial allreduce (solo, majority, two-choice, quorum) as one persistent schedule.
+
+One rank's schedule, executed again and again by a persistent executor::
+
+    internal start (nop) ──┐                       ┌─> activation sends to neighbours
+    [quorum: k of {start,  ├─> activated (OR) ─────┤
+      arrivals from all}]  │        ^              └─> snapshot ─┬─> allreduce(data, op) ──┐
+    forced (self-message) ─┘        │                            └─> allreduce(meta, sum) ─┴─> final
+                    activation receives from neighbours
+
+* **Activation** (:mod:`.activation`): the rank is activated by its internal start, by a forced
+  activation (a message the runtime sends to itself, used by ``flush``), or by the first
+  activation message of a hypercube neighbour; every activated rank floods the activation on.
+* **Initiator set S(e)**: which ranks call :meth:`Executor.start` for execution ``e`` is decided
+  by the runtime with :func:`initiators`, a pure function of ``(kind, e, P, seed)`` that every
+  rank evaluates identically (stateless per execution, so ranks never need to agree on a
+  generator's position): ``solo`` all ranks, ``majority`` one drawn rank, ``two_choice`` two
+  distinct drawn ranks (the first to arrive starts it).
+* **Quorum(k)**: every rank that arrives calls start, which here does *not* activate: it sends
+  an ARRIVAL message to every other rank, and a k-of-P threshold no-op over ``{own start,
+  arrivals from the others}`` is the trigger. The first rank to count k arrivals activates
+  everyone. A coordinator that rotates per execution cannot be written as static data without
+  P variants of every op (a persistent schedule has fixed peers), and sending arrivals to every
+  potential coordinator costs the same P - 1 messages per rank as this; so every rank is a
+  coordinator, which also needs no extra hop from coordinator to activation. Cost: P - 1 empty
+  messages per arriving rank per execution (O(P^2) per execution), fine for the tens of ranks
+  partial collectives are meant for.
+* **Snapshot** (kernel ``partial_snapshot``, registered below): at activation, internal or
+  external, the send buffer ``acc`` (fresh data, accumulated stale data, or nothing) is copied
+  into the work buffer ``data`` and reset to the identity of ``op``; the small int64 ``state``
+  slot counts the local contributions in ``acc`` (``state[COUNT]``), says whether a call is
+  waiting with fresh data in it (``state[FRESH]``), whether this rank forces the execution
+  (``state[FORCED]``) and counts the snapshots taken
+  (``state[SNAPSHOTS]``: execution ``e`` has been activated on this rank iff it is ``> e``).
+  The kernel writes ``meta[rank] = count``, ``meta[P + rank] = fresh``, ``meta[2P]`` =
+  :func:`signature` and ``meta[2P + 1] = state[FORCED]`` (this rank forced the execution, in a
+  flush); ``meta`` (2P + 2 int64) is sum-allreduced alongside the data, so every rank
+  learns the same contributors and counts, and ranks that disagree on the collective find out.
+* The data allreduce is :func:`~asynccoll.collectives.dense.build_allreduce` (algorithm chosen
+  by size and P, or ``algorithm=``), in place on ``data``.
+
+The ``final`` op waits for both allreduces and the activation sends, never for the internal
+start or the arrival sends: an execution activated from outside completes without them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..buffers import dtype_to_wire
+from ..sched import Schedule, SlotSpec, register_kernel
+from ..sched.kernels import KERNELS
+from .activation import build_activation
+from .dense import REDUCE_OPS, build_allreduce, next_tag
+
+__all__ = [
+    "COUNT",
+    "FORCED",
+    "FRESH",
+    "KINDS",
+    "SNAPSHOTS",
+    "STATE_LEN",
+    "TAG_ACTIVATION",
+    "TAG_ARRIVAL",
+    "TAG_FORCE",
+    "build_partial_allreduce",
+    "check_kind",
+    "identity",
+    "initiators",
+    "signature",
+]
+
+#: the partial allreduce kinds, by the name of their initiator set.
+KINDS: tuple[str, ...] = ("solo", "majority", "two_choice", "quorum")
+
+#: indices of the ``state`` slot (int64).
+COUNT, FRESH, SNAPSHOTS, FORCED = 0, 1, 2, 3
+STATE_LEN = 4
+
+#: tags: activation flood, quorum arrivals, forced (self) activation; data from ``_TAG_DATA``.
+TAG_ACTIVATION, TAG_ARRIVAL, TAG_FORCE = 0, 1, 2
+_TAG_DATA = 3
+
+
+def check_kind(kind: str, world_size: int, quorum: int | None) -> int | None:
+    """Validate ``kind`` and ``quorum``; return the quorum size (``None`` unless quorum).
+
+    Raises ``ValueError`` naming ``kind`` (unknown) or ``quorum`` (missing for ``"quorum"``,
+    given for another kind, or outside ``1..world_size``).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind != "quorum":
+        if quorum is not None:
+            raise ValueError(f"quorum is only meaningful for kind='quorum', got kind={kind!r}")
+        return None
+    if quorum is None or isinstance(quorum, bool) or not isinstance(quorum, (int, np.integer)):
+        raise ValueError(f"quorum must be an int in 1..{world_size} for kind='quorum', "
+                         f"got {quorum!r}")
+    if not 1 <= quorum <= world_size:
+        raise ValueError(f"quorum must be in 1..{world_size}, got {quorum}")
+    return int(quorum)
+
+
+def identity(op: str, dtype: Any) -> Any:
+    """The neutral element of ``op`` for ``dtype``: what an empty send buffer holds.
+
+    ``sum`` 0, ``prod`` 1, ``min`` the largest value (``inf`` for floats), ``max`` the
+    smallest; for ``bool`` the logical forms (OR: False, AND: True).
+    """
+    dt = np.dtype(dtype)
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+    if dt == np.bool_:
+        return op in ("prod", "min")
+    if op == "sum":
+        return dt.type(0)
+    if op == "prod":
+        return dt.type(1)
+    big: Any
+    if dt.kind in "fc":
+        big = np.inf if dt.kind == "f" else complex(np.inf, np.inf)
+    else:
+        big = np.iinfo(dt).max if op == "min" else np.iinfo(dt).min
+        return dt.type(big)
+    return dt.type(big if op == "min" else -big)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """The splitmix64 finaliser: a fixed, platform-independent 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _draw(seed: int, execution: int, i: int) -> int:
+    return _mix64(_mix64(_mix64(seed & _M64) ^ (execution & _M64)) ^ i)
+
+
+def initiators(kind: str, execution: int, world_size: int, seed: int = 0) -> frozenset[int]:
+    """The initiator set S(e): the ranks whose call starts execution ``execution``.
+
+    A pure function of its arguments (every rank computes the same set without communicating,
+    and without a generator whose position ranks would have to agree on): ``solo`` and
+    ``quorum`` (where start means "announce arrival") all ranks; ``majority`` one rank and
+    ``two_choice`` two distinct ranks (one when P = 1), drawn uniformly by a 64-bit hash of
+    ``(seed, execution)``. Costs a few integer operations.
+    """
+    if kind in ("solo", "quorum"):
+        return frozenset(range(world_size))
+    a = _draw(seed, execution, 0) % world_size
+    if kind == "majority":
+        return frozenset((a,))
+    if kind != "two_choice":
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if world_size == 1:
+        return frozenset((0,))
+    b = _draw(seed, execution, 1) % (world_size - 1)
+    return frozenset((a, b + 1 if b >= a else b))
+
+
+def signature(kind: str, op: str, quorum: int | None, count: int, dtype: Any,
+              algorithm: str | None) -> int:
+    """A 20-bit fingerprint of a partial allreduce's definition.
+
+    Each rank adds its own to the meta allreduce; a sum other than P times one's own shows that
+    the ranks disagree on the collective (kind, op, quorum, ...) behind one schedule id.
+    """
+    text = f"{kind}|{op}|{quorum}|{count}|{np.dtype(dtype).str}|{algorithm}"
+    digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0xFFFFF
+
+
+def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, *,
+                            kind: str = "solo", op: str = "sum", quorum: int | None = None,
+                            algorithm: str | None = None) -> Schedule:
+    """The committed persistent schedule of one rank of a partial allreduce (module doc).
+
+    Slots to bind: ``acc`` and ``data`` (``count`` elements of ``dtype``: the send buffer and
+    the work buffer that holds the result), ``meta`` (``2 * world_size + 2`` int64), ``state``
+    (:data:`STATE_LEN` int64, zero at first), and the dense builders' scratch slots
+    (:func:`~asynccoll.collectives.dense.scratch_buffers`). Raises ``ValueError`` naming a bad
+    ``kind``, ``quorum``, ``op``, ``algorithm``, ``count`` or ``dtype``.
+    """
+    k = check_kind(kind, world_size, quorum)
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+    dt = np.dtype(dtype)
+    s = Schedule(rank, world_size, name=f"partial_allreduce.{kind}")
+    wire = dtype_to_wire(dt)
+    s.declare("acc", SlotSpec(count, wire))
+    s.declare("data", SlotSpec(count, wire))
+    s.declare("meta", SlotSpec(2 * world_size + 2, "<i8"))
+    s.declare("state", SlotSpec(STATE_LEN, "<i8"))
+    start = s.nop(label="internal start")
+    forced = s.recv(rank, None, TAG_FORCE, msg="activation", label="forced activation")
+    triggers = [forced]
+    if k is None:
+        triggers.append(start)
+    else:
+        others = [q for q in range(world_size) if q != rank]
+        arrivals = [s.recv(q, None, TAG_ARRIVAL, msg="activation", label="arrival in")
+                    for q in others]
+        for q in others:
+            s.send(q, None, TAG_ARRIVAL, deps=start, msg="activation", label="arrival out")
+        triggers.append(s.nop(deps=[start, *arrivals], k=k, label=f"quorum {k} of {world_size}"))
+    act = build_activation(s, triggers, tag=TAG_ACTIVATION)
+    sig = signature(kind, op, quorum, count, dt, algorithm)
+    snap = s.compute("partial_snapshot", ["acc", "data", "meta", "state"], deps=act.activated,
+                     label="snapshot", rank=rank, world_size=world_size, op=op, sig=sig)
+    done_data = build_allreduce(s, count, dt, op, algorithm, slot="data", tag_base=_TAG_DATA,
+                                after=[snap])
+    done_meta = build_allreduce(s, 2 * world_size + 2, np.int64, "sum", None, slot="meta",
+                                scratch_prefix="meta_", tag_base=next_tag(s), after=[snap])
+    s.final = s.nop(deps=[done_data, done_meta, *act.sends], label="final")
+    s.meta["partial"] = {"kind": kind, "op": op, "quorum": k, "count": count, "dtype": wire}
+    return s.commit()
+
+
+def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+              msgs: Sequence[Any]) -> None:
+    """Move the send buffer into the work buffer and reset it; record who contributes what.
+
+    It writes its inputs (``acc``, ``data``, ``meta``, ``state``) and has no output, so the
+    executor never offloads it to a thread: it must not race the runtime, which adds calls'
+    data to ``acc`` on the loop. Cost: one copy and one fill of ``count`` elements.
+    """
+    acc, data, meta, state = inputs
+    rank, p = params["rank"], params["world_size"]
+    data[...] = acc
+    acc.fill(identity(params["op"], acc.dtype))
+    meta.fill(0)
+    meta[rank] = state[COUNT]
+    meta[p + rank] = state[FRESH]
+    meta[2 * p] = params["sig"]
+    meta[2 * p + 1] = state[FORCED]
+    state[COUNT] = 0
+    state[FRESH] = 0
+    state[FORCED] = 0
+    state[SNAPSHOTS] += 1
+
+
+if "partial_snapshot" not in KERNELS:
+    register_kernel("partial_snapshot", _snapshot)

@@ -1,0 +1,521 @@
+"""Sparse vectors and sparse streams (SparCML §5.1): representation, top-k, vectorised merges.
+
+A :class:`SparseVector` holds the nonzeros of a length-``size`` vector as sorted unique
+``indices`` (``int32`` when ``size < 2**31``, else ``int64``) and ``values`` of a numeric dtype.
+Sums of sparse vectors switch to a dense array once the result holds more than
+``delta = floor(N * isize / (c + isize))`` entries (``c`` the index size): past that point the
+sparse form is larger than the dense one. ``delta`` is configurable; forcing ``0`` (always dense)
+or ``math.inf`` (never dense) changes the representation, never the values.
+
+Every merge here is vectorised (``searchsorted``, fancy indexing, ``add.reduceat``); none loops
+over elements in Python. A two-way sum is exactly ``a + b`` per coordinate, so ``add(a, b)`` and
+``add(b, a)`` are bitwise identical: ranks that merge the same pair in either order agree.
+
+**Streams** are the same data laid out in one byte buffer, so that a schedule can keep a partial
+sum in a bound slot and send it without a copy: a 16-byte header (``int64`` flag ``0`` sparse /
+``1`` dense, ``int64`` count), then either ``count`` indices followed by ``count`` values, or
+``count`` dense values. On the wire the payload is the buffer after the header; the frame header
+carries ``Format.SPARSE`` with shape ``(N, nnz)`` or ``Format.DENSE`` with shape ``(n,)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..sched import Payload
+from ..transport.base import Format, Message
+
+__all__ = [
+    "Piece",
+    "SparseAccumulator",
+    "SparseVector",
+    "add",
+    "bucket_topk",
+    "decode_piece",
+    "default_delta",
+    "dense_view",
+    "from_dense",
+    "from_pairs",
+    "index_dtype",
+    "piece_payload",
+    "read_stream",
+    "sparse_views",
+    "stream_capacity",
+    "stream_payload",
+    "sum_pieces",
+    "to_dense",
+    "topk",
+    "write_piece",
+]
+
+_HDR = 16
+_INT32_LIMIT = 1 << 31
+
+
+def index_dtype(size: int) -> np.dtype[Any]:
+    """The index dtype for vectors of ``size`` entries: int32 below 2**31, else int64."""
+    return np.dtype(np.int32) if size < _INT32_LIMIT else np.dtype(np.int64)
+
+
+def default_delta(size: int, dtype: Any) -> int:
+    """SparCML's switch point ``floor(N * isize / (c + isize))``: past it dense is smaller."""
+    isize = np.dtype(dtype).itemsize
+    c = index_dtype(size).itemsize
+    return int((size * isize) // (c + isize))
+
+
+def _check_values_dtype(dt: np.dtype[Any], name: str) -> None:
+    if dt.kind not in "fiu":
+        raise TypeError(f"{name} must have a float or integer dtype, got {dt}")
+
+
+class SparseVector:
+    """The nonzeros of a vector of ``size`` entries: sorted unique ``indices`` and ``values``.
+
+    Guarantees (checked on construction unless ``check=False``, which trusted internal callers
+    use): ``indices`` is 1-D, strictly increasing, within ``0..size-1``, of
+    :func:`index_dtype(size) <index_dtype>`; ``values`` is 1-D of the same length with a float
+    or integer dtype. Explicit zeros are allowed (the collectives drop them from their results).
+    Arrays are kept without copies when they already have the right dtype.
+    Raises ``TypeError``/``ValueError`` naming the argument.
+    """
+
+    __slots__ = ("indices", "size", "values")
+
+    def __init__(self, indices: Any, values: Any, size: int, *, check: bool = True) -> None:
+        if check:
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+                raise ValueError(f"size must be a non-negative int, got {size!r}")
+            size = int(size)
+            indices = np.asarray(indices)
+            values = np.asarray(values)
+            if indices.ndim != 1 or (indices.dtype.kind not in "iu" and indices.size):
+                raise TypeError(f"indices must be a 1-D integer array, got {indices.dtype} "
+                                f"with shape {indices.shape}")
+            if values.ndim != 1:
+                raise ValueError(f"values must be 1-D, got shape {values.shape}")
+            _check_values_dtype(values.dtype, "values")
+            if indices.size != values.size:
+                raise ValueError(f"indices ({indices.size}) and values ({values.size}) "
+                                 "differ in length")
+            if indices.size:
+                if indices[0] < 0 or indices[-1] >= size:
+                    raise ValueError(f"indices must lie in 0..{size - 1}")
+                if indices.size > 1 and not bool(np.all(indices[1:] > indices[:-1])):
+                    raise ValueError("indices must be strictly increasing (sorted, unique); "
+                                     "use from_pairs() to coalesce duplicates")
+            indices = indices.astype(index_dtype(size), copy=False)
+        self.indices: np.ndarray = indices
+        self.values: np.ndarray = values
+        self.size: int = size
+
+    @property
+    def nnz(self) -> int:
+        """The number of stored entries (explicit zeros included)."""
+        return int(self.indices.size)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.values.dtype
+
+    @property
+    def density(self) -> float:
+        return self.nnz / self.size if self.size else 0.0
+
+    def to_dense(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The dense array (``out`` when given: filled, of length ``size``)."""
+        if out is None:
+            out = np.zeros(self.size, self.values.dtype)
+        else:
+            if out.shape != (self.size,):
+                raise ValueError(f"out must have shape ({self.size},), got {out.shape}")
+            out.fill(0)
+        out[self.indices] = self.values
+        return out
+
+    def without_zeros(self) -> SparseVector:
+        """This vector with exact zeros dropped (itself when it has none)."""
+        if self.values.size == 0 or bool(np.all(self.values)):
+            return self
+        keep = self.values != 0
+        return SparseVector(self.indices[keep], self.values[keep], self.size, check=False)
+
+    def __add__(self, other: SparseVector) -> SparseVector | np.ndarray:
+        return add(self, other)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, SparseVector) and self.size == other.size
+                and self.values.dtype == other.values.dtype
+                and np.array_equal(self.indices, other.indices)
+                and np.array_equal(self.values, other.values))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SparseVector(size={self.size}, nnz={self.nnz}, dtype={self.values.dtype})"
+
+
+def _dense_arg(x: Any, name: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    _check_values_dtype(x.dtype, name)
+    out: np.ndarray = x.reshape(-1)
+    return out
+
+
+def from_dense(x: np.ndarray) -> SparseVector:
+    """The nonzeros of dense ``x`` (flattened). Costs one pass over ``x`` plus the copy-out."""
+    x = _dense_arg(x, "x")
+    idx = np.flatnonzero(x).astype(index_dtype(x.size), copy=False)
+    return SparseVector(idx, x[idx], x.size, check=False)
+
+
+def from_pairs(indices: Any, values: Any, size: int) -> SparseVector:
+    """A vector from unsorted ``(indices, values)`` pairs; duplicate indices are summed.
+
+    Duplicates are summed in their input order (so the result is deterministic). Raises
+    ``ValueError`` for indices outside ``0..size-1`` or mismatched lengths.
+    """
+    idx = np.asarray(indices).reshape(-1)
+    vals = np.asarray(values).reshape(-1)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers, got {idx.dtype}")
+    _check_values_dtype(vals.dtype, "values")
+    if idx.size != vals.size:
+        raise ValueError(f"indices ({idx.size}) and values ({vals.size}) differ in length")
+    if idx.size and (idx.min() < 0 or idx.max() >= size):
+        raise ValueError(f"indices must lie in 0..{size - 1}")
+    if idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1])):
+        idx, vals = _coalesce(idx, vals)
+    return SparseVector(idx, vals, size)
+
+
+def _coalesce(idx: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sort by index (stable) and sum runs of equal indices in their original order."""
+    if idx.size == 0:
+        return idx, vals
+    order = np.argsort(idx, kind="stable")
+    s = idx[order]
+    v = vals[order]
+    starts = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1])))
+    return s[starts], np.add.reduceat(v, starts)
+
+
+def topk(x: np.ndarray, k: int) -> SparseVector:
+    """The ``k`` entries of ``x`` largest in magnitude (ties broken arbitrarily but
+    deterministically). O(N) selection (``argpartition``) plus sorting the ``k`` indices."""
+    x = _dense_arg(x, "x")
+    if not isinstance(k, (int, np.integer)) or not 0 <= k <= x.size:
+        raise ValueError(f"k must be an int in 0..{x.size}, got {k!r}")
+    n = x.size
+    if k == n:
+        idx = np.arange(n, dtype=index_dtype(n))
+    elif k == 0:
+        idx = np.empty(0, index_dtype(n))
+    else:
+        idx = np.sort(np.argpartition(np.abs(x), n - k)[n - k:]).astype(index_dtype(n))
+    return SparseVector(idx, x[idx], n, check=False)
+
+
+def bucket_topk(x: np.ndarray, k: int, bucket: int = 512) -> SparseVector:
+    """Top-``k`` by magnitude within each bucket of ``bucket`` consecutive entries (the last
+    bucket may be shorter), as in SparCML's experiments. Vectorised over buckets."""
+    x = _dense_arg(x, "x")
+    if not isinstance(bucket, (int, np.integer)) or bucket < 1:
+        raise ValueError(f"bucket must be an int >= 1, got {bucket!r}")
+    if not isinstance(k, (int, np.integer)) or k < 0:
+        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    n = x.size
+    if k >= bucket:
+        return topk(x, n)
+    if k == 0 or n == 0:
+        return topk(x, 0)
+    nb = -(-n // bucket)
+    mag = np.zeros(nb * bucket, dtype=np.abs(x[:1]).dtype)
+    np.abs(x, out=mag[:n])
+    mag[n:] = -1  # padding never beats a real entry
+    sel = np.argpartition(mag.reshape(nb, bucket), bucket - k, axis=1)[:, bucket - k:]
+    idx = (sel + (np.arange(nb) * bucket)[:, None]).reshape(-1)
+    idx = np.sort(idx[idx < n]).astype(index_dtype(n))
+    return SparseVector(idx, x[idx], n, check=False)
+
+
+def to_dense(x: SparseVector | np.ndarray) -> np.ndarray:
+    """A dense view of a collective's result: ``x`` itself when dense."""
+    return x.to_dense() if isinstance(x, SparseVector) else x
+
+
+# -- merges ------------------------------------------------------------------------------------
+
+class _Union:
+    """The sorted union of two sorted unique index sets, before its values are summed.
+
+    One stable sort of the concatenation (two sorted runs: linear-time in practice) puts
+    ``a``'s entry of a shared index right before ``b``'s; ``size`` is the union's size.
+    """
+
+    __slots__ = ("dup", "idx", "size", "vals")
+
+    def __init__(self, ia: np.ndarray, va: np.ndarray, ib: np.ndarray, vb: np.ndarray,
+                 dtype: np.dtype[Any]) -> None:
+        c = np.concatenate((ia, ib))
+        order = np.argsort(c, kind="stable")
+        self.idx = c[order]
+        self.vals = np.concatenate((va.astype(dtype, copy=False),
+                                    vb.astype(dtype, copy=False)))[order]
+        #: positions i whose index repeats at i + 1 (a's entry, then b's)
+        self.dup = np.flatnonzero(self.idx[1:] == self.idx[:-1])
+        self.size = int(self.idx.size - self.dup.size)
+
+    def write(self, oi: np.ndarray, ov: np.ndarray) -> None:
+        """Write the union into ``oi``/``ov`` (sized ``self.size``); shared indices get
+        ``a + b``, which equals ``b + a`` bit for bit."""
+        if not self.dup.size:
+            oi[:] = self.idx
+            ov[:] = self.vals
+            return
+        self.vals[self.dup] += self.vals[self.dup + 1]
+        keep = np.ones(self.idx.size, dtype=bool)
+        keep[self.dup + 1] = False
+        np.compress(keep, self.idx, out=oi)
+        np.compress(keep, self.vals, out=ov)
+
+
+def add(a: SparseVector, b: SparseVector, delta: float | None = None
+        ) -> SparseVector | np.ndarray:
+    """``a + b``: a SparseVector while the union has at most ``delta`` entries, else dense.
+
+    ``delta`` defaults to :func:`default_delta`. Commutative bit for bit. Costs
+    O(|a| + |b|) sparse (a stable sort of two sorted runs), O(N) when the result is dense.
+    """
+    if a.size != b.size:
+        raise ValueError(f"sizes differ: {a.size} and {b.size}")
+    dt = np.result_type(a.values.dtype, b.values.dtype)
+    if delta is None:
+        delta = default_delta(a.size, dt)
+    if a.nnz + b.nnz > delta:  # |H1| + |H2| bounds the union; only then count it
+        u = _Union(a.indices, a.values, b.indices, b.values, dt)
+        if u.size > delta:
+            out = np.zeros(a.size, dt)
+            out[a.indices] += a.values
+            out[b.indices] += b.values
+            return out
+    else:
+        u = _Union(a.indices, a.values, b.indices, b.values, dt)
+    oi = np.empty(u.size, a.indices.dtype)
+    ov = np.empty(u.size, dt)
+    u.write(oi, ov)
+    return SparseVector(oi, ov, a.size, check=False)
+
+
+#: a part of a vector: sparse (global indices) or a dense array of the range's entries
+Piece: TypeAlias = "SparseVector | np.ndarray"
+
+
+def sum_pieces(pieces: Sequence[SparseVector | np.ndarray], lo: int, hi: int, size: int,
+               dtype: Any, delta: float, out: np.ndarray | None = None
+               ) -> SparseVector | np.ndarray:
+    """Sum pieces of the range ``lo:hi`` of a length-``size`` vector, in the given order.
+
+    Sparse pieces carry global indices within the range; dense pieces are arrays of ``hi-lo``
+    entries. The result is sparse (exact zeros dropped) when it has at most ``delta`` nonzeros,
+    else the dense array (``out`` when given). Sparse-only sums of few entries use one stable
+    sort and ``add.reduceat``; otherwise the pieces are scattered into a dense range.
+    """
+    dt = np.dtype(dtype)
+    n = hi - lo
+    sparse = [p for p in pieces if isinstance(p, SparseVector)]
+    total = sum(p.nnz for p in sparse)
+    if len(sparse) == len(pieces) and total <= delta and total * 16 < n:
+        if not sparse:
+            return SparseVector(np.empty(0, index_dtype(size)), np.empty(0, dt), size,
+                                check=False)
+        idx = np.concatenate([p.indices for p in sparse])
+        vals = np.concatenate([p.values for p in sparse]).astype(dt, copy=False)
+        if len(sparse) > 1:
+            idx, vals = _coalesce(idx, vals)
+        return SparseVector(idx, vals, size, check=False).without_zeros()
+    acc = np.zeros(n, dt) if out is None else out
+    if out is not None:
+        acc.fill(0)
+    for p in pieces:
+        if isinstance(p, SparseVector):
+            acc[p.indices - lo] += p.values  # indices are unique within a piece
+        else:
+            acc += p
+    nz = int(np.count_nonzero(acc))
+    if nz <= delta:
+        idx = np.flatnonzero(acc)
+        return SparseVector((idx + lo).astype(index_dtype(size)), acc[idx], size, check=False)
+    return acc
+
+
+class SparseAccumulator:
+    """A running sum of SparseVectors (stale contributions of a partial collective).
+
+    :meth:`add` merges one vector in (O(nnz) amortised while sparse; the sum turns into a dense
+    array once it passes ``delta``); :meth:`take` returns the sum and starts over. The sum is
+    exact per coordinate in the order of the calls.
+    """
+
+    def __init__(self, size: int, dtype: Any, delta: float | None = None) -> None:
+        self.size = size
+        self.dtype = np.dtype(dtype)
+        self.delta = default_delta(size, self.dtype) if delta is None else delta
+        self.count = 0
+        self._sum: SparseVector | np.ndarray | None = None
+
+    def add(self, x: SparseVector | np.ndarray) -> None:
+        """Add ``x`` (sparse, or dense of length ``size``)."""
+        if isinstance(x, SparseVector):
+            if x.size != self.size:
+                raise ValueError(f"x has size {x.size}, the accumulator {self.size}")
+        else:
+            x = _dense_arg(x, "x")
+            if x.size != self.size:
+                raise ValueError(f"x has size {x.size}, the accumulator {self.size}")
+        self.count += 1
+        s = self._sum
+        if s is None:
+            self._sum = x.astype(self.dtype) if isinstance(x, np.ndarray) else x
+        elif isinstance(s, np.ndarray):
+            if isinstance(x, SparseVector):
+                s[x.indices] += x.values
+            else:
+                s += x
+        elif isinstance(x, SparseVector):
+            self._sum = add(s, x, self.delta)
+        else:
+            d = x.astype(self.dtype)
+            d[s.indices] += s.values
+            self._sum = d
+
+    def take(self) -> SparseVector | np.ndarray:
+        """The sum so far (an empty SparseVector when nothing was added); then reset."""
+        s = self._sum
+        self._sum = None
+        self.count = 0
+        if s is None:
+            return SparseVector(np.empty(0, index_dtype(self.size)), np.empty(0, self.dtype),
+                                self.size, check=False)
+        return s
+
+
+# -- streams and the wire format ---------------------------------------------------------------
+
+def stream_capacity(size: int, dtype: Any, delta: float) -> int:
+    """Bytes of a stream buffer for a length-``size`` vector that switches at ``delta``."""
+    isize = np.dtype(dtype).itemsize
+    c = index_dtype(size).itemsize
+    sparse_max = int(min(delta, size)) * (c + isize) if delta >= 0 else 0
+    return int(_HDR + max(size * isize, sparse_max))
+
+
+def write_piece(buf: np.ndarray, x: SparseVector | np.ndarray) -> None:
+    """Store ``x`` in stream buffer ``buf`` (uint8). One copy of ``x``'s data."""
+    h = buf[:_HDR].view(np.int64)
+    if isinstance(x, SparseVector):
+        n = x.nnz
+        c = x.indices.itemsize
+        h[0], h[1] = 0, n
+        end = _HDR + n * c
+        buf[_HDR:end].view(x.indices.dtype)[:] = x.indices
+        buf[end:end + n * x.values.itemsize].view(x.values.dtype)[:] = x.values
+    else:
+        h[0], h[1] = 1, x.size
+        buf[_HDR:_HDR + x.nbytes].view(x.dtype)[:] = x
+
+
+def sparse_views(buf: np.ndarray, nnz: int, size: int, dtype: Any
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Mark ``buf`` as a sparse stream of ``nnz`` entries; return its (indices, values) views
+    for the caller to fill."""
+    it = index_dtype(size)
+    dt = np.dtype(dtype)
+    h = buf[:_HDR].view(np.int64)
+    h[0], h[1] = 0, nnz
+    end = _HDR + nnz * it.itemsize
+    return buf[_HDR:end].view(it), buf[end:end + nnz * dt.itemsize].view(dt)
+
+
+def dense_view(buf: np.ndarray, n: int, dtype: Any) -> np.ndarray:
+    """Mark ``buf`` as a dense stream of ``n`` entries; return the values view to fill."""
+    dt = np.dtype(dtype)
+    h = buf[:_HDR].view(np.int64)
+    h[0], h[1] = 1, n
+    return buf[_HDR:_HDR + n * dt.itemsize].view(dt)
+
+
+def read_stream(buf: np.ndarray, size: int, dtype: Any) -> SparseVector | np.ndarray:
+    """The piece a stream buffer holds (views into ``buf``, no copy)."""
+    flag, n = (int(v) for v in buf[:_HDR].view(np.int64))
+    dt = np.dtype(dtype)
+    if flag:
+        dense: np.ndarray = buf[_HDR:_HDR + n * dt.itemsize].view(dt)
+        return dense
+    it = index_dtype(size)
+    end = _HDR + n * it.itemsize
+    return SparseVector(buf[_HDR:end].view(it), buf[end:end + n * dt.itemsize].view(dt), size,
+                        check=False)
+
+
+def stream_payload(buf: np.ndarray, size: int, dtype: Any) -> Payload:
+    """The frame payload of a stream buffer (a view: the buffer is sent without a copy)."""
+    flag, n = (int(v) for v in buf[:_HDR].view(np.int64))
+    dt = np.dtype(dtype)
+    wire = dt.str if dt.itemsize == 1 else dt.newbyteorder("<").str
+    if flag:
+        return Payload(buf[_HDR:_HDR + n * dt.itemsize], wire, (n,), int(Format.DENSE))
+    c = index_dtype(size).itemsize
+    return Payload(buf[_HDR:_HDR + n * (c + dt.itemsize)], wire, (size, n), int(Format.SPARSE))
+
+
+def piece_payload(x: SparseVector | np.ndarray, staging: np.ndarray) -> Payload:
+    """A payload for ``x``: a dense piece is sent from its own memory, a sparse one is packed
+    into ``staging`` (uint8, at least ``nnz * (c + isize)`` bytes after the 16-byte header)."""
+    if isinstance(x, SparseVector):
+        write_piece(staging, x)
+        return stream_payload(staging, x.size, x.dtype)
+    dt = x.dtype
+    wire = dt.str if dt.itemsize == 1 else dt.newbyteorder("<").str
+    return Payload(x, wire, (x.size,), int(Format.DENSE))
+
+
+def decode_piece(msg: Message, size: int, lo: int, hi: int, dtype: Any
+                 ) -> SparseVector | np.ndarray:
+    """Decode a received piece of the range ``lo:hi`` (views of the payload, no copy).
+
+    Raises :class:`ProtocolError` unless the frame is a well-formed sparse piece (shape
+    ``(size, nnz)``, indices strictly increasing inside ``lo:hi``) or dense piece (shape
+    ``(hi-lo,)``) of ``dtype``.
+    """
+    h = msg.header
+    dt = np.dtype(dtype)
+    wire = dt.str if dt.itemsize == 1 else dt.newbyteorder("<").str
+    if h.dtype != wire:
+        raise ProtocolError(f"rank {h.src} sent {h.dtype or 'raw'} values, expected {wire}")
+    raw = np.frombuffer(msg.payload, np.uint8)
+    if h.fmt == Format.DENSE:
+        if h.shape != (hi - lo,):
+            raise ProtocolError(f"rank {h.src} sent a dense piece of shape {h.shape}, "
+                                f"expected ({hi - lo},)")
+        dense: np.ndarray = raw.view(dt)
+        return dense
+    if h.fmt != Format.SPARSE:
+        raise ProtocolError(f"rank {h.src} sent payload format {h.fmt}, expected sparse/dense")
+    it = index_dtype(size)
+    if len(h.shape) != 2 or h.shape[0] != size or \
+            h.length != h.shape[1] * (it.itemsize + dt.itemsize):
+        raise ProtocolError(f"rank {h.src} sent a malformed sparse header {h.shape} "
+                            f"({h.length} bytes) for a vector of {size}")
+    n = h.shape[1]
+    idx = raw[:n * it.itemsize].view(it)
+    if n and (idx[0] < lo or idx[-1] >= hi or
+              (n > 1 and not bool(np.all(idx[1:] > idx[:-1])))):
+        raise ProtocolError(f"rank {h.src} sent indices that are not sorted, unique and "
+                            f"inside {lo}..{hi - 1}")
+    return SparseVector(idx, raw[n * it.itemsize:].view(dt), size, check=False)

@@ -1,0 +1,580 @@
+"""Sparse allreduce schedules (SparCML §5.3) and the :func:`sparse_allreduce` entry point.
+
+Three algorithms, for every world size P >= 1:
+
+* ``ssar_recursive_double``: log2(P') stages of pairwise exchange-and-merge among the largest
+  power of two P' <= P ranks; each of the P - P' extra ranks first folds its vector into a
+  partner and gets the result back at the end. Latency-optimal; best when the result is small.
+* ``ssar_split_allgather``: split the index space into P ranges; send each range's piece to its
+  owner (sparse, or dense where denser than the switch point), which sums them; then every rank
+  sends its reduced range to every other (a concatenating allgather). Bandwidth-balanced.
+* ``dsar_split_allgather``: the same split phase, then the reduced ranges are dense and are
+  gathered densely, received straight into the result array; optionally QSGD-quantised
+  (``quantize=bits``), in which case every rank, owner included, keeps the decoded values.
+
+**Where the partial sums live.** A schedule keeps each partial sum in a bound *stream buffer*
+(see :mod:`.sparse`): a byte slot sized like the dense vector, which holds the sum sparse or
+dense. Kernels (``sparse.*``) read their input streams from slots and received frames from
+messages and write their result into their output slot, returning it as the payload of the
+next send, so nothing is copied to be sent and the schedule stays plain data (params are JSON).
+Ping-pong slots and dependencies on the previous send keep a buffer from being overwritten
+while it is on the wire.
+
+**Which algorithm.** :func:`choose_algorithm` picks from the caller's expected per-rank density
+and P (the choice must agree on every rank, so it never looks at the local data):
+DSAR when the expected union of P random index sets passes the switch point, else recursive
+doubling when the expected data of all ranks is small (latency-bound) or P <= 2, else the split
+allgather. Without a density, the split allgather (sound across the whole range).
+
+**What comes back.** A :class:`~.sparse.SparseVector` (sorted unique indices; exact zeros, e.g.
+from cancellation, dropped) while the reduction stayed sparse, or a dense NumPy array once the
+reduction switched to dense (some partial sum passed ``delta``, and always for DSAR). Every
+rank gets the same type and bitwise the same values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..buffers import dtype_to_wire, is_cupy
+from ..sched import Executor, Payload, Schedule, SlotSpec, register_kernel
+from ..sched.schedule import BufRef
+from ..transport.base import Transport
+from . import quantize as qsgd
+from .sparse import (
+    SparseVector,
+    decode_piece,
+    default_delta,
+    dense_view,
+    from_dense,
+    index_dtype,
+    read_stream,
+    sparse_views,
+    stream_capacity,
+    stream_payload,
+    write_piece,
+)
+from .sparse import _Union as Union
+
+__all__ = ["ALGORITHMS", "SparseAllreduce", "build_sparse_allreduce", "choose_algorithm",
+           "partition", "sparse_allreduce"]
+
+ALGORITHMS = ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather")
+
+#: below this many expected bytes from all ranks together, recursive doubling wins (latency)
+RECURSIVE_DOUBLING_BYTES = 1 << 18
+
+_TAG_FOLD, _TAG_UNFOLD, _TAG_SPLIT, _TAG_GATHER, _TAG_STAGE = 1, 2, 3, 4, 16
+
+
+def partition(size: int, world_size: int) -> list[tuple[int, int]]:
+    """The P index ranges ``[lo, hi)`` of the split algorithms (sizes differ by at most one;
+    some are empty when ``size < P``)."""
+    return [(j * size // world_size, (j + 1) * size // world_size) for j in range(world_size)]
+
+
+def choose_algorithm(density: float | None, world_size: int, size: int, dtype: Any = np.float32,
+                     delta: float | None = None) -> str:
+    """The algorithm for a per-rank ``density`` (fraction of nonzeros expected on every rank).
+
+    Deterministic in its arguments, so ranks that pass the same ones agree.
+    """
+    if density is not None and not 0.0 <= density <= 1.0:
+        raise ValueError(f"density must be a fraction in 0..1, got {density!r}")
+    if world_size == 1:
+        return "ssar_recursive_double"
+    if density is None:
+        return "ssar_split_allgather"
+    dt = np.dtype(dtype)
+    if delta is None:
+        delta = default_delta(size, dt)
+    union = size * (1.0 - (1.0 - density) ** world_size)  # P uniform random index sets
+    if union > delta:
+        return "dsar_split_allgather"
+    per_rank = density * size * (index_dtype(size).itemsize + dt.itemsize)
+    if world_size <= 2 or per_rank * world_size <= RECURSIVE_DOUBLING_BYTES:
+        return "ssar_recursive_double"
+    return "ssar_split_allgather"
+
+
+def _params(size: int, dtype: np.dtype[Any], delta: float) -> dict[str, Any]:
+    return {"n": size, "dtype": dtype_to_wire(dtype),
+            "delta": None if math.isinf(delta) else float(delta)}
+
+
+def build_sparse_allreduce(rank: int, world_size: int, size: int, dtype: Any = np.float32, *,
+                           algorithm: str = "ssar_split_allgather", delta: float | None = None,
+                           quantize: int | None = None, bucket: int = 512) -> Schedule:
+    """The committed schedule of ``rank`` for a sparse allreduce of length-``size`` vectors.
+
+    Slots (all bound by :class:`SparseAllreduce`): stream buffers of bytes (``s0``/``s1``/``in``,
+    ``stg``, ``blk``, ``res``), ``out`` (dense result, DSAR) and ``seed`` (one uint64 per
+    execution, for quantisation). ``schedule.meta["result"]`` names the slot holding the result.
+    Raises ``ValueError`` naming a bad argument.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if not isinstance(size, (int, np.integer)) or size < 0:
+        raise ValueError(f"size must be a non-negative int, got {size!r}")
+    dt = np.dtype(dtype)
+    if dt.kind not in "fiu":
+        raise TypeError(f"dtype must be a float or integer dtype, got {dt}")
+    if quantize is not None:
+        qsgd.levels(quantize)
+        if algorithm != "dsar_split_allgather":
+            raise ValueError("quantize applies to the dense stage of dsar_split_allgather only; "
+                             f"algorithm is {algorithm!r}")
+        if dt.kind != "f":
+            raise TypeError(f"quantize needs a float dtype, got {dt}")
+    d = float(default_delta(size, dt) if delta is None else delta)
+    if math.isnan(d) or d < 0:
+        raise ValueError(f"delta must be >= 0 (math.inf: never switch to dense), got {delta!r}")
+    cap = stream_capacity(size, dt, d)
+    s = Schedule(rank, world_size, f"sparse_allreduce/{algorithm}")
+    s.meta.update(algorithm=algorithm, size=int(size), dtype=dtype_to_wire(dt),
+                  delta=None if math.isinf(d) else d, quantize=quantize, capacity=cap)
+    p = _params(int(size), dt, d)
+    if algorithm == "ssar_recursive_double":
+        _recursive_double(s, p, cap)
+    else:
+        _split_allgather(s, p, cap, dense=algorithm == "dsar_split_allgather", bits=quantize,
+                         bucket=bucket)
+    return s.commit()
+
+
+def _recursive_double(s: Schedule, p: dict[str, Any], cap: int) -> None:
+    r, world = s.rank, s.world_size
+    for slot in ("s0", "s1"):
+        s.declare(slot, SlotSpec(cap, "|u1"))
+    p2 = 1 << (world.bit_length() - 1)
+    extra = world - p2
+    last = s.compute("sparse.emit", ["s0"], label="own stream", **p)
+    if r >= p2:  # fold into a partner, get the result back
+        snd = s.send(r - p2, None, _TAG_FOLD, deps=last, payload_from=last)
+        rcv = s.recv(r - p2, None, _TAG_UNFOLD)
+        s.compute("sparse.store", (), "s1", deps=(rcv, snd), recvs=(rcv,), label="result", **p)
+        s.meta["result"] = "s1"
+        return
+    cur, other = "s0", "s1"
+    if r < extra:
+        rcv = s.recv(r + p2, None, _TAG_FOLD)
+        last = s.compute("sparse.merge", [cur], other, deps=(rcv, last), recvs=(rcv,),
+                         label="fold", **p)
+        cur, other = other, cur
+    dist, stage = 1, 0
+    while dist < p2:
+        peer = r ^ dist
+        snd = s.send(peer, None, _TAG_STAGE + stage, deps=last, payload_from=last)
+        rcv = s.recv(peer, None, _TAG_STAGE + stage)
+        last = s.compute("sparse.merge", [cur], other, deps=(rcv, snd), recvs=(rcv,),
+                         label=f"stage {stage}", **p)
+        cur, other = other, cur
+        dist, stage = dist * 2, stage + 1
+    if r < extra:
+        s.send(r + p2, None, _TAG_UNFOLD, deps=last, payload_from=last)
+    s.meta["result"] = cur
+
+
+def _split_allgather(s: Schedule, p: dict[str, Any], cap: int, *, dense: bool,
+                     bits: int | None, bucket: int) -> None:
+    r, world, n = s.rank, s.world_size, p["n"]
+    parts = partition(n, world)
+    lo, hi = parts[r]
+    dt = np.dtype(p["dtype"])
+    s.declare("in", SlotSpec(cap, "|u1"))
+    s.declare("stg", SlotSpec(cap, "|u1"))
+    others = [j for j in range(world) if j != r]
+    for j in others:
+        # the staging slot is an input, not the output: the executor sizes a kernel's work by
+        # its output view, and a piece costs O(its entries), not O(the slot): run it inline
+        pc = s.compute("sparse.piece", ["in", "stg"], None, label=f"piece for {j}",
+                       lo=parts[j][0], hi=parts[j][1], **p)
+        s.send(j, None, _TAG_SPLIT, deps=pc, payload_from=pc)
+    rcvs = [s.recv(j, None, _TAG_SPLIT) for j in others]
+    rp = dict(p, lo=lo, hi=hi, pos=r)
+    if not dense:
+        s.declare("blk", SlotSpec(stream_capacity(hi - lo, dt, math.inf), "|u1"))
+        s.declare("res", SlotSpec(cap, "|u1"))
+        red = s.compute("sparse.reduce", ["in"], "blk", deps=rcvs, recvs=rcvs,
+                        label="reduce own range", **rp)
+        for j in others:
+            s.send(j, None, _TAG_GATHER, deps=red, payload_from=red)
+        gath = [s.recv(j, None, _TAG_GATHER) for j in others]
+        s.compute("sparse.assemble", ["blk"], "res", deps=(red, *gath), recvs=gath,
+                  label="assemble", **rp)
+        s.meta["result"] = "res"
+        return
+    s.declare("out", SlotSpec(n, p["dtype"]))
+    s.declare("seed", SlotSpec(1, "<u8"))
+    own = BufRef("out", lo, hi - lo)
+    red = s.compute("sparse.reduce_dense", ["in", "seed"], own, deps=rcvs, recvs=rcvs,
+                    label="reduce own range", bits=bits, bucket=bucket, **rp)
+    for j in others:
+        if bits is None:
+            s.send(j, own, _TAG_GATHER, deps=red)
+        else:
+            s.send(j, None, _TAG_GATHER, deps=red, payload_from=red)
+    for j in others:
+        jl, jh = parts[j]
+        if bits is None:
+            s.recv(j, BufRef("out", jl, jh - jl), _TAG_GATHER)
+        else:
+            rcv = s.recv(j, None, _TAG_GATHER)
+            s.compute("sparse.dequantize", (), BufRef("out", jl, jh - jl), deps=rcv,
+                      recvs=(rcv,), label=f"decode range of {j}")
+    s.meta["result"] = "out"
+
+
+# -- kernels -----------------------------------------------------------------------------------
+
+def _plan(params: Mapping[str, Any]) -> tuple[int, np.dtype[Any], float]:
+    d = params["delta"]
+    return int(params["n"]), np.dtype(params["dtype"]), math.inf if d is None else float(d)
+
+
+def _range_delta(delta: float, n: int, lo: int, hi: int) -> float:
+    """The switch point of a range: ``delta`` scaled to the range's share of the vector."""
+    return delta if math.isinf(delta) or n == 0 else delta * (hi - lo) / n
+
+
+def _k_emit(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+            msgs: Sequence[Any]) -> Payload:
+    n, dt, _ = _plan(params)
+    return stream_payload(inputs[0], n, dt)
+
+
+def _k_store(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+             msgs: Sequence[Any]) -> None:
+    n, dt, _ = _plan(params)
+    write_piece(out, decode_piece(msgs[0], n, 0, n, dt))
+
+
+def _k_merge(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+             msgs: Sequence[Any]) -> Payload:
+    """``out = stream(inputs[0]) + message``; dense once the union passes delta."""
+    n, dt, delta = _plan(params)
+    a = read_stream(inputs[0], n, dt)
+    b = decode_piece(msgs[0], n, 0, n, dt)
+    if isinstance(a, SparseVector) and isinstance(b, SparseVector):
+        u = Union(a.indices, a.values, b.indices, b.values, dt)
+        if u.size <= delta:
+            oi, ov = sparse_views(out, u.size, n, dt)
+            u.write(oi, ov)
+            return stream_payload(out, n, dt)
+    d = dense_view(out, n, dt)
+    # 0 + a + b in either order: partners that merge the same pair agree bit for bit
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        np.add(a, b, out=d)
+    else:
+        d.fill(0)
+        for x in (a, b):
+            if isinstance(x, SparseVector):
+                d[x.indices] += x.values
+            else:
+                d += x
+    return stream_payload(out, n, dt)
+
+
+def _slice(x: SparseVector | np.ndarray, lo: int, hi: int) -> SparseVector | np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x[lo:hi]
+    a, b = np.searchsorted(x.indices, (lo, hi))
+    return SparseVector(x.indices[a:b], x.values[a:b], x.size, check=False)
+
+
+def _k_piece(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+             msgs: Sequence[Any]) -> Payload:
+    """The piece of range ``lo:hi`` of the input stream ``inputs[0]``, packed into its own
+    region of the staging slot ``inputs[1]`` (where its entries sit in the input, so pieces
+    never overlap) or dense past the range's switch point."""
+    n, dt, delta = _plan(params)
+    lo, hi = int(params["lo"]), int(params["hi"])
+    x = read_stream(inputs[0], n, dt)
+    wire = dtype_to_wire(dt)
+    if isinstance(x, np.ndarray):
+        return Payload(x[lo:hi], wire, (hi - lo,), 0)
+    a, b = (int(v) for v in np.searchsorted(x.indices, (lo, hi)))
+    m = b - a
+    if m > _range_delta(delta, n, lo, hi):
+        d = np.zeros(hi - lo, dt)
+        d[x.indices[a:b] - lo] = x.values[a:b]
+        return Payload(d, wire, (hi - lo,), 0)
+    c = x.indices.itemsize
+    region = inputs[1][a * (c + dt.itemsize): b * (c + dt.itemsize)]
+    region[: m * c].view(x.indices.dtype)[:] = x.indices[a:b]
+    region[m * c:].view(dt)[:] = x.values[a:b]
+    return Payload(region, wire, (n, m), 1)
+
+
+def _pieces(inputs: Sequence[Any], params: Mapping[str, Any], msgs: Sequence[Any]
+            ) -> tuple[list[SparseVector | np.ndarray], int, int]:
+    """The pieces of this rank's range in rank order: the received ones and its own."""
+    n, dt, _ = _plan(params)
+    lo, hi = int(params["lo"]), int(params["hi"])
+    pieces = [decode_piece(m, n, lo, hi, dt) for m in msgs]
+    pieces.insert(int(params["pos"]), _slice(read_stream(inputs[0], n, dt), lo, hi))
+    return pieces, lo, hi
+
+
+def _scatter(acc: np.ndarray, pieces: Sequence[SparseVector | np.ndarray], lo: int) -> None:
+    acc.fill(0)
+    for x in pieces:
+        if isinstance(x, SparseVector):
+            acc[x.indices - lo] += x.values  # indices are unique within a piece
+        else:
+            acc += x
+
+
+def _k_reduce(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+              msgs: Sequence[Any]) -> Payload:
+    """Sum the pieces of this rank's range into the block stream ``out``."""
+    n, dt, delta = _plan(params)
+    pieces, lo, hi = _pieces(inputs, params, msgs)
+    rd = _range_delta(delta, n, lo, hi)
+    sparse = [x for x in pieces if isinstance(x, SparseVector)]
+    total = sum(x.nnz for x in sparse)
+    if len(sparse) == len(pieces) and total <= rd and total * 16 < hi - lo:
+        idx = np.concatenate([x.indices for x in sparse])
+        vals = np.concatenate([x.values for x in sparse])
+        order = np.argsort(idx, kind="stable")  # rank order among equal indices
+        idx, vals = idx[order], vals[order]
+        if idx.size:
+            starts = np.flatnonzero(np.concatenate(([True], idx[1:] != idx[:-1])))
+            idx, vals = idx[starts], np.add.reduceat(vals, starts)
+        oi, ov = sparse_views(out, idx.size, n, dt)
+        oi[:] = idx
+        ov[:] = vals
+        return stream_payload(out, n, dt)
+    acc = dense_view(out, hi - lo, dt)
+    _scatter(acc, pieces, lo)
+    nz = int(np.count_nonzero(acc))
+    if nz <= rd:
+        idx = np.flatnonzero(acc)
+        vals = acc[idx]
+        oi, ov = sparse_views(out, nz, n, dt)  # idx and vals are copies: acc may be overwritten
+        ov[:] = vals
+        oi[:] = idx + lo
+    return stream_payload(out, n, dt)
+
+
+def _k_assemble(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+                msgs: Sequence[Any]) -> None:
+    """Concatenate the reduced ranges, in range order, into the result stream ``out``."""
+    n, dt, delta = _plan(params)
+    world = len(msgs) + 1
+    parts = partition(n, world)
+    others = [j for j in range(world) if j != int(params["pos"])]
+    got = {j: decode_piece(m, n, parts[j][0], parts[j][1], dt)
+           for j, m in zip(others, msgs, strict=True)}
+    got[int(params["pos"])] = read_stream(inputs[0], n, dt)
+    ordered = [got[j] for j in range(world)]
+    # the result is sparse when the sum has at most delta nonzeros, whichever ranges went dense
+    counts = [b.nnz if isinstance(b, SparseVector) else int(np.count_nonzero(b))
+              for b in ordered]
+    total = sum(counts)
+    if total <= delta:
+        oi, ov = sparse_views(out, total, n, dt)
+        at = 0
+        for (lo, _hi), b, m in zip(parts, ordered, counts, strict=True):
+            if isinstance(b, SparseVector):
+                oi[at:at + m] = b.indices
+                ov[at:at + m] = b.values
+            else:
+                nz = np.flatnonzero(b)
+                oi[at:at + m] = nz + lo
+                ov[at:at + m] = b[nz]
+            at += m
+        return
+    d = dense_view(out, n, dt)
+    for (lo, hi), b in zip(parts, ordered, strict=True):
+        if isinstance(b, SparseVector):
+            d[lo:hi] = 0
+            d[b.indices] = b.values
+        else:
+            d[lo:hi] = b
+
+
+def _k_reduce_dense(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+                    msgs: Sequence[Any]) -> Payload | None:
+    """Sum this rank's range densely into the result; quantise it when asked (then the
+    decoded values replace it, so that every rank holds the same numbers)."""
+    pieces, lo, _hi = _pieces(inputs, params, msgs)
+    _scatter(out, pieces, lo)
+    bits = params.get("bits")
+    if bits is None:
+        return None
+    seed = (int(inputs[1][0]), int(params["pos"]))
+    q = qsgd.quantize(out, int(bits), int(params["bucket"]), seed=seed)
+    qsgd.dequantize(q, out=out)
+    return qsgd.to_payload(q)
+
+
+def _k_dequantize(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+                  msgs: Sequence[Any]) -> None:
+    q = qsgd.from_message(msgs[0], out.size, out.dtype)
+    qsgd.dequantize(q, out=out)
+
+
+for _name, _fn in (("sparse.emit", _k_emit), ("sparse.store", _k_store),
+                   ("sparse.merge", _k_merge), ("sparse.piece", _k_piece),
+                   ("sparse.reduce", _k_reduce), ("sparse.assemble", _k_assemble),
+                   ("sparse.reduce_dense", _k_reduce_dense),
+                   ("sparse.dequantize", _k_dequantize)):
+    register_kernel(_name, _fn, replace=True)
+
+
+# -- running it --------------------------------------------------------------------------------
+
+class SparseAllreduce:
+    """A sparse allreduce of length-``size`` vectors for the rank of ``transport``, reusable.
+
+    Every rank must construct it with the same ``size``, ``dtype``, algorithm, ``delta``,
+    ``quantize`` and ``sched_id``. :meth:`run` may be called repeatedly (one execution each, in
+    the same order on every rank); each run binds fresh buffers, so earlier results stay valid
+    and are never copied. After a failed or timed-out run, :meth:`close` it.
+    """
+
+    def __init__(self, transport: Transport, size: int, dtype: Any = np.float32, *,
+                 sched_id: int, density: float | None = None, algorithm: str | None = None,
+                 delta: float | None = None, quantize: int | None = None, bucket: int = 512,
+                 seed: int = 0) -> None:
+        dt = np.dtype(dtype)
+        if algorithm is None:
+            algorithm = "dsar_split_allgather" if quantize is not None else \
+                choose_algorithm(density, transport.world_size, size, dt, delta)
+        self.transport = transport
+        self.size = size
+        self.dtype = dt
+        self.seed = seed
+        self.schedule = build_sparse_allreduce(transport.rank, transport.world_size, size, dt,
+                                               algorithm=algorithm, delta=delta,
+                                               quantize=quantize, bucket=bucket)
+        self.algorithm = algorithm
+        md = self.schedule.meta["delta"]
+        self.delta = math.inf if md is None else float(md)
+        self.sched_id = sched_id
+        self.executor: Executor | None = None
+        self.runs = 0
+
+    def _buffers(self, x: SparseVector | np.ndarray) -> dict[str, np.ndarray]:
+        bufs: dict[str, np.ndarray] = {}
+        for slot, spec in self.schedule.slots.items():
+            assert spec.count is not None
+            bufs[slot] = np.empty(spec.count, np.dtype(spec.dtype or "u1"))
+        src = "in" if "in" in bufs else "s0"
+        if isinstance(x, SparseVector):
+            if x.nnz > self.delta:
+                x.to_dense(out=dense_view(bufs[src], self.size, self.dtype))
+            else:
+                write_piece(bufs[src], x)
+        else:
+            nz = int(np.count_nonzero(x))
+            if nz > self.delta:
+                dense_view(bufs[src], self.size, self.dtype)[:] = x
+            else:
+                write_piece(bufs[src], from_dense(x))
+        if "seed" in bufs:
+            bufs["seed"][0] = np.uint64((self.seed * 1_000_003 + self.runs) % (1 << 63))
+        return bufs
+
+    def _check(self, x: Any) -> SparseVector | np.ndarray:
+        if isinstance(x, SparseVector):
+            if x.size != self.size:
+                raise ValueError(f"x has size {x.size}, the allreduce expects {self.size}")
+            if x.values.dtype != self.dtype:
+                raise ValueError(f"x has dtype {x.values.dtype}, the allreduce expects "
+                                 f"{self.dtype}")
+            return x
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"x must be a SparseVector or a NumPy array, got "
+                            f"{type(x).__name__}")
+        if not x.flags.c_contiguous:
+            raise ValueError("x must be C-contiguous")
+        if x.size != self.size or x.dtype != self.dtype:
+            raise ValueError(f"x has {x.size} entries of {x.dtype}, the allreduce expects "
+                             f"{self.size} of {self.dtype}")
+        return x.reshape(-1)
+
+    async def run(self, x: SparseVector | np.ndarray, *, timeout: float | None = None
+                  ) -> SparseVector | np.ndarray:
+        """Sum ``x`` over all ranks; the result as the module docstring describes.
+
+        Raises ``TypeError``/``ValueError`` naming ``x``, :class:`CollectiveTimeoutError`
+        listing what is awaited, or the execution's error (``ExecutionError``,
+        ``PeerLostError``).
+        """
+        x = self._check(x)
+        bufs = self._buffers(x)
+        if self.executor is None:
+            self.executor = Executor(self.schedule, self.transport, bufs,
+                                     sched_id=self.sched_id)
+        else:
+            self.executor.bind(bufs)
+        self.executor.start()
+        await self.executor.wait(timeout)
+        self.runs += 1
+        slot = self.schedule.meta["result"]
+        if slot == "out":
+            return bufs["out"]
+        res = read_stream(bufs[slot], self.size, self.dtype)
+        return res.without_zeros() if isinstance(res, SparseVector) else res
+
+    def close(self) -> None:
+        """Stop the executor and retire its receives."""
+        if self.executor is not None:
+            self.executor.close()
+
+
+def _host(a: Any) -> np.ndarray:
+    out: np.ndarray = a.get()
+    return out
+
+
+async def sparse_allreduce(transport: Transport, x: SparseVector | np.ndarray, *,
+                           sched_id: int, density: float | None = None,
+                           algorithm: str | None = None, quantize: int | None = None,
+                           delta: float | None = None, bucket: int = 512, seed: int = 0,
+                           timeout: float | None = None) -> SparseVector | np.ndarray:
+    """Sum sparse (or sparsified dense) ``x`` over every rank of ``transport``.
+
+    ``x``: a :class:`SparseVector` or a 1-D NumPy array (its nonzeros are the contribution; a
+    CuPy array is staged through host memory and the result returned as CuPy).
+    ``density``: the expected fraction of nonzeros per rank, the same on every rank, to choose
+    the algorithm (:func:`choose_algorithm`); ``algorithm`` overrides it. ``quantize``: 2, 4 or
+    8 to QSGD-quantise the dense stage (implies ``dsar_split_allgather``). ``delta``: the
+    switch point (default ``N*isize/(c+isize)``; ``0`` always dense, ``math.inf`` never).
+    ``sched_id`` must be the same on every rank and unused by concurrent collectives.
+
+    Returns a SparseVector while the reduction stayed sparse, else a dense array (see the
+    module docstring); bitwise identical on every rank. Raises as :meth:`SparseAllreduce.run`.
+    """
+    cupy_in = is_cupy(x) or (isinstance(x, SparseVector) and is_cupy(x.values))
+    if cupy_in:
+        x = SparseVector(_host(x.indices), _host(x.values), x.size) \
+            if isinstance(x, SparseVector) else _host(x)
+    if isinstance(x, SparseVector):
+        size, dt = x.size, x.values.dtype
+    elif isinstance(x, np.ndarray):
+        size, dt = x.size, x.dtype
+    else:
+        raise TypeError(f"x must be a SparseVector or an array, got {type(x).__name__}")
+    op = SparseAllreduce(transport, size, dt, sched_id=sched_id, density=density,
+                         algorithm=algorithm, delta=delta, quantize=quantize, bucket=bucket,
+                         seed=seed)
+    try:
+        res = await op.run(x, timeout=timeout)
+    finally:
+        op.close()
+    if cupy_in:
+        import cupy
+
+        if isinstance(res, SparseVector):
+            return SparseVector(cupy.asarray(res.indices), cupy.asarray(res.values), res.size,
+                                check=False)
+        dev: np.ndarray = cupy.asarray(res)
+        return dev
+    return res

@@ -1,0 +1,149 @@
+"""``asynccoll inspect``: render schedules, summarise traces, explain hangs.
+
+::
+
+    asynccoll inspect schedule KIND --ranks P [--rank R] [--size BYTES] [--algorithm A]
+                               [--format text|dot|json|html|png] [--out FILE]
+    asynccoll inspect trace DIR [--execution N] [--sched-id S] [--perfetto OUT.json]
+                               [--html OUT.html] [--png OUT.png]
+    asynccoll inspect pending DIR [--pid PID --wait SECONDS]
+    asynccoll inspect kinds
+
+Bad arguments (unknown kind, P < 1, rank outside 0..P-1, a missing trace directory) print a
+message listing what is valid and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``inspect`` sub-subcommands to ``parser``."""
+    sub = parser.add_subparsers(dest="inspect_command", required=True)
+    p = sub.add_parser("schedule", help="render a collective's schedule")
+    p.add_argument("kind", help="collective kind (`asynccoll inspect kinds` lists them)")
+    p.add_argument("--ranks", "-P", type=int, required=True, help="world size P")
+    p.add_argument("--rank", "-r", type=int, default=None,
+                   help="render only this rank's DAG (default: every rank, global view)")
+    p.add_argument("--size", type=int, default=4096, help="message size in bytes (float32)")
+    p.add_argument("--algorithm", "-a", default=None, help="algorithm, where the kind has several")
+    p.add_argument("--format", "-f", default="text",
+                   choices=("text", "dot", "json", "html", "png"))
+    p.add_argument("--out", "-o", default=None, help="write here instead of stdout")
+    t = sub.add_parser("trace", help="summarise the traces a run wrote into DIR")
+    t.add_argument("dir")
+    t.add_argument("--execution", "-e", type=int, default=None, help="show this execution")
+    t.add_argument("--sched-id", type=int, default=None, help="only this collective")
+    t.add_argument("--perfetto", default=None, metavar="OUT.json",
+                   help="write Chrome trace-event JSON (Perfetto, chrome://tracing)")
+    t.add_argument("--html", default=None, metavar="OUT.html", help="write a timeline page")
+    t.add_argument("--png", default=None, metavar="OUT.png",
+                   help="draw the timeline into a PNG (needs matplotlib)")
+    q = sub.add_parser("pending", help="explain a hang from the pending snapshots in DIR")
+    q.add_argument("dir")
+    q.add_argument("--pid", type=int, default=None,
+                   help="first signal this process (SIGUSR1) to dump its pending ops into DIR")
+    q.add_argument("--wait", type=float, default=2.0, help="seconds to wait after --pid")
+    sub.add_parser("kinds", help="list the collective kinds `schedule` can render")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; returns the exit status (2 for bad arguments)."""
+    from .tracefile import TraceFormatError
+
+    try:
+        if args.inspect_command == "schedule":
+            return _schedule(args)
+        if args.inspect_command == "trace":
+            return _trace(args)
+        if args.inspect_command == "pending":
+            return _pending(args)
+        return _kinds()
+    except (ValueError, KeyError, TraceFormatError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"asynccoll inspect: {msg}", file=sys.stderr)
+        return 2
+
+
+def _kinds() -> int:
+    from .kinds import available_kinds
+
+    for name, help_ in available_kinds().items():
+        print(f"{name:18} {help_}")
+    return 0
+
+
+def _emit(text: str, out: str | None) -> None:
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        Path(out).write_text(text, encoding="utf-8")
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    from .kinds import build, build_all, check_args
+    from .render import render, render_png
+
+    check_args(args.kind, args.ranks, args.rank, args.size)
+    if args.rank is not None:
+        scheds = [build(args.kind, args.rank, args.ranks, args.size, args.algorithm)]
+    else:
+        scheds = build_all(args.kind, args.ranks, args.size, args.algorithm)
+    if args.format == "png":
+        if args.out is None:
+            raise ValueError("--format png needs --out FILE.png")
+        render_png(scheds, args.out, title=f"{args.kind}, P={args.ranks}" + (
+            "" if args.rank is None else f", rank {args.rank}"))
+        return 0
+    color = args.format == "text" and args.out is None and sys.stdout.isatty()
+    _emit(render(scheds, args.format, kind=args.kind, color=color), args.out)
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from .perfetto import perfetto_json, timeline_page, timeline_png
+    from .summary import execution_detail, render_execution, render_summary, summarize
+    from .tracefile import load_dir
+
+    traces = load_dir(args.dir)
+    if args.execution is not None:
+        sys.stdout.write(render_execution(execution_detail(traces, args.execution,
+                                                           args.sched_id)))
+    else:
+        sums = [s for s in summarize(traces) if args.sched_id in (None, s.sched_id)]
+        sys.stdout.write(render_summary(sums))
+    if args.perfetto:
+        Path(args.perfetto).write_text(perfetto_json(traces), encoding="utf-8")
+        print(f"wrote {args.perfetto} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.html:
+        Path(args.html).write_text(timeline_page(traces, f"trace {args.dir}"), encoding="utf-8")
+        print(f"wrote {args.html}")
+    if args.png:
+        timeline_png(traces, args.png, f"trace {args.dir}")
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _pending(args: argparse.Namespace) -> int:
+    from .pending import explain, render_explanations
+    from .tracefile import load_dir
+
+    if args.pid is not None:
+        before = {p: p.stat().st_size for p in Path(args.dir).glob("rank-*.jsonl")}
+        os.kill(args.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:  # a one-shot wait for the dump, not a hot loop
+            now = {p: p.stat().st_size for p in Path(args.dir).glob("rank-*.jsonl")}
+            if now != before:
+                break
+            time.sleep(0.05)
+    sys.stdout.write(render_explanations(explain(load_dir(args.dir))))
+    return 0

@@ -1,0 +1,202 @@
+"""Self-contained HTML pages: a schedule's DAG and a traced run's timeline.
+
+Each page is one file with its data as inline JSON and a small inline script that draws SVG; it
+loads nothing from the network. Clicking an op shows all its fields. Every op is also listed in a
+plain HTML table (readable without scripts, and searchable with the browser's find).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ..sched import Schedule
+from .render import (
+    EDGE_STYLE,
+    KIND_COLOR,
+    dep_class,
+    escape,
+    layout,
+    match_messages,
+    op_fields,
+    op_label,
+)
+
+__all__ = ["schedule_html", "timeline_html"]
+
+_CSS = """
+body{font-family:Helvetica,Arial,sans-serif;margin:0;display:flex;height:100vh}
+#main{flex:1;overflow:auto;border-right:1px solid #ccc}
+#side{width:360px;overflow:auto;padding:8px;font-size:12px;background:#fafafa}
+pre{white-space:pre-wrap;font-size:11px}
+svg text{font-size:10px;pointer-events:none}
+.op{cursor:pointer}.op:hover{stroke:#000;stroke-width:2}
+.sel{stroke:#d00!important;stroke-width:3!important}
+table{border-collapse:collapse;font-size:11px}td,th{border:1px solid #ddd;padding:1px 4px}
+h1{font-size:15px;margin:4px 0}
+"""
+
+_GRAPH_JS = r"""
+const D = JSON.parse(document.getElementById('data').textContent);
+const NS = 'http://www.w3.org/2000/svg', SX = 150, SY = 34, PX = 130, PY = 30;
+const svg = document.createElementNS(NS, 'svg');
+svg.setAttribute('width', PX * 2 + D.width * SX);
+svg.setAttribute('height', PY * 2 + D.height * SY);
+svg.setAttribute('id', 'dag');
+const defs = document.createElementNS(NS, 'defs');
+defs.innerHTML = '<marker id="arr" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" ' +
+  'markerHeight="6" orient="auto"><path d="M0,0L10,5L0,10z" fill="#555"/></marker>';
+svg.appendChild(defs);
+function el(tag, attrs, parent) {
+  const e = document.createElementNS(NS, tag);
+  for (const k in attrs) e.setAttribute(k, attrs[k]);
+  (parent || svg).appendChild(e); return e;
+}
+const X = x => PX + x * SX, Y = y => PY + y * SY;
+for (const b of D.bands) {
+  el('rect', {x: 4, y: Y(b.y0) - 16, width: PX + D.width * SX, height: (b.y1 - b.y0) * SY + 6,
+              fill: '#f3f3f3', stroke: '#aaa', rx: 6});
+  el('text', {x: 10, y: Y(b.y0) + 4}).textContent = 'rank ' + b.rank;
+}
+const pos = {};
+for (const n of D.nodes) pos[n.key] = [X(n.x), Y(n.y)];
+for (const e of D.edges) {
+  const [x1, y1] = pos[e.from], [x2, y2] = pos[e.to];
+  el('line', {x1: x1 + 55, y1: y1, x2: x2 - 55, y2: y2, stroke: '#555', 'stroke-dasharray': e.dash,
+              'marker-end': 'url(#arr)', class: 'dep ' + e.cls});
+  if (e.text) el('text', {x: (x1 + x2) / 2, y: (y1 + y2) / 2 - 3}).textContent = e.text;
+}
+for (const m of D.msgs) {
+  const [x1, y1] = pos[m.from], [x2, y2] = pos[m.to];
+  const d = `M${x1 + 55},${y1} Q${(x1 + x2) / 2 + 90},${(y1 + y2) / 2} ${x2 + 55},${y2}`;
+  el('path', {d: d, fill: 'none',
+              stroke: m.activation ? '#c0392b' : '#222', 'stroke-opacity': 0.55,
+              'stroke-width': 1.5, 'marker-end': 'url(#arr)', class: 'msg'});
+}
+let selected = null;
+for (const n of D.nodes) {
+  const [x, y] = pos[n.key];
+  const r = el('rect', {x: x - 55, y: y - 11, width: 110, height: 22, rx: 5, fill: n.color,
+                        stroke: n.final ? '#000' : '#fff', class: 'op', 'data-key': n.key});
+  el('text', {x: x, y: y + 4, 'text-anchor': 'middle'}).textContent = n.label;
+  r.addEventListener('click', () => {
+    if (selected) selected.classList.remove('sel');
+    r.classList.add('sel'); selected = r;
+    document.getElementById('fields').textContent = JSON.stringify(n.fields, null, 1);
+  });
+}
+document.getElementById('main').appendChild(svg);
+"""
+
+_TIMELINE_JS = r"""
+const D = JSON.parse(document.getElementById('data').textContent);
+const NS = 'http://www.w3.org/2000/svg', LH = 26, PX = 90, PY = 30;
+let scale = Math.max(0.05, 1100 / Math.max(D.span, 1));
+function el(tag, attrs, parent) {
+  const e = document.createElementNS(NS, tag);
+  for (const k in attrs) e.setAttribute(k, attrs[k]);
+  parent.appendChild(e); return e;
+}
+function draw() {
+  const old = document.getElementById('tl'); if (old) old.remove();
+  const svg = document.createElementNS(NS, 'svg'); svg.setAttribute('id', 'tl');
+  svg.setAttribute('width', PX * 2 + D.span * scale);
+  svg.setAttribute('height', PY * 2 + D.rows.length * LH);
+  const X = t => PX + t * scale, Y = r => PY + r * LH;
+  D.rows.forEach((name, r) => {
+    el('rect', {x: 0, y: Y(r), width: PX * 2 + D.span * scale, height: LH - 2,
+                fill: r % 2 ? '#f7f7f7' : '#fff'}, svg);
+    el('text', {x: 4, y: Y(r) + 16}, svg).textContent = name;
+  });
+  for (let t = 0; t <= D.span; t += D.tick)
+    el('text', {x: X(t), y: 14, fill: '#666'}, svg).textContent = (t / 1000).toFixed(2) + ' ms';
+  let selected = null;
+  for (const s of D.slices) {
+    const r = el('rect', {x: X(s.ts), y: Y(s.row) + 3, width: Math.max(1.5, s.dur * scale),
+                          height: LH - 8, fill: s.color, class: 'op'}, svg);
+    el('title', {}, r).textContent = s.name;
+    r.addEventListener('click', () => {
+      if (selected) selected.classList.remove('sel');
+      r.classList.add('sel'); selected = r;
+      document.getElementById('fields').textContent = JSON.stringify(s.fields, null, 1);
+    });
+  }
+  for (const f of D.flows)
+    el('line', {x1: X(f.t0), y1: Y(f.r0) + LH / 2, x2: X(f.t1), y2: Y(f.r1) + LH / 2,
+                stroke: '#222', 'stroke-opacity': 0.5}, svg);
+  document.getElementById('main').appendChild(svg);
+}
+document.getElementById('zin').onclick = () => { scale *= 2; draw(); };
+document.getElementById('zout').onclick = () => { scale /= 2; draw(); };
+draw();
+"""
+
+
+def _page(title: str, data: Any, script: str, side_extra: str, body_extra: str) -> str:
+    blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    return (
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+        f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"
+        f"<div id=\"main\"><h1>{escape(title)}</h1>{body_extra}</div>"
+        "<div id=\"side\"><b>click an op to see its fields</b><pre id=\"fields\"></pre>"
+        f"{side_extra}</div>"
+        f"<script type=\"application/json\" id=\"data\">{blob}</script>"
+        f"<script>{script}</script></body></html>\n")
+
+
+def schedule_html(schedules: Sequence[Schedule], title: str = "") -> str:
+    """The DAG page of one rank (one schedule) or of every rank (the global view)."""
+    lay = layout(schedules)
+    nodes: list[dict[str, Any]] = []
+    edges: list[dict[str, Any]] = []
+    rows: list[str] = []
+    for s in schedules:
+        for i, op in enumerate(s.ops):
+            x, y = lay.pos[(s.rank, i)]
+            f = op_fields(s, i)
+            nodes.append({"key": f"r{s.rank}_{i}", "x": x, "y": y, "label": f"#{i} "
+                          + op_label(op), "color": KIND_COLOR[op.kind], "final": i == s.final,
+                          "fields": f})
+            cls = dep_class(op)
+            text = f"{op.k}/{len(op.deps)}" if cls == "k-of-n" else (
+                "OR" if cls == "or" else "")
+            for d in op.deps:
+                edges.append({"from": f"r{s.rank}_{d}", "to": f"r{s.rank}_{i}", "cls": cls,
+                              "dash": EDGE_STYLE[cls][1], "text": text})
+            rows.append(f"<tr><td>{s.rank}</td><td>{i}</td><td>{escape(op.describe())}</td>"
+                        f"<td>{escape(str(f['bytes']))}</td><td>{cls} {op.k}/"
+                        f"{len(op.deps)}: {escape(str(list(op.deps)))}</td></tr>")
+    msgs = [{"from": f"r{e.src}_{e.src_op}", "to": f"r{e.dst}_{e.dst_op}",
+             "activation": e.msg == "activation"}
+            for e in (match_messages(schedules)[0] if len(schedules) > 1 else [])]
+    data = {"nodes": nodes, "edges": edges, "msgs": msgs, "width": lay.width,
+            "height": lay.height + 1,
+            "bands": [{"rank": r, "y0": a, "y1": b} for r, (a, b) in lay.bands.items()]}
+    s0 = schedules[0]
+    head = (f"{title or s0.name or 'schedule'}: P={s0.world_size}, "
+            + (f"rank {s0.rank}" if len(schedules) == 1 else f"{len(schedules)} ranks"))
+    legend = ("<p>edges: solid = AND (all of), dashed = OR (any of), dotted k/n = any k of n; "
+              "curved = messages (red: activation). Colours: send blue, recv green, compute "
+              "orange, nop grey; black border = the final op.</p>")
+    table = ("<details><summary>all ops</summary><table><tr><th>rank</th><th>op</th>"
+             "<th>what</th><th>bytes</th><th>deps</th></tr>" + "".join(rows)
+             + "</table></details>")
+    return _page(head, data, _GRAPH_JS, table, legend)
+
+
+def timeline_html(title: str, rows: Sequence[str], slices: Sequence[dict[str, Any]],
+                  flows: Sequence[dict[str, Any]], span_us: float) -> str:
+    """A timeline page: ``rows`` names each track; a slice has ``row, ts, dur`` (µs from the
+    run's start), ``name``, ``color`` and ``fields``; a flow joins ``(r0, t0)`` to ``(r1, t1)``."""
+    tick = 10 ** max(0, len(str(int(max(span_us, 1)))) - 1)
+    data = {"rows": list(rows), "slices": list(slices), "flows": list(flows),
+            "span": span_us, "tick": tick}
+    table = ("<details><summary>all slices</summary><table><tr><th>track</th><th>op</th>"
+             "<th>start µs</th><th>µs</th></tr>"
+             + "".join(f"<tr><td>{escape(rows[s['row']])}</td><td>{escape(s['name'])}</td>"
+                       f"<td>{s['ts']:.1f}</td><td>{s['dur']:.1f}</td></tr>" for s in slices)
+             + "</table></details>")
+    buttons = ("<p><button id=\"zin\">zoom in</button> <button id=\"zout\">zoom out</button> "
+               "lines: messages from a send to its matching receive</p>")
+    return _page(title, data, _TIMELINE_JS, table, buttons)

@@ -1,0 +1,292 @@
+"""Explain a hang: which ops of which ranks wait, and on whom.
+
+Two sources of evidence:
+
+- **traces** (:func:`explain`): the ``pending`` snapshots ranks wrote into a trace directory when
+  a collective timed out or on a signal, plus their schedules and completed executions;
+- **live executors** (:func:`explain_executors`, :func:`dump_pending`): executors of this process
+  registered with :func:`register_executor` (the Communicator registers its own).
+
+For the stuck execution of each collective, every pending receive is followed to the peer's
+matching send; a rank that is waited on and has not joined the execution (no snapshot, never
+armed, or armed but never started from inside and not activated from outside) is named as a
+**culprit**. ``install_signal_handler()`` makes ``kill -USR1 PID`` print :func:`dump_pending` and
+write snapshots to the registered trace writers.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO, Any
+
+from ..sched import Executor, Schedule
+from .render import match_messages
+from .tracefile import RankTrace, TraceWriter, live_record
+
+__all__ = ["Explanation", "dump_pending", "explain", "explain_executors",
+           "install_signal_handler", "live_executors", "register_executor",
+           "render_explanations", "snapshot", "unregister_executor"]
+
+_live: weakref.WeakKeyDictionary[Executor, TraceWriter | None] = weakref.WeakKeyDictionary()
+_live_lock = threading.Lock()
+
+
+def register_executor(ex: Executor, writer: TraceWriter | None = None) -> None:
+    """Track ``ex`` (weakly: a dropped executor disappears) for :func:`dump_pending`;
+    ``writer`` receives its snapshot on a dump."""
+    with _live_lock:
+        _live[ex] = writer
+
+
+def unregister_executor(ex: Executor) -> None:
+    """Stop tracking ``ex`` (no error if it was not tracked)."""
+    with _live_lock:
+        _live.pop(ex, None)
+
+
+def live_executors() -> list[Executor]:
+    """The tracked executors, ordered by (rank, sched_id)."""
+    with _live_lock:
+        exs = list(_live.keys())
+    return sorted(exs, key=lambda e: (e.schedule.rank, e.sched_id))
+
+
+def snapshot(ex: Executor) -> dict[str, Any]:
+    """The in-memory ``pending`` record of ``ex``'s current execution (as written to traces)."""
+    return {"type": "pending", "sched_id": ex.sched_id, "execution": ex.execution,
+            "pending": [list(p) for p in ex.pending()], "record": live_record(ex)}
+
+
+def dump_pending(stream: IO[str] | None = None, *, write_traces: bool = True) -> str:
+    """Describe every pending op of every live executor; also write each executor's snapshot
+    to its registered trace writer. Returns the text (and writes it to ``stream`` if given)."""
+    lines = []
+    with _live_lock:
+        items = list(_live.items())
+    items.sort(key=lambda kv: (kv[0].schedule.rank, kv[0].sched_id))
+    for ex, writer in items:
+        s = ex.schedule
+        head = (f"rank {s.rank} {s.name or 'schedule'} (sched_id {ex.sched_id}) execution "
+                f"{ex.execution}")
+        if ex.test() or not ex.pending():
+            lines.append(f"{head}: nothing pending (last completed {ex.completed})")
+        else:
+            lines.append(f"{head}: pending")
+            lines.extend(f"  {d}" for _, _, d in ex.pending())
+        if write_traces and writer is not None:
+            writer.write_pending(ex, reason="dump")
+    text = "\n".join(lines or ["no live executors"]) + "\n"
+    if stream is not None:
+        stream.write(text)
+        stream.flush()
+    return text
+
+
+def install_signal_handler(signum: int = signal.SIGUSR1,
+                           stream: IO[str] | None = None) -> Any:
+    """On ``signum``, write :func:`dump_pending` to ``stream`` (default stderr). Main thread
+    only (``ValueError`` otherwise). Returns the previous handler."""
+
+    def handler(sig: int, frame: FrameType | None) -> None:
+        dump_pending(stream or sys.stderr)
+
+    return signal.signal(signum, handler)
+
+
+# -- the analysis ----------------------------------------------------------------------------
+@dataclass
+class Explanation:
+    """Why execution ``execution`` of collective ``sched_id`` has not completed."""
+
+    sched_id: int
+    name: str
+    execution: int
+    culprits: list[int]
+    waits: dict[int, list[int]]  # rank -> ranks it waits on
+    lines: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _rows(snap: Mapping[str, Any] | None) -> list[list[Any]]:
+    rec = (snap or {}).get("record") or {}
+    rows: list[list[Any]] = rec.get("ops") or []
+    return rows
+
+
+def _state(s: Schedule | None, snap: Mapping[str, Any] | None, done: bool) -> str:
+    """completed | absent (no snapshot) | not armed | started | not started | activated."""
+    if done:
+        return "completed"
+    if snap is None:
+        return "absent"
+    rec = snap.get("record")
+    if rec is None:
+        return "not armed"
+    if rec.get("started") is not None:
+        return "started"
+    rows = _rows(snap)
+    if s is not None and any(s.ops[i].deps and rows[i][2] is not None
+                             for i in range(min(len(rows), len(s.ops)))):
+        return "activated"  # ops past the sources ran: activated from outside
+    return "not started"
+
+
+def _blockers(s: Schedule, rows: list[list[Any]], j: int) -> tuple[bool, set[int]]:
+    """Why op ``j`` has not fired: (an unfired start source, i.e. the rank has not called; the
+    peers whose messages incomplete source receives upstream of ``j`` wait for)."""
+    need_start, peers = False, set()
+    seen: set[int] = set()
+    stack = [j]
+    while stack:
+        i = stack.pop()
+        if i in seen or i >= len(rows):
+            continue
+        seen.add(i)
+        op = s.ops[i]
+        if rows[i][2] is not None:
+            continue
+        if not op.deps:
+            if op.kind == "recv":
+                peers.add(op.peer)
+            elif rows[i][1] is None:
+                need_start = True
+            continue
+        if op.kind == "recv" and rows[i][1] is not None:
+            peers.add(op.peer)
+            continue
+        stack.extend(op.deps)
+    return need_start, peers
+
+
+def _explain_one(sid: int, name: str, e: int, world: int, scheds: Mapping[int, Schedule],
+                 snaps: Mapping[int, Mapping[str, Any] | None],
+                 done: Mapping[int, set[int]]) -> Explanation:
+    edges, _ = match_messages([scheds[r] for r in sorted(scheds)])
+    send_of = {(m.dst, m.dst_op): m for m in edges}
+    recv_of = {(m.src, m.src_op): m for m in edges}
+    state = {r: _state(scheds.get(r), snaps.get(r), e in done.get(r, set()))
+             for r in range(world)}
+    lines = [f"{name} (sched_id {sid}) execution {e}: "
+             + ", ".join(f"rank {r} {state[r]}" for r in range(world))]
+    waits: dict[int, set[int]] = {}
+    culprits: set[int] = set()
+    for r in range(world):
+        snap = snaps.get(r)
+        if snap is None or state[r] == "completed" or snap.get("record") is None:
+            continue
+        s = scheds.get(r)
+        for _, i, desc in snap.get("pending", []):
+            op = s.ops[i] if s is not None else None
+            if op is None or op.kind not in ("send", "recv"):
+                lines.append(f"  rank {r}: {desc}")
+                continue
+            peer, pst = op.peer, state[op.peer]
+            if op.kind == "send":
+                m = recv_of.get((r, i))
+                where = "" if m is None else f"receive op {m.dst_op} of "
+                lines.append(f"  rank {r}: {desc}: {where}rank {peer}, which is {pst}")
+                continue
+            m = send_of.get((r, i))
+            if pst in ("absent", "not armed"):
+                why = (f"rank {peer} left no trace of execution {e}" if pst == "absent"
+                       else f"rank {peer} never joined execution {e}")
+                culprits.add(peer)
+                waits.setdefault(r, set()).add(peer)
+            elif pst == "completed":
+                why = f"rank {peer} completed execution {e}; message lost or mismatched"
+            elif m is None:
+                why = f"no matching send in rank {peer}'s schedule"
+                waits.setdefault(r, set()).add(peer)
+            elif _fired(snaps, peer, m.src_op):
+                why = f"rank {peer}'s send op {m.src_op} is in flight"
+            else:
+                waits.setdefault(r, set()).add(peer)
+                ps = scheds.get(peer)
+                need_start, upstream = (_blockers(ps, _rows(snaps.get(peer)), m.src_op)
+                                        if ps is not None else (False, set()))
+                if need_start:
+                    culprits.add(peer)
+                    why = (f"rank {peer}'s send op {m.src_op} waits for rank {peer} to call "
+                           f"execution {e}: rank {peer} has not called (never started) it")
+                else:
+                    why = (f"rank {peer}'s send op {m.src_op} has not fired yet"
+                           + (f"; rank {peer} waits on rank(s) {sorted(upstream)}"
+                              if upstream else ""))
+            lines.append(f"  rank {r}: {desc}: {why}")
+    if culprits:
+        lines.append(f"  => waiting on rank(s) {sorted(culprits)}, which never joined "
+                     f"execution {e}")
+    elif waits:
+        lines.append("  => every awaited rank has joined; a dependency cycle or lost message")
+    return Explanation(sid, name, e, sorted(culprits),
+                       {r: sorted(p) for r, p in waits.items()}, lines)
+
+
+def _fired(snaps: Mapping[int, Mapping[str, Any] | None], r: int, i: int) -> bool:
+    rows = _rows(snaps.get(r))
+    return i < len(rows) and rows[i][1] is not None
+
+
+def explain(traces: Mapping[int, RankTrace]) -> list[Explanation]:
+    """Explain every collective that some rank recorded as pending, from a trace directory.
+
+    The stuck execution of a collective is the lowest execution with a pending snapshot; each
+    rank's latest snapshot of that execution is used. Ranks with no file are ``absent``.
+    """
+    out = []
+    world = max((rt.world_size for rt in traces.values()), default=0)
+    sids = sorted({sid for rt in traces.values() for sid in rt.pending})
+    for sid in sids:
+        e = min(int(p["execution"]) for rt in traces.values() for p in rt.pending.get(sid, []))
+        scheds: dict[int, Schedule] = {}
+        name = f"sched {sid}"
+        for r, rt in traces.items():
+            s = rt.schedule(sid)
+            if s is not None:
+                scheds[r] = s
+                rec = rt.schedules[sid]
+                name = str(rec.get("collective") or rec.get("name") or name)
+        snaps: dict[int, Mapping[str, Any] | None] = {}
+        done: dict[int, set[int]] = {}
+        for r, rt in traces.items():
+            done[r] = {int(x["execution"]) for x in rt.executions.get(sid, [])}
+            mine = [p for p in rt.pending.get(sid, []) if int(p["execution"]) == e]
+            snaps[r] = mine[-1] if mine else None
+        out.append(_explain_one(sid, name, e, world, scheds, snaps, done))
+    return out
+
+
+def explain_executors(executors: Iterable[Executor]) -> list[Explanation]:
+    """Explain the current executions of executors of one process (e.g. an inproc world).
+
+    Executors are grouped by ``sched_id``; a rank without an executor counts as absent.
+    """
+    groups: dict[int, list[Executor]] = {}
+    for ex in executors:
+        groups.setdefault(ex.sched_id, []).append(ex)
+    out = []
+    for sid, exs in sorted(groups.items()):
+        world = exs[0].schedule.world_size
+        e = min(ex.execution for ex in exs if not ex.test()) if any(
+            not ex.test() for ex in exs) else min(ex.execution for ex in exs)
+        scheds = {ex.schedule.rank: ex.schedule for ex in exs}
+        snaps: dict[int, Mapping[str, Any] | None] = {
+            ex.schedule.rank: snapshot(ex) for ex in exs if ex.execution == e}
+        done = {ex.schedule.rank: set(range(ex.completed + 1)) for ex in exs}
+        out.append(_explain_one(sid, exs[0].schedule.name or f"sched {sid}", e, world, scheds,
+                                snaps, done))
+    return out
+
+
+def render_explanations(exps: Iterable[Explanation]) -> str:
+    """Text of every explanation (or a line saying nothing is pending)."""
+    parts = [str(x) for x in exps]
+    return ("\n".join(parts) if parts else "no pending snapshots: nothing appears stuck") + "\n"

@@ -1,0 +1,374 @@
+"""Render schedules as text (rich), Graphviz DOT, JSON, self-contained HTML and PNG.
+
+Every renderer takes a list of committed schedules: one schedule draws that rank's DAG; several
+(one per rank, rank order) draw the *global view*: each rank's ops grouped by rank, with message
+edges between matching sends and receives. Ops are labelled by kind, peer, tag, buffer and bytes;
+dependency edges are drawn by threshold: AND solid, OR dashed, k-of-n dotted and labelled
+``k/n`` (a single dependency is drawn solid). Rendering costs O(ops + edges) and no I/O except
+:func:`render_png`, which writes a file and needs matplotlib.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..sched import Op, Schedule
+
+__all__ = ["FORMATS", "MsgEdge", "Layout", "dep_class", "layout", "match_messages", "op_bytes",
+           "op_fields", "op_label", "render", "render_dot", "render_json", "render_png",
+           "render_text"]
+
+FORMATS = ("text", "dot", "json", "html")
+
+#: per dependency class: DOT style, and the SVG dash pattern the HTML page uses
+EDGE_STYLE = {"single": ("solid", ""), "and": ("solid", ""), "or": ("dashed", "6,4"),
+              "k-of-n": ("dotted", "2,3")}
+KIND_COLOR = {"send": "#4e79a7", "recv": "#59a14f", "compute": "#f28e2b", "nop": "#bab0ac"}
+
+
+@dataclass(frozen=True)
+class MsgEdge:
+    """A message: send op ``src_op`` of rank ``src`` matched to receive ``dst_op`` of ``dst``."""
+
+    src: int
+    src_op: int
+    dst: int
+    dst_op: int
+    tag: int
+    msg: str
+
+
+def dep_class(op: Op) -> str:
+    """``"none"``, ``"single"``, ``"and"`` (k = n), ``"or"`` (k = 1) or ``"k-of-n"``."""
+    n = len(op.deps)
+    if n == 0:
+        return "none"
+    if n == 1:
+        return "single"
+    if op.k == n:
+        return "and"
+    return "or" if op.k == 1 else "k-of-n"
+
+
+def op_bytes(s: Schedule, op: Op) -> int | None:
+    """Bytes an op moves or writes (``None`` when its slot's size or dtype is unknown)."""
+    ref = op.buf if op.kind in ("send", "recv") else op.output
+    if ref is None:
+        return 0 if op.kind != "compute" else None
+    spec = s.slots.get(ref.slot)
+    if spec is None:
+        return None
+    count = ref.count if ref.count is not None else (
+        None if spec.count is None else spec.count - ref.offset)
+    dtype = spec.dtype or s.meta.get("dtype")
+    if count is None or dtype is None:
+        return None
+    return int(count) * np.dtype(dtype).itemsize
+
+
+def op_label(op: Op) -> str:
+    """A short label: ``send→3 t1``, ``recv←2 t0``, ``sum``, ``nop``."""
+    if op.kind == "send":
+        return f"send→{op.peer} t{op.tag}" + (" act" if op.msg != "data" else "")
+    if op.kind == "recv":
+        return f"recv←{op.peer} t{op.tag}" + (" act" if op.msg != "data" else "")
+    if op.kind == "compute":
+        return op.kernel
+    return op.label or "nop"
+
+
+def _deps_text(op: Op) -> str:
+    cls = dep_class(op)
+    ids = ",".join(str(d) for d in op.deps)
+    if cls == "none":
+        return "-"
+    if cls in ("single", "and"):
+        return f"AND({ids})" if cls == "and" else ids
+    if cls == "or":
+        return f"OR({ids})"
+    return f"{op.k}-of-{len(op.deps)}({ids})"
+
+
+def op_fields(s: Schedule, i: int) -> dict[str, Any]:
+    """Every field of op ``i`` plus derived ones (bytes, dependency class), JSON-safe."""
+    op = s.ops[i]
+    d = op.to_json()
+    d.update(id=i, rank=s.rank, describe=op.describe(), bytes=op_bytes(s, op),
+             deps_class=dep_class(op), deps=list(op.deps), k=op.k, final=(i == s.final))
+    return d
+
+
+def match_messages(schedules: Sequence[Schedule]) -> tuple[list[MsgEdge], list[tuple[int, int]]]:
+    """Pair sends with receives by (src, dst, tag, message kind), in op-id order.
+
+    Returns the matched edges and the ``(rank, op)`` of every send or receive left unmatched
+    (for example a receive whose peer's schedule is not in ``schedules``).
+    """
+    sends: dict[tuple[int, int, int, str], deque[int]] = defaultdict(deque)
+    for s in schedules:
+        for i, op in enumerate(s.ops):
+            if op.kind == "send":
+                sends[(s.rank, op.peer, op.tag, op.msg)].append(i)
+    edges: list[MsgEdge] = []
+    unmatched: list[tuple[int, int]] = []
+    for s in schedules:
+        for i, op in enumerate(s.ops):
+            if op.kind != "recv":
+                continue
+            q = sends.get((op.peer, s.rank, op.tag, op.msg))
+            if q:
+                edges.append(MsgEdge(op.peer, q.popleft(), s.rank, i, op.tag, op.msg))
+            else:
+                unmatched.append((s.rank, i))
+    for (src, _, _, _), q in sends.items():
+        unmatched.extend((src, i) for i in q)
+    return edges, sorted(unmatched)
+
+
+# -- layout ----------------------------------------------------------------------------------
+@dataclass
+class Layout:
+    """Node positions in grid units: x = dependency depth, y = row within the whole picture.
+
+    ``pos[(rank, op)] = (x, y)``; ``bands[rank] = (y0, y1)`` the rows of that rank's cluster.
+    """
+
+    pos: dict[tuple[int, int], tuple[float, float]]
+    bands: dict[int, tuple[float, float]]
+    width: float
+    height: float
+
+
+def _depths(s: Schedule) -> list[int]:
+    """Longest path from a source to each op (Kahn order: op ids need not be topological)."""
+    n = len(s.ops)
+    succ = s.successors()
+    indeg = [len(op.deps) for op in s.ops]
+    depth = [0] * n
+    todo = deque(i for i in range(n) if indeg[i] == 0)
+    while todo:
+        i = todo.popleft()
+        for j in succ[i]:
+            depth[j] = max(depth[j], depth[i] + 1)
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                todo.append(j)
+    return depth
+
+
+def layout(schedules: Sequence[Schedule]) -> Layout:
+    """Layered layout: columns by dependency depth, one horizontal band per rank. O(ops)."""
+    pos: dict[tuple[int, int], tuple[float, float]] = {}
+    bands: dict[int, tuple[float, float]] = {}
+    y0 = 0.0
+    width = 1.0
+    for s in schedules:
+        depth = _depths(s)
+        rows: dict[int, int] = defaultdict(int)
+        for i, d in enumerate(depth):
+            pos[(s.rank, i)] = (float(d), y0 + rows[d])
+            rows[d] += 1
+        h = float(max(rows.values(), default=1))
+        bands[s.rank] = (y0, y0 + h)
+        width = max(width, float(max(depth, default=0) + 1))
+        y0 += h + 0.6
+    return Layout(pos, bands, width, max(y0 - 0.6, 1.0))
+
+
+# -- text ------------------------------------------------------------------------------------
+def render_text(schedules: Sequence[Schedule], *, width: int = 120, color: bool = False) -> str:
+    """One rich table per rank (id, kind, peer, tag, buffer, bytes, deps, label) + messages."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(record=True, width=width, force_terminal=color, color_system=None
+                      if not color else "standard", file=io.StringIO())
+    for s in schedules:
+        t = Table(title=f"{s.name or 'schedule'}: rank {s.rank} of {s.world_size}, "
+                        f"{len(s.ops)} ops, final op {s.final}", title_justify="left")
+        for col in ("op", "kind", "peer", "tag", "buffer", "bytes", "deps", "what"):
+            t.add_column(col, justify="right" if col in ("op", "peer", "tag", "bytes") else
+                         "left")
+        for i, op in enumerate(s.ops):
+            ref = op.buf if op.kind in ("send", "recv") else op.output
+            nb = op_bytes(s, op)
+            t.add_row(str(i), op.kind + ("*" if op.msg != "data" else ""),
+                      str(op.peer) if op.kind in ("send", "recv") else "",
+                      str(op.tag) if op.kind in ("send", "recv") else "",
+                      "" if ref is None else _ref(ref), "?" if nb is None else str(nb),
+                      _deps_text(op), _what(op))
+        console.print(t)
+    if len(schedules) > 1:
+        edges, unmatched = match_messages(schedules)
+        m = Table(title=f"messages ({len(edges)} matched, {len(unmatched)} unmatched)",
+                  title_justify="left")
+        for col in ("from rank:op", "to rank:op", "tag", "kind"):
+            m.add_column(col)
+        for e in edges:
+            m.add_row(f"{e.src}:{e.src_op}", f"{e.dst}:{e.dst_op}", str(e.tag), e.msg)
+        for r, i in unmatched:
+            m.add_row(f"{r}:{i}", "(unmatched)", "", "")
+        console.print(m)
+    console.print("deps: AND(a,b) all of, OR(a,b) any of, k-of-n(...) any k of; "
+                  "* activation message")
+    return console.export_text(styles=color)
+
+
+def _ref(r: Any) -> str:
+    end = "" if r.count is None else str(r.offset + r.count)
+    return f"{r.slot}[{r.offset}:{end}]" if (r.offset or r.count is not None) else str(r.slot)
+
+
+def _what(op: Op) -> str:
+    if op.kind == "compute":
+        ins = ",".join(_ref(r) for r in op.inputs)
+        out = "" if op.output is None else _ref(op.output)
+        return f"{op.kernel}({ins}) -> {out}" + (f" {op.label}" if op.label else "")
+    return op.label
+
+
+# -- DOT -------------------------------------------------------------------------------------
+def _q(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render_dot(schedules: Sequence[Schedule], name: str = "schedule") -> str:
+    """Graphviz DOT: a cluster per rank, dependency edges styled by threshold, message edges
+    (bold, red for activation) between matching sends and receives in the global view."""
+    lines = [f"digraph {_q(name)} {{", "  rankdir=LR;", "  compound=true;",
+             '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
+             '  edge [fontname="Helvetica", fontsize=9];']
+    for s in schedules:
+        lines.append(f"  subgraph cluster_r{s.rank} {{")
+        lines.append(f"    label={_q(f'rank {s.rank}')}; style=rounded; color=gray50;")
+        for i, op in enumerate(s.ops):
+            nb = op_bytes(s, op)
+            lab = op_label(op) + f"\\n#{i}"
+            ref = op.buf if op.kind in ("send", "recv") else op.output
+            if ref is not None:
+                lab += f" {_ref(ref)}"
+            if nb:
+                lab += f" {nb}B"
+            cls = dep_class(op)
+            if cls in ("or", "k-of-n"):
+                lab += f"\\n[{op.k}/{len(op.deps)}]"
+            shape = ", peripheries=2" if i == s.final else ""
+            lines.append(f"    r{s.rank}_{i} [label={_q(lab)}, fillcolor={_q(KIND_COLOR[op.kind])}"
+                         f"{shape}, tooltip={_q(op.describe())}];")
+        for i, op in enumerate(s.ops):
+            cls = dep_class(op)
+            style = EDGE_STYLE.get(cls, ("solid", ""))[0]
+            extra = f", label={_q(f'{op.k}/{len(op.deps)}')}" if cls == "k-of-n" else (
+                ', label="OR"' if cls == "or" else "")
+            for d in op.deps:
+                lines.append(f"    r{s.rank}_{d} -> r{s.rank}_{i} [style={style}{extra}];")
+        lines.append("  }")
+    if len(schedules) > 1:
+        edges, _ = match_messages(schedules)
+        for e in edges:
+            color = "red" if e.msg == "activation" else "black"
+            lines.append(f"  r{e.src}_{e.src_op} -> r{e.dst}_{e.dst_op} [penwidth=2, "
+                         f"color={color}, constraint=false, label={_q(f't{e.tag}')}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# -- JSON ------------------------------------------------------------------------------------
+def render_json(schedules: Sequence[Schedule], kind: str = "") -> str:
+    """One rank: exactly ``schedule.to_dict()``. Several: every rank's ``to_dict()`` and the
+    matched messages under ``{"format": "asynccoll.schedules/1", ...}``."""
+    if len(schedules) == 1:
+        return json.dumps(schedules[0].to_dict(), indent=1)
+    edges, unmatched = match_messages(schedules)
+    return json.dumps({
+        "format": "asynccoll.schedules/1", "kind": kind,
+        "world_size": schedules[0].world_size,
+        "schedules": [s.to_dict() for s in schedules],
+        "messages": [[e.src, e.src_op, e.dst, e.dst_op, e.tag, e.msg] for e in edges],
+        "unmatched": [list(u) for u in unmatched],
+    }, indent=1)
+
+
+def render(schedules: Sequence[Schedule], fmt: str, *, kind: str = "",
+           color: bool = False) -> str:
+    """Dispatch on ``fmt`` (one of :data:`FORMATS`); ``ValueError`` listing them otherwise."""
+    if not schedules:
+        raise ValueError("schedules must not be empty")
+    if fmt == "text":
+        return render_text(schedules, color=color)
+    if fmt == "dot":
+        return render_dot(schedules, kind or schedules[0].name or "schedule")
+    if fmt == "json":
+        return render_json(schedules, kind)
+    if fmt == "html":
+        from .html import schedule_html
+
+        return schedule_html(schedules, title=kind or schedules[0].name)
+    raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(FORMATS)}")
+
+
+# -- PNG (docs pictures; needs matplotlib) ---------------------------------------------------
+def render_png(schedules: Sequence[Schedule], path: str, *, title: str = "") -> None:
+    """Draw the layered layout with matplotlib into ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    lay = layout(schedules)
+    fig_w = min(1.5 + lay.width * 1.25, 32)
+    fig_h = min(1.2 + lay.height * 0.5, 40)
+    fig, ax = plt.subplots(figsize=(fig_w, fig_h))
+    sx = 1.6
+    for r, (y0, y1) in lay.bands.items():
+        ax.add_patch(Rectangle((-0.7, y0 - 0.45), lay.width * sx + 0.2, y1 - y0 + 0.1 - 0.2,
+                                   fc="#f4f4f4", ec="#999999", lw=0.8))
+        ax.text(-0.65, y0 - 0.42, f"rank {r}", fontsize=8, va="bottom", color="#444444")
+    for s in schedules:
+        for i, op in enumerate(s.ops):
+            x, y = lay.pos[(s.rank, i)]
+            for d in op.deps:
+                xd, yd = lay.pos[(s.rank, d)]
+                ls = EDGE_STYLE.get(dep_class(op), ("solid", ""))[0]
+                ax.annotate("", xy=(x * sx - 0.5, y), xytext=(xd * sx + 0.5, yd),
+                            arrowprops={"arrowstyle": "->", "ls": ls, "color": "#555555",
+                                        "lw": 0.8})
+    if len(schedules) > 1:
+        for e in match_messages(schedules)[0]:
+            xs, ys = lay.pos[(e.src, e.src_op)]
+            xd, yd = lay.pos[(e.dst, e.dst_op)]
+            ax.annotate("", xy=(xd * sx, yd), xytext=(xs * sx, ys),
+                        arrowprops={"arrowstyle": "->", "color": "#c0392b" if
+                                    e.msg == "activation" else "#222222", "lw": 1.0,
+                                    "alpha": 0.6, "connectionstyle": "arc3,rad=0.08"})
+    for s in schedules:
+        for i, op in enumerate(s.ops):
+            x, y = lay.pos[(s.rank, i)]
+            lab = op_label(op)
+            if dep_class(op) in ("or", "k-of-n"):
+                lab += f" [{op.k}/{len(op.deps)}]"
+            ax.text(x * sx, y, lab, ha="center", va="center", fontsize=8,
+                    bbox={"boxstyle": "round,pad=0.25", "fc": KIND_COLOR[op.kind], "ec":
+                          "#333333" if i == s.final else "none", "alpha": 0.9})
+    ax.set_xlim(-0.8, lay.width * sx)
+    ax.set_ylim(lay.height + 0.2, -1.0)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def escape(s: str) -> str:
+    """HTML-escape ``s`` (quotes too)."""
+    return html.escape(s, quote=True)

@@ -1,0 +1,95 @@
+"""``asynccoll run``: start N local ranks of a script or module, on one host or across hosts.
+
+    asynccoll run -n 4 train.py --epochs 3
+    asynccoll run -n 2 --transport ucx -m mypkg.train
+    asynccoll run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py   # on host A
+    asynccoll run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py   # on host B
+
+The secret: ``--secret-file``, else ``ASYNCCOLL_SECRET``, else ``ASYNCCOLL_SECRET_FILE``; else a
+fresh random one for a single-node job, or the per-user key file for a multi-node job (works
+when the hosts share the home directory). See ``docs/launch.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import sys
+
+from ..errors import AsyncCollError
+from .env import ConfigError, parse_hostport, user_secret
+from .runner import LaunchConfig, launch
+
+__all__ = ["configure", "run"]
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    """Add the options of ``asynccoll run`` to ``p``."""
+    p.description = "Start N ranks of a Python script or module, locally or across hosts."
+    p.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, required=True,
+                   help="ranks to start on this node")
+    p.add_argument("--transport", choices=("tcp", "ucx"), default="tcp")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (launchers)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    p.add_argument("--rdzv", metavar="HOST:PORT", default=None,
+                   help="the store's address on node 0 (node 0 binds it); required with "
+                        "--nnodes > 1; default: a free port on 127.0.0.1")
+    p.add_argument("--host", default=None,
+                   help="the address this node's ranks listen on (default: the interface that "
+                        "routes to the store)")
+    p.add_argument("--secret-file", default=None,
+                   help="file holding the job secret (mode 0600); the same on every node")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--no-python", action="store_true",
+                   help="run CMD as an executable instead of a Python script")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="CMD is a module name, run as python -m")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD ...",
+                   help="the script (or module with -m) and its arguments")
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    cmd = list(args.cmd)
+    if cmd[:1] == ["--"]:
+        cmd = cmd[1:]
+    if not cmd:
+        raise ValueError("CMD is missing: give a script, -m MODULE, or an executable")
+    if args.module:
+        return [sys.executable, "-u", "-m", *cmd]
+    if args.no_python:
+        return cmd
+    return [sys.executable, "-u", *cmd]
+
+
+def _secret(args: argparse.Namespace) -> bytes:
+    if args.secret_file:
+        return user_secret({"ASYNCCOLL_SECRET_FILE": args.secret_file})
+    if os.environ.get("ASYNCCOLL_SECRET"):
+        raw = os.environ["ASYNCCOLL_SECRET"]
+        if len(raw) < 16:
+            raise ConfigError("ASYNCCOLL_SECRET", f"must be at least 16 characters, "
+                                                  f"got {len(raw)}")
+        return raw.encode()
+    if os.environ.get("ASYNCCOLL_SECRET_FILE") or args.nnodes > 1:
+        return user_secret(os.environ)
+    return secrets.token_hex(32).encode()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job; return the launcher's exit code (2 for a usage error)."""
+    try:
+        rdzv = parse_hostport(args.rdzv, "--rdzv") if args.rdzv else None
+        cfg = LaunchConfig(nproc=args.nproc, argv=_argv(args), secret=_secret(args),
+                           nnodes=args.nnodes, node_rank=args.node_rank, rdzv=rdzv,
+                           transport=args.transport, host=args.host, grace=args.grace)
+    except (ValueError, ConfigError) as exc:
+        print(f"asynccoll run: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(launch(cfg))
+    except (AsyncCollError, OSError) as exc:
+        print(f"asynccoll run: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,325 @@
+"""Who am I in the job: rank, world size, store address, secret, transport, listen address.
+
+:func:`resolve` reads, in this order of precedence (the first source that sets a rank decides
+the rank and the world size; the other settings fall through the chain one by one):
+
+1. explicit arguments (``resolve(rank=, world_size=, store=, ...)``);
+2. ``ASYNCCOLL_RANK`` / ``ASYNCCOLL_WORLD_SIZE`` / ``ASYNCCOLL_STORE`` (set by ``asynccoll run``);
+3. torchrun's ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``;
+4. SLURM's ``SLURM_PROCID`` / ``SLURM_NTASKS`` plus a store address from 1-3.
+
+A half-given source (``RANK`` without ``WORLD_SIZE``), a value that does not parse, or one that
+contradicts another (rank outside the world) raises :class:`ConfigError` naming the variable.
+
+Under torchrun the store listens on ``MASTER_ADDR`` at ``MASTER_PORT + 1``: torchrun's own store
+(and torch.distributed's) already holds ``MASTER_PORT``. ``ASYNCCOLL_STORE`` overrides it.
+
+**The secret.** Store and transport connections prove knowledge of a shared job secret. No
+launcher but ``asynccoll run`` hands one out, and none can be bootstrapped safely over the network
+(whoever reaches the store's port would get it), so the secret comes from, in order: the
+``secret`` argument; ``ASYNCCOLL_SECRET`` (at least 16 characters); the file named by
+``ASYNCCOLL_SECRET_FILE``; the per-user key file ``$XDG_CONFIG_HOME/asynccoll/secret`` (default
+``~/.config/asynccoll/secret``), created with mode 0600 on first use. The key file serves every
+job of one user on one host, or on hosts that share the home directory; other multi-host jobs
+must set ``ASYNCCOLL_SECRET`` (or ``ASYNCCOLL_SECRET_FILE``) to the same value on every host.
+Key files readable by group or others are refused.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import socket
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..errors import AsyncCollError
+
+__all__ = ["ConfigError", "JobSpec", "listen_host", "parse_hostport", "resolve", "user_secret"]
+
+#: the transport used when nothing says otherwise
+DEFAULT_TRANSPORT = "tcp"
+_TRANSPORTS = ("tcp", "ucx", "inproc")
+MIN_SECRET = 16
+
+
+class ConfigError(AsyncCollError, ValueError):
+    """A launch setting is missing, malformed or contradictory; ``variable`` names it."""
+
+    def __init__(self, variable: str, message: str) -> None:
+        super().__init__(f"{variable}: {message}")
+        self.variable = variable
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a rank needs to join its job.
+
+    ``store`` is ``(host, port)`` or ``None`` for a world of one. ``host_store``: this process
+    must run the store (rank 0, unless a launcher runs it). ``host``: the address to listen on,
+    ``None`` to choose from the route to the store (see :func:`listen_host`). ``source`` says
+    where rank and world size came from: ``"explicit"``, ``"asynccoll"``, ``"torchrun"``,
+    ``"slurm"`` or ``"default"`` (a world of one).
+    """
+
+    rank: int
+    world_size: int
+    store: tuple[str, int] | None
+    secret: bytes = field(repr=False)
+    transport: str = DEFAULT_TRANSPORT
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    host: str | None = None
+    host_store: bool = False
+    source: str = "explicit"
+
+
+def _int(environ: Mapping[str, str], var: str, *, minimum: int) -> int | None:
+    raw = environ.get(var)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(var, f"must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(var, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def parse_hostport(text: str, what: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) as ``(host, port)``; ConfigError naming ``what``.
+
+    >>> parse_hostport("10.0.0.1:29500", "ASYNCCOLL_STORE")
+    ('10.0.0.1', 29500)
+    """
+    if not isinstance(text, str):
+        raise ConfigError(what, f"must be 'host:port', got {type(text).__name__}")
+    host, sep, port_s = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host:
+        raise ConfigError(what, f"must be 'host:port', got {text!r}")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ConfigError(what, f"port must be an integer, got {text!r}") from None
+    if not 0 <= port < 65536:
+        raise ConfigError(what, f"port must be in 0..65535, got {port}")
+    return host, port
+
+
+def _ranks(rank: int | None, world: int | None, environ: Mapping[str, str],
+           ) -> tuple[int, int, str, str, str]:
+    """(rank, world, source, rank variable, world variable)."""
+    if rank is not None or world is not None:
+        if rank is None or world is None:
+            name = "rank" if rank is None else "world_size"
+            raise ConfigError(name, "rank and world_size must be given together")
+        return rank, world, "explicit", "rank", "world_size"
+    for source, rvar, wvar in (("asynccoll", "ASYNCCOLL_RANK", "ASYNCCOLL_WORLD_SIZE"),
+                               ("torchrun", "RANK", "WORLD_SIZE"),
+                               ("slurm", "SLURM_PROCID", "SLURM_NTASKS")):
+        r = _int(environ, rvar, minimum=0)
+        w = _int(environ, wvar, minimum=1)
+        if r is None and w is None:
+            continue
+        if r is None:
+            raise ConfigError(rvar, f"is not set but {wvar}={w} is")
+        if w is None:
+            raise ConfigError(wvar, f"is not set but {rvar}={r} is")
+        return r, w, source, rvar, wvar
+    return 0, 1, "default", "ASYNCCOLL_RANK", "ASYNCCOLL_WORLD_SIZE"
+
+
+def _store(store: str | tuple[str, int] | None,
+           environ: Mapping[str, str]) -> tuple[str, int] | None:
+    if store is not None:
+        if isinstance(store, tuple):
+            host, port = store
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise ConfigError("store", f"port must be in 1..65535, got {port!r}")
+            return str(host), port
+        return parse_hostport(store, "store")
+    if environ.get("ASYNCCOLL_STORE"):
+        return parse_hostport(environ["ASYNCCOLL_STORE"], "ASYNCCOLL_STORE")
+    addr, port_s = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if addr or port_s:
+        if not addr:
+            raise ConfigError("MASTER_ADDR", f"is not set but MASTER_PORT={port_s} is")
+        p = _int(environ, "MASTER_PORT", minimum=1)
+        if p is None:
+            raise ConfigError("MASTER_PORT", f"is not set but MASTER_ADDR={addr} is")
+        if p >= 65535:
+            raise ConfigError("MASTER_PORT", f"must be below 65535 (the store uses it + 1), "
+                                             f"got {p}")
+        return addr, p + 1
+    return None
+
+
+def user_secret(environ: Mapping[str, str] = os.environ) -> bytes:
+    """The secret from ``ASYNCCOLL_SECRET_FILE`` or the per-user key file (created if absent).
+
+    Raises :class:`ConfigError` when the file is readable by group or others, or too short.
+    """
+    var = "ASYNCCOLL_SECRET_FILE"
+    path = environ.get(var)
+    if not path:
+        var = "the per-user key file"
+        base = environ.get("XDG_CONFIG_HOME") or os.path.join(
+            environ.get("HOME") or os.path.expanduser("~"), ".config")
+        path = os.path.join(base, "asynccoll", "secret")
+        if not os.path.exists(path):
+            _create_key_file(path)
+    try:
+        st = os.stat(path)
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(var, f"{path} is accessible by group or others; "
+                                   f"run: chmod 600 {path}")
+        with open(path, "rb") as f:
+            data = f.read(4096).strip()
+    except OSError as exc:
+        raise ConfigError(var, f"cannot read {path}: {exc}") from exc
+    if len(data) < MIN_SECRET:
+        raise ConfigError(var, f"{path} holds {len(data)} bytes; at least {MIN_SECRET} needed")
+    return data
+
+
+def _create_key_file(path: str) -> None:
+    """Create ``path`` with a fresh random key, atomically: concurrent ranks agree on one."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # fails if another rank won the race; then we read its key
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+
+
+def _secret(secret: bytes | str | None, environ: Mapping[str, str]) -> bytes:
+    if secret is not None:
+        out = secret.encode() if isinstance(secret, str) else bytes(secret)
+        if len(out) < MIN_SECRET:
+            raise ConfigError("secret", f"must be at least {MIN_SECRET} bytes, got {len(out)}")
+        return out
+    raw = environ.get("ASYNCCOLL_SECRET")
+    if raw:
+        if len(raw.encode()) < MIN_SECRET:
+            raise ConfigError("ASYNCCOLL_SECRET",
+                              f"must be at least {MIN_SECRET} characters, got {len(raw)}")
+        return raw.encode()
+    return user_secret(environ)
+
+
+def resolve(rank: int | None = None, world_size: int | None = None,
+            store: str | tuple[str, int] | None = None, environ: Mapping[str, str] = os.environ,
+            *, secret: bytes | str | None = None, transport: str | None = None,
+            host: str | None = None, host_store: bool | None = None) -> JobSpec:
+    """The :class:`JobSpec` of this process, from arguments and ``environ`` (see module doc).
+
+    ``host_store``: whether this process runs the store; default: rank 0 does, unless
+    ``ASYNCCOLL_STORE_HOSTED=1`` says a launcher does. Raises :class:`ConfigError` naming the
+    argument or variable at fault. Costs no I/O except reading (or creating) a key file.
+    """
+    for name, v in (("rank", rank), ("world_size", world_size)):
+        if v is not None and (type(v) is not int or v < (0 if name == "rank" else 1)):
+            raise ConfigError(name, f"must be an int >= {0 if name == 'rank' else 1}, got {v!r}")
+    r, w, source, rvar, wvar = _ranks(rank, world_size, environ)
+    if r >= w:
+        raise ConfigError(rvar, f"rank {r} is outside the world of {w} ({wvar}={w})")
+    addr = _store(store, environ)
+    if addr is None and w > 1:
+        var = "SLURM_NTASKS" if source == "slurm" else ("store" if source == "explicit"
+                                                        else "ASYNCCOLL_STORE")
+        raise ConfigError(var, f"a world of {w} ranks needs a store address: set "
+                               "ASYNCCOLL_STORE=host:port (or MASTER_ADDR and MASTER_PORT)")
+    scheme = transport or environ.get("ASYNCCOLL_TRANSPORT") or DEFAULT_TRANSPORT
+    if scheme not in _TRANSPORTS:
+        raise ConfigError("transport" if transport else "ASYNCCOLL_TRANSPORT",
+                          f"unknown transport {scheme!r}; known: {list(_TRANSPORTS)}")
+    local_rank = _first_int(environ, ("ASYNCCOLL_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID"),
+                            source, minimum=0)
+    local_world = _first_int(environ, ("ASYNCCOLL_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                       "SLURM_NTASKS_PER_NODE"), source, minimum=1)
+    if w == 1 and local_rank is None:
+        local_rank, local_world = 0, 1
+    if host is None:
+        host = environ.get("ASYNCCOLL_HOST") or None
+        if host is None and environ.get("ASYNCCOLL_IFNAME"):
+            host = interface_address(environ["ASYNCCOLL_IFNAME"], "ASYNCCOLL_IFNAME")
+    if host_store is None:
+        host_store = r == 0 and w > 1 and environ.get("ASYNCCOLL_STORE_HOSTED") != "1"
+    return JobSpec(rank=r, world_size=w, store=addr, secret=_secret(secret, environ),
+                   transport=scheme, local_rank=local_rank, local_world_size=local_world,
+                   host=host, host_store=host_store, source=source)
+
+
+_SOURCE_OF = {"ASYNCCOLL_LOCAL_RANK": "asynccoll", "ASYNCCOLL_LOCAL_WORLD_SIZE": "asynccoll",
+              "LOCAL_RANK": "torchrun", "LOCAL_WORLD_SIZE": "torchrun",
+              "SLURM_LOCALID": "slurm", "SLURM_NTASKS_PER_NODE": "slurm"}
+
+
+def _first_int(environ: Mapping[str, str], names: tuple[str, ...], source: str, *,
+               minimum: int) -> int | None:
+    """The first of ``names`` that is set, preferring the variable of ``source``."""
+    ordered = sorted(names, key=lambda n: _SOURCE_OF[n] != source)
+    for name in ordered:
+        if name == "SLURM_NTASKS_PER_NODE" and "(" in environ.get(name, ""):
+            continue  # heterogeneous layout like "2(x3),1": no single local world size
+        v = _int(environ, name, minimum=minimum)
+        if v is not None:
+            return v
+    return None
+
+
+def interface_address(ifname: str, what: str = "ifname") -> str:
+    """The IPv4 address of network interface ``ifname`` (Linux); ConfigError naming ``what``."""
+    import fcntl  # POSIX only, so imported where used
+    import struct
+
+    if ifname not in {name for _, name in socket.if_nameindex()}:
+        raise ConfigError(what, f"no network interface named {ifname!r}")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                 struct.pack("256s", ifname.encode()[:15]))
+        except OSError as exc:
+            raise ConfigError(what, f"interface {ifname!r} has no IPv4 address") from exc
+    return socket.inet_ntoa(packed[20:24])
+
+
+def listen_host(spec: JobSpec) -> str:
+    """The address this rank listens on, reachable by the other ranks.
+
+    ``spec.host`` when set; else ``127.0.0.1`` when the store is on a loopback address (a
+    one-host job); else the local address of the route to the store host, found by connecting a
+    UDP socket (which sends nothing). Costs one name lookup of the store host.
+    """
+    if spec.host:
+        return spec.host
+    if spec.store is None:
+        return "127.0.0.1"
+    host = spec.store[0]
+    try:
+        infos = socket.getaddrinfo(host, spec.store[1], socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ConfigError("ASYNCCOLL_STORE", f"cannot resolve store host {host!r}: {exc}") \
+            from exc
+    ip = infos[0][4][0]
+    if ipaddress.ip_address(ip).is_loopback:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, spec.store[1]))
+        except OSError as exc:
+            raise ConfigError("ASYNCCOLL_HOST", f"no route to the store host {ip}; set "
+                                                "ASYNCCOLL_HOST or ASYNCCOLL_IFNAME") from exc
+        local: str = s.getsockname()[0]
+    return local

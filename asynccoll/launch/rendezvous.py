@@ -1,0 +1,161 @@
+"""Join the job: start (or reach) the store, exchange transport addresses, connect every peer.
+
+:func:`rendezvous` is what ``asynccoll.connect()`` calls with the :class:`JobSpec` of
+:func:`asynccoll.launch.env.resolve`. It is collective: the n-th call of each rank meets the
+n-th call of every other rank (its *generation*, counted per process, store address and rank, so
+a job may connect, close and connect again). Store keys live under ``asynccoll/rdzv/GEN/``:
+
+* ``claim/R`` — a counter each process bumps for its rank: two processes claiming one rank fail;
+* ``world`` — the first rank's world size: a rank that disagrees fails, naming both sizes;
+* ``salt`` — 32 random bytes, the first writer's. The transports authenticate with
+  ``HMAC(job secret, label | salt)``, not the job secret itself, so each job gets a fresh
+  transport key while the secret never leaves the host;
+* ``addr/R`` — rank R's transport address;
+* ``done/R``, ``left/R`` — the closing barrier: every rank has connected; every rank has
+  finished with the store (only then may a store hosted by rank 0 stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import secrets
+from typing import Any
+
+from ..errors import AsyncCollError
+from ..transport.registry import make_transport
+from .env import JobSpec, listen_host
+from .store import StoreClient, StoreServer, StoreTimeoutError
+
+__all__ = ["RendezvousError", "RendezvousTimeoutError", "rendezvous", "transport_secret"]
+
+PREFIX = "asynccoll/rdzv/"
+_TRANSPORT_LABEL = b"asynccoll-transport-key-v1"
+
+
+class RendezvousError(AsyncCollError):
+    """The ranks could not assemble (duplicate rank, world size mismatch, store unreachable)."""
+
+
+class RendezvousTimeoutError(RendezvousError, TimeoutError):
+    """Some ranks did not show up in time; ``missing`` lists them."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def transport_secret(secret: bytes, salt: bytes) -> bytes:
+    """The key the transports of one job authenticate with (see the module doc)."""
+    return hmac.new(secret, _TRANSPORT_LABEL + salt, hashlib.sha256).digest()
+
+
+#: (store host, port, rank) -> rendezvous calls of that rank in this process
+_generations: dict[tuple[str, int, int], int] = {}
+
+
+async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: float = 60.0,
+                     transport_options: dict[str, Any] | None = None,
+                     generation: int | None = None) -> Any:
+    """Create this rank's transport, connected to every other rank; return it.
+
+    ``transport``: the scheme (default ``spec.transport``); ``transport_options``: extra keyword
+    arguments for the transport class (``limits``, ...). ``generation``: which collective call
+    this is (default: this process's count of calls at this store). Runs the store for the job when
+    ``spec.host_store`` and stops it once every rank is done with it. The transport listens on
+    :func:`~asynccoll.launch.env.listen_host` at a free port.
+
+    Raises :class:`RendezvousTimeoutError` naming the ranks that did not arrive within
+    ``timeout`` seconds, :class:`RendezvousError` on a duplicate rank or a world-size mismatch,
+    :class:`~asynccoll.AuthenticationError` when the store does not share the secret, ``OSError``
+    when the store's address cannot be bound. Nothing is left running on failure.
+    """
+    scheme = transport or spec.transport
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0, got {timeout}")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+
+    def left() -> float:
+        return max(deadline - loop.time(), 0.001)
+
+    options = dict(transport_options or {})
+    rank, world = spec.rank, spec.world_size
+    if world == 1:
+        t = make_transport(scheme, rank, world, secret=transport_secret(spec.secret, b""),
+                           **options)
+        try:
+            await t.listen(_listen_address(scheme, listen_host(spec)))
+            await t.connect({}, timeout=left())
+        except BaseException:
+            await t.close()
+            raise
+        return t
+    if spec.store is None:
+        raise RendezvousError(f"a world of {world} ranks needs a store address")
+    host, port = spec.store
+    if generation is None:
+        gkey = (host, port, rank)
+        generation = _generations.get(gkey, 0)
+        _generations[gkey] = generation + 1
+    prefix = f"{PREFIX}{generation}/"
+    server: StoreServer | None = None
+    client: StoreClient | None = None
+    t = None
+    try:
+        if spec.host_store:
+            server = await StoreServer(host, port, spec.secret).start()
+        client = await StoreClient.connect(host, port, spec.secret, timeout=left())
+        claims = await client.add(f"{prefix}claim/{rank}", 1)
+        if claims > 1:
+            raise RendezvousError(f"rank {rank} is claimed by {claims} processes; each rank "
+                                  "must be started once (check the rank variables)")
+        agreed = await client.compare_set(f"{prefix}world", None, str(world).encode())
+        if agreed != str(world).encode():
+            raise RendezvousError(f"rank {rank} has world size {world} but the job's first "
+                                  f"rank has {agreed!r}")
+        salt = await client.compare_set(f"{prefix}salt", None, secrets.token_bytes(32))
+        assert salt is not None
+        t = make_transport(scheme, rank, world, secret=transport_secret(spec.secret, salt),
+                           **options)
+        address = await t.listen(_listen_address(scheme, listen_host(spec)))
+        await client.set(f"{prefix}addr/{rank}", address.encode())
+        keys = [f"{prefix}addr/{r}" for r in range(world)]
+        await _wait(client, keys, left(), "publish its transport address")
+        values = await asyncio.gather(*(client.get(k, timeout=left()) for k in keys))
+        peers = {r: v.decode() for r, v in enumerate(values) if r != rank}
+        await t.connect(peers, timeout=left())
+        await client.set(f"{prefix}done/{rank}", b"1")
+        await _wait(client, [f"{prefix}done/{r}" for r in range(world)], left(),
+                    "connect to its peers")
+        if server is None:
+            await client.set(f"{prefix}left/{rank}", b"1")
+        else:
+            await _wait(client, [f"{prefix}left/{r}" for r in range(world) if r != rank],
+                        left(), "finish with the store")
+        return t
+    except BaseException:
+        if t is not None:
+            with contextlib.suppress(Exception):
+                await t.close()
+        raise
+    finally:
+        if client is not None:
+            await client.close()
+        if server is not None:
+            await server.close()
+
+
+async def _wait(client: StoreClient, keys: list[str], timeout: float, what: str) -> None:
+    try:
+        await client.wait(keys, timeout)
+    except StoreTimeoutError as exc:
+        missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing)
+        raise RendezvousTimeoutError(
+            f"ranks {missing} did not {what} within the rendezvous timeout", missing) from exc
+
+
+def _listen_address(scheme: str, host: str) -> str:
+    return f"{scheme}://[{host}]:0" if ":" in host else f"{scheme}://{host}:0"

@@ -1,0 +1,275 @@
+"""Start, watch and stop the local ranks of a job (the engine of ``asynccoll run``).
+
+One launcher runs per node. The launcher of node 0 hosts the job's store; every launcher starts
+its ``nproc`` ranks with ``ASYNCCOLL_*`` variables (:func:`rank_environment`), prefixes each line
+they print with ``[rank]``, and watches them:
+
+* a rank that exits non-zero stops the others — ``SIGTERM`` to its process group, ``SIGKILL``
+  after ``grace`` seconds — and the launcher exits with that rank's code (``128 + n`` for a rank
+  killed by signal ``n``); the launchers of other nodes learn it through the store key
+  ``asynccoll/launch/abort`` and stop their ranks too;
+* ``SIGINT`` (Ctrl-C) or ``SIGTERM`` to the launcher is passed on to every rank, escalating to
+  ``SIGTERM`` then ``SIGKILL`` after ``grace`` seconds each; the launcher exits ``128 + signal``.
+
+Each rank runs in its own process group so that a terminal's Ctrl-C reaches the launcher only
+and the launcher decides the order of shutdown; stopping a rank stops the processes it started.
+A launcher killed with ``SIGKILL`` cannot stop its ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from .store import StoreClient, StoreError, StoreServer
+
+__all__ = ["LaunchConfig", "launch", "rank_environment"]
+
+ABORT_KEY = "asynccoll/launch/abort"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What one node's launcher does.
+
+    ``argv``: the full command of a rank (e.g. ``[sys.executable, "-u", "train.py"]``).
+    ``rdzv``: the store's ``(host, port)``; required with ``nnodes > 1``; on node 0 it is where
+    the store binds (``None``: a free port on 127.0.0.1). ``host``: the address ranks of this
+    node listen on (``ASYNCCOLL_HOST``), ``None`` to let them choose.
+    """
+
+    nproc: int
+    argv: Sequence[str]
+    secret: bytes = field(repr=False)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv: tuple[str, int] | None = None
+    transport: str = "tcp"
+    host: str | None = None
+    grace: float = 5.0
+    env: Mapping[str, str] = field(default_factory=dict)
+    store_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if type(self.nproc) is not int or self.nproc < 1:
+            raise ValueError(f"nproc must be an int >= 1, got {self.nproc!r}")
+        if type(self.nnodes) is not int or self.nnodes < 1:
+            raise ValueError(f"nnodes must be an int >= 1, got {self.nnodes!r}")
+        if type(self.node_rank) is not int or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank!r}")
+        if self.nnodes > 1 and self.rdzv is None:
+            raise ValueError("rdzv (the store's host:port on node 0) is required with nnodes > 1")
+        if not self.argv:
+            raise ValueError("argv must name the command to run")
+        if self.grace < 0:
+            raise ValueError(f"grace must be >= 0, got {self.grace}")
+
+
+def rank_environment(cfg: LaunchConfig, local_rank: int, store: tuple[str, int],
+                     base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of local rank ``local_rank``: ``base`` plus the job's variables."""
+    env = dict(base)
+    env.update(cfg.env)
+    env.update({
+        "ASYNCCOLL_RANK": str(cfg.node_rank * cfg.nproc + local_rank),
+        "ASYNCCOLL_WORLD_SIZE": str(cfg.nnodes * cfg.nproc),
+        "ASYNCCOLL_LOCAL_RANK": str(local_rank),
+        "ASYNCCOLL_LOCAL_WORLD_SIZE": str(cfg.nproc),
+        "ASYNCCOLL_NODE_RANK": str(cfg.node_rank),
+        "ASYNCCOLL_NNODES": str(cfg.nnodes),
+        "ASYNCCOLL_STORE": f"[{store[0]}]:{store[1]}" if ":" in store[0]
+        else f"{store[0]}:{store[1]}",
+        "ASYNCCOLL_STORE_HOSTED": "1",
+        "ASYNCCOLL_SECRET": cfg.secret.decode("utf-8", "surrogateescape"),
+        "ASYNCCOLL_TRANSPORT": cfg.transport,
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.pop("ASYNCCOLL_SECRET_FILE", None)
+    if cfg.host:
+        env["ASYNCCOLL_HOST"] = cfg.host
+    return env
+
+
+async def _pump(stream: asyncio.StreamReader | None, prefix: bytes, out: BinaryIO) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed; a last partial line too."""
+    if stream is None:
+        return
+    tail = b""
+    while True:
+        chunk = await stream.read(1 << 16)
+        if not chunk:
+            break
+        lines = (tail + chunk).split(b"\n")
+        tail = lines.pop()
+        if lines:
+            out.write(b"".join(prefix + line + b"\n" for line in lines))
+            out.flush()
+    if tail:
+        out.write(prefix + tail + b"\n")
+        out.flush()
+
+
+def _code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _say(err: BinaryIO, text: str) -> None:
+    err.write(f"asynccoll run: {text}\n".encode())
+    err.flush()
+
+
+class _Ranks:
+    """The local rank processes and their shutdown."""
+
+    def __init__(self, cfg: LaunchConfig) -> None:
+        self.cfg = cfg
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+
+    def signal_all(self, sig: int) -> None:
+        for p in self.procs.values():
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, sig)  # the rank and whatever it started
+
+    async def stop(self, first: int = signal.SIGTERM) -> None:
+        """Signal every live rank with ``first``, escalating each ``grace`` seconds to KILL."""
+        ladder = [first] + [s for s in (signal.SIGTERM, signal.SIGKILL) if s != first]
+        for sig in ladder:
+            alive = [p for p in self.procs.values() if p.returncode is None]
+            if not alive:
+                return
+            self.signal_all(sig)
+            if sig == signal.SIGKILL:
+                await asyncio.gather(*(p.wait() for p in alive))
+                return
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in alive],
+                               timeout=self.cfg.grace)
+
+
+async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
+                 stderr: BinaryIO | None = None) -> int:
+    """Run this node's ranks to completion; return the exit code for the launcher.
+
+    0 when every rank exits 0; else the code of the first rank that failed (see module doc).
+    Every rank process is stopped before this returns, whatever happens.
+    """
+    out = stdout or sys.stdout.buffer
+    err = stderr or sys.stderr.buffer
+    loop = asyncio.get_running_loop()
+    server: StoreServer | None = None
+    client: StoreClient | None = None
+    ranks = _Ranks(cfg)
+    pumps: list[asyncio.Task[None]] = []
+    stop_sig: asyncio.Future[int] = loop.create_future()
+
+    def on_signal(sig: int) -> None:
+        if not stop_sig.done():
+            stop_sig.set_result(sig)
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    for sig in handled:
+        loop.add_signal_handler(sig, on_signal, sig)
+    abort_task: asyncio.Task[bytes] | None = None
+    try:
+        if cfg.node_rank == 0:
+            host, port = cfg.rdzv or ("127.0.0.1", 0)
+            server = await StoreServer(host, port, cfg.secret).start()
+            store = (host, server.port)
+        else:
+            assert cfg.rdzv is not None
+            store = cfg.rdzv
+        if cfg.nnodes > 1:
+            client = await _join(cfg, store)
+            abort_task = asyncio.create_task(client.get(ABORT_KEY, timeout=float(1 << 31)))
+        for local in range(cfg.nproc):
+            rank = cfg.node_rank * cfg.nproc + local
+            p = await asyncio.create_subprocess_exec(
+                *cfg.argv, env=rank_environment(cfg, local, store, os.environ),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+            ranks.procs[rank] = p
+            prefix = f"[{rank}] ".encode()
+            pumps.append(asyncio.create_task(_pump(p.stdout, prefix, out)))
+            pumps.append(asyncio.create_task(_pump(p.stderr, prefix, err)))
+        return await _watch(cfg, ranks, stop_sig, abort_task, client, err)
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        if abort_task is not None:
+            abort_task.cancel()
+            with contextlib.suppress(BaseException):
+                await abort_task
+        await ranks.stop(signal.SIGKILL)
+        if pumps:
+            await asyncio.wait(pumps, timeout=5.0)
+        for t in pumps:
+            t.cancel()
+        if client is not None:
+            await client.close()
+        if server is not None:
+            await server.close()
+
+
+async def _join(cfg: LaunchConfig, store: tuple[str, int]) -> StoreClient:
+    """Check in with the job's store: it shares our secret, our node rank is not taken twice
+    and every node runs the same number of ranks."""
+    client = await StoreClient.connect(store[0], store[1], cfg.secret,
+                                       timeout=cfg.store_timeout)
+    try:
+        if await client.add(f"asynccoll/launch/node/{cfg.node_rank}", 1) > 1:
+            raise StoreError(f"node rank {cfg.node_rank} was started twice")
+        mine = f"{cfg.nnodes}x{cfg.nproc}".encode()
+        agreed = await client.compare_set("asynccoll/launch/shape", None, mine)
+        if agreed != mine:
+            raise StoreError(f"this node runs --nnodes {cfg.nnodes} with -n {cfg.nproc}, but "
+                             f"the first node to join said {agreed!r} (nnodes x nproc)")
+    except BaseException:
+        await client.close()
+        raise
+    return client
+
+
+async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int],
+                 abort_task: asyncio.Task[bytes] | None, client: StoreClient | None,
+                 err: BinaryIO) -> int:
+    waits = {asyncio.ensure_future(p.wait()): r for r, p in ranks.procs.items()}
+    extra: set[asyncio.Future[Any]] = {stop_sig}
+    if abort_task is not None:
+        extra.add(abort_task)
+    try:
+        while waits:
+            done, _ = await asyncio.wait({*waits, *extra}, return_when=asyncio.FIRST_COMPLETED)
+            if stop_sig in done:
+                sig = stop_sig.result()
+                _say(err, f"got {signal.Signals(sig).name}; stopping all ranks")
+                await ranks.stop(signal.SIGINT if sig == signal.SIGINT else signal.SIGTERM)
+                return 128 + sig
+            if abort_task is not None and abort_task in done:
+                extra.discard(abort_task)
+                if abort_task.exception() is None:
+                    reason = abort_task.result().decode(errors="replace")
+                    _say(err, f"another node failed ({reason}); stopping this node's ranks")
+                    await ranks.stop()
+                    code = int(reason.rsplit(" ", 1)[-1]) if reason[-1:].isdigit() else 1
+                    return code or 1
+            for w in [w for w in done if w in waits]:
+                rank = waits.pop(w)
+                code = _code(ranks.procs[rank].returncode or 0)
+                if code:
+                    _say(err, f"rank {rank} exited with code {code}; stopping the other ranks")
+                    if client is not None:
+                        with contextlib.suppress(StoreError, TimeoutError):
+                            await client.set(ABORT_KEY, f"rank {rank} exited with code {code}"
+                                             .encode(), timeout=2.0)
+                    await ranks.stop()
+                    return code
+        return 0
+    finally:
+        for w in waits:
+            w.cancel()

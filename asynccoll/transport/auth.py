@@ -1,0 +1,149 @@
+"""The connection handshake: mutual proof of knowledge of the job secret, sans I/O.
+
+Both sides prove that they hold the job's shared secret without sending it: each contributes a
+fresh random nonce and answers with an HMAC-SHA256, keyed by the secret, over a transcript that
+binds both nonces, both ranks, the world size and the answering side's role (so that one side's
+proof can never be replayed as the other's, nor on another connection). Proofs are compared in
+constant time. The messages have fixed sizes, so a reader always knows how much to read next::
+
+    connector -> acceptor   HELLO      magic, version, rank, world size, wanted rank, nonce_c
+    acceptor  -> connector  CHALLENGE  magic, version, rank, world size, nonce_s, MAC_acceptor
+    connector -> acceptor   PROOF      MAC_connector
+    acceptor  -> connector  ACCEPT     one byte
+
+This module only builds and checks the messages; the transport moves them and bounds the time
+the whole exchange may take. Every check failure raises :class:`AuthenticationError` with the
+reason (never with secret material in it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from typing import NamedTuple
+
+from ..errors import AuthenticationError
+
+__all__ = [
+    "ACCEPT",
+    "ACCEPT_SIZE",
+    "CHALLENGE_SIZE",
+    "HELLO_SIZE",
+    "MAGIC",
+    "NONCE_BYTES",
+    "PROOF_SIZE",
+    "Challenge",
+    "Hello",
+    "check_secret",
+    "connector_mac",
+    "acceptor_mac",
+    "make_challenge",
+    "make_hello",
+    "new_nonce",
+    "parse_challenge",
+    "parse_hello",
+    "verify",
+]
+
+MAGIC = b"ACOLTCP\x00"
+HANDSHAKE_VERSION = 1
+NONCE_BYTES = 32
+MAC_BYTES = 32
+MIN_SECRET_BYTES = 16
+
+_HELLO = struct.Struct("<8sHIII32s")  # magic, version, rank, world size, wanted rank, nonce
+_CHALLENGE = struct.Struct("<8sHII32s32s")  # magic, version, rank, world size, nonce, mac
+
+HELLO_SIZE = _HELLO.size
+CHALLENGE_SIZE = _CHALLENGE.size
+PROOF_SIZE = MAC_BYTES
+ACCEPT = b"\x01"
+ACCEPT_SIZE = len(ACCEPT)
+
+
+class Hello(NamedTuple):
+    """The connector's opening message."""
+
+    rank: int
+    world_size: int
+    wanted: int  # the rank the connector believes it is talking to
+    nonce: bytes
+
+
+class Challenge(NamedTuple):
+    """The acceptor's answer: its identity, its nonce and its proof."""
+
+    rank: int
+    world_size: int
+    nonce: bytes
+    mac: bytes
+
+
+def check_secret(secret: object) -> bytes:
+    """Return ``secret`` as bytes; ``TypeError``/``ValueError`` naming it when unusable."""
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"secret must be bytes, got {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+    return bytes(secret)
+
+
+def new_nonce() -> bytes:
+    """A fresh random nonce (from the operating system's generator)."""
+    return os.urandom(NONCE_BYTES)
+
+
+def make_hello(rank: int, world_size: int, wanted: int, nonce: bytes) -> bytes:
+    return _HELLO.pack(MAGIC, HANDSHAKE_VERSION, rank, world_size, wanted, nonce)
+
+
+def parse_hello(raw: bytes | memoryview) -> Hello:
+    """Decode a HELLO; raise :class:`AuthenticationError` if it is not one."""
+    magic, version, rank, world, wanted, nonce = _HELLO.unpack(raw)
+    if magic != MAGIC:
+        raise AuthenticationError("connection did not start with the asynccoll handshake")
+    if version != HANDSHAKE_VERSION:
+        raise AuthenticationError(f"handshake version {version} (speaks {HANDSHAKE_VERSION})")
+    return Hello(rank, world, wanted, nonce)
+
+
+def make_challenge(rank: int, world_size: int, nonce: bytes, mac: bytes) -> bytes:
+    return _CHALLENGE.pack(MAGIC, HANDSHAKE_VERSION, rank, world_size, nonce, mac)
+
+
+def parse_challenge(raw: bytes | memoryview) -> Challenge:
+    """Decode a CHALLENGE; raise :class:`AuthenticationError` if it is not one."""
+    magic, version, rank, world, nonce, mac = _CHALLENGE.unpack(raw)
+    if magic != MAGIC:
+        raise AuthenticationError("peer did not answer with the asynccoll handshake")
+    if version != HANDSHAKE_VERSION:
+        raise AuthenticationError(f"handshake version {version} (speaks {HANDSHAKE_VERSION})")
+    return Challenge(rank, world, nonce, mac)
+
+
+def _transcript(role: bytes, connector: int, acceptor: int, world_size: int, nonce_c: bytes,
+                nonce_a: bytes) -> bytes:
+    return b"|".join((MAGIC, role, struct.pack("<III", connector, acceptor, world_size),
+                      nonce_c, nonce_a))
+
+
+def acceptor_mac(secret: bytes, connector: int, acceptor: int, world_size: int,
+                 nonce_c: bytes, nonce_a: bytes) -> bytes:
+    """The acceptor's proof over this connection's transcript."""
+    msg = _transcript(b"acceptor", connector, acceptor, world_size, nonce_c, nonce_a)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def connector_mac(secret: bytes, connector: int, acceptor: int, world_size: int,
+                  nonce_c: bytes, nonce_a: bytes) -> bytes:
+    """The connector's proof over this connection's transcript."""
+    msg = _transcript(b"connector", connector, acceptor, world_size, nonce_c, nonce_a)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def verify(expected: bytes, got: bytes | memoryview, who: str) -> None:
+    """Compare proofs in constant time; :class:`AuthenticationError` naming ``who`` otherwise."""
+    if not hmac.compare_digest(expected, bytes(got)):
+        raise AuthenticationError(f"{who} failed to prove knowledge of the job secret")

@@ -1,0 +1,304 @@
+"""``tcp://HOST:PORT``: frames over one authenticated TCP connection per pair of ranks.
+
+Runs on whichever asyncio loop is current (uvloop's included). The rank with the lower number
+connects to the higher one (retrying with jittered exponential backoff inside the caller's
+deadline), so two ranks never race to open two connections; each connection is full duplex.
+The connection protocol (handshake, framing, zero-copy receive, chunked interleaved send) is in
+:mod:`asynccoll.transport.tcp_wire`.
+
+A connection that fails the handshake, breaks the protocol or exceeds the limits is closed with
+a logged reason (logger ``asynccoll.transport``); its peer's pending operations fail with
+:class:`PeerLostError` (cause chained); the process and the other peers carry on. A lost peer
+stays lost: a later connection claiming its rank is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import (
+    AuthenticationError,
+    PeerLostError,
+    TransportClosedError,
+    TransportError,
+)
+from . import auth
+from .base import (
+    Header,
+    Limits,
+    Transport,
+    _fail_quietly,
+    _readable_bytes,
+    encode_header,
+    log,
+    lost,
+)
+from .registry import parse_address
+from .tcp_wire import CHUNK, SMALL, TcpConnection
+
+__all__ = ["CHUNK", "SMALL", "TcpStats", "TcpTransport"]
+
+
+@dataclass
+class TcpStats:
+    """Counters of what a :class:`TcpTransport` refused and lost (for logs and tests)."""
+
+    connections: int = 0  #: connections that completed the handshake
+    handshakes_rejected: int = 0  #: connections closed before or during the handshake
+    frames_rejected: int = 0  #: authenticated connections closed for a bad frame or a limit
+    peers_lost: int = 0
+    reasons: deque[str] = field(default_factory=lambda: deque(maxlen=64))
+
+
+class TcpTransport(Transport):
+    """One rank's endpoint on ``tcp://HOST:PORT``.
+
+    ``secret`` (at least 16 bytes) is the job's shared secret; every connection proves knowledge
+    of it both ways before anything else is read. ``handshake_timeout`` bounds a connection's
+    handshake (an idle or slow client is dropped after it). Errors: :class:`PeerLostError` when a
+    peer cannot be reached in time, drops, or breaks the protocol; :class:`AuthenticationError`
+    when a peer fails the handshake; :class:`TransportClosedError` after :meth:`close`.
+    """
+
+    scheme = "tcp"
+
+    def __init__(self, rank: int, world_size: int, *, secret: bytes, limits: Limits | None = None,
+                 handshake_timeout: float = 10.0) -> None:
+        super().__init__(rank, world_size, limits=limits)
+        if handshake_timeout <= 0:
+            raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout}")
+        self._secret = auth.check_secret(secret)
+        self.handshake_timeout = handshake_timeout
+        self.stats = TcpStats()
+        self._server: asyncio.AbstractServer | None = None
+        self._address = ""
+        self._conns: dict[int, TcpConnection] = {}
+        self._pending: set[TcpConnection] = set()
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._lost: dict[int, PeerLostError] = {}
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def peers(self) -> list[int]:
+        """The ranks connected now."""
+        return sorted(self._conns)
+
+    async def listen(self, address: str = "tcp://127.0.0.1:0") -> str:
+        """Accept connections at ``address``; port 0 picks a free one. Returns the address with
+        the concrete port. Raises :class:`TransportError` when the address cannot be bound."""
+        if self._closed:
+            raise TransportClosedError("transport closed")
+        if self._server is not None:
+            raise ValueError(f"already listening on {self._address}")
+        host, port = _host_port(address)
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(lambda: TcpConnection(self, None), host, port)
+        except OSError as exc:
+            raise TransportError(f"cannot listen on {address}: {exc}") from exc
+        bound = self._server.sockets[0].getsockname()[1]
+        self._address = f"tcp://{_join_host(host)}:{bound}"
+        return self._address
+
+    async def connect(self, peers: Mapping[int, str], timeout: float = 30.0) -> None:
+        """Connect to every rank in ``peers`` within ``timeout`` seconds.
+
+        Dials the peers of higher rank (retrying refused connections with jittered exponential
+        backoff) and waits for those of lower rank to dial in. Raises :class:`PeerLostError`
+        naming a rank that could not be reached in time, :class:`AuthenticationError` when one
+        fails the handshake.
+        """
+        if self._closed:
+            raise TransportClosedError("transport closed")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        deadline = asyncio.get_running_loop().time() + timeout
+        jobs = []
+        for rank, addr in peers.items():
+            if not 0 <= rank < self.world_size:
+                raise ValueError(f"peers: rank {rank} outside 0..{self.world_size - 1}")
+            if rank == self.rank:
+                continue
+            if rank > self.rank:
+                jobs.append(self._dial(rank, addr, deadline, timeout))
+            else:
+                jobs.append(self._await_inbound(rank, deadline, timeout))
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _dial(self, rank: int, addr: str, deadline: float, timeout: float) -> None:
+        host, port = _host_port(addr)
+        loop = asyncio.get_running_loop()
+        delay = 0.005
+        while rank not in self._conns:
+            if self._closed:
+                raise TransportClosedError("transport closed")
+            if rank in self._lost:
+                raise self._lost[rank]
+            conn = TcpConnection(self, rank)
+            try:
+                await asyncio.wait_for(loop.create_connection(_factory(conn), host, port),
+                                       max(deadline - loop.time(), 0.001))
+            except (OSError, asyncio.TimeoutError) as exc:
+                if loop.time() + delay >= deadline:
+                    raise lost(rank, f"could not connect to {addr} within {timeout} s",
+                               exc) from exc
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(2 * delay, 1.0)
+                continue
+            try:
+                await asyncio.wait_for(asyncio.shield(conn.ready),
+                                       max(deadline - loop.time(), 0.001))
+            except asyncio.TimeoutError as exc:
+                conn.abort(AuthenticationError(f"handshake with rank {rank} timed out"))
+                raise lost(rank, f"handshake with {addr} not done within {timeout} s",
+                           exc) from exc
+            return
+
+    async def _await_inbound(self, rank: int, deadline: float, timeout: float) -> None:
+        if rank in self._conns:
+            return
+        if rank in self._lost:
+            raise self._lost[rank]
+        loop = asyncio.get_running_loop()
+        fut = self._waiters.get(rank)
+        if fut is None:
+            fut = self._waiters[rank] = loop.create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), max(deadline - loop.time(), 0.001))
+        except asyncio.TimeoutError as exc:
+            raise lost(rank, f"rank {rank} did not connect within {timeout} s", exc) from exc
+
+    def post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
+        """Queue ``header`` + the first ``header.length`` bytes of ``payload`` for ``dst``.
+
+        Returns at once; the future resolves when every byte is in the kernel (reuse the buffer
+        then), or fails with :class:`PeerLostError` / :class:`TransportClosedError`. Raises
+        ``ValueError`` for a bad ``dst``, a ``header.src`` that is not this rank, or a payload
+        shorter than ``header.length``.
+        """
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            return _failed(loop, TransportClosedError("transport closed"))
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"dst must be in 0..{self.world_size - 1}, got {dst}")
+        if header.src != self.rank:
+            raise ValueError(f"header.src must be this rank {self.rank}, got {header.src}")
+        if dst == self.rank:
+            return self._loopback(header, payload)
+        view = _readable_bytes(payload)
+        if len(view) < header.length:
+            raise ValueError(f"payload has {len(view)} bytes, header.length is {header.length}")
+        conn = self._conns.get(dst)
+        if conn is None:
+            return _failed(loop, self._lost.get(dst) or PeerLostError(dst, "not connected"))
+        fut: asyncio.Future[None] = loop.create_future()
+        conn.send(fut, encode_header(header), view[: header.length])
+        return fut
+
+    async def close(self) -> None:
+        """Close every connection; pending sends and receives fail with
+        :class:`TransportClosedError`. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        exc = TransportClosedError("transport closed")
+        self.matcher.close(exc)
+        for conn in [*self._conns.values(), *self._pending]:
+            conn.close_by_owner(exc)
+        self._conns.clear()
+        self._pending.clear()
+        for w in self._waiters.values():
+            _fail_quietly(w, exc)
+        self._waiters.clear()
+        if self._server is not None:
+            self._server.close()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            except asyncio.TimeoutError:  # a connection still closing; it goes on its own
+                pass
+
+    # -- called by connections ---------------------------------------------------------------
+    def _check_new(self, rank: int) -> None:
+        if self._closed:
+            raise AuthenticationError("transport closed")
+        if rank in self._conns:
+            raise AuthenticationError(f"rank {rank} is already connected")
+        if rank in self._lost:
+            raise AuthenticationError(f"rank {rank} was lost; reconnecting is not supported")
+
+    def _register(self, conn: TcpConnection) -> None:
+        self._check_new(conn.peer)
+        self._conns[conn.peer] = conn
+        self.stats.connections += 1
+        w = self._waiters.pop(conn.peer, None)
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _peer_lost(self, conn: TcpConnection, cause: BaseException) -> BaseException:
+        """Retire ``conn``'s peer; return the exception its pending operations fail with."""
+        if self._closed or self._conns.get(conn.peer) is not conn:
+            return cause if isinstance(cause, TransportClosedError) else TransportClosedError(
+                "transport closed")
+        del self._conns[conn.peer]
+        exc = lost(conn.peer, str(cause) or type(cause).__name__, cause)
+        self._lost[conn.peer] = exc
+        self.stats.peers_lost += 1
+        if conn.error is None:
+            log.warning("tcp rank %d: lost rank %d: %s", self.rank, conn.peer, exc.reason)
+        self.matcher.fail_peer(conn.peer, exc)
+        return exc
+
+    def _rejected(self, conn: TcpConnection, reason: str) -> None:
+        self.stats.frames_rejected += 1
+        self.stats.reasons.append(reason)
+        log.warning("tcp rank %d: closing the connection of rank %d: %s", self.rank, conn.peer,
+                    reason)
+
+    def _refused(self, conn: TcpConnection, reason: str) -> None:
+        self.stats.handshakes_rejected += 1
+        self.stats.reasons.append(reason)
+        peer = conn.tr.get_extra_info("peername") if conn.tr is not None else None
+        log.warning("tcp rank %d: refusing connection from %s: %s", self.rank, peer, reason)
+
+
+def _factory(conn: TcpConnection) -> Callable[[], TcpConnection]:
+    return lambda: conn
+
+
+def _failed(loop: asyncio.AbstractEventLoop, exc: BaseException) -> asyncio.Future[None]:
+    fut: asyncio.Future[None] = loop.create_future()
+    fut.set_exception(exc)
+    return fut
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> (host, port); ``ValueError`` naming the address otherwise.
+
+    >>> _host_port("tcp://127.0.0.1:5000")
+    ('127.0.0.1', 5000)
+    >>> _host_port("tcp://[::1]:0")
+    ('::1', 0)
+    """
+    scheme, loc = parse_address(address)
+    if scheme != "tcp":
+        raise ValueError(f"address {address!r} is not a tcp:// address")
+    host, sep, port = loc.rpartition(":")
+    if not sep or not port.isdigit() or not host or int(port) > 65535:
+        raise ValueError(f"address {address!r}: expected tcp://HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _join_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,903 @@
+"""``ucx://host:port``: point-to-point messaging over UCX, through the ``ucxx`` package.
+
+Install with ``pip install 'asynccoll[ucx]'``; ``ucxx`` is imported when a :class:`UcxTransport`
+is created, never when this module is merely imported.
+
+Design (the reasons are measured; see ``docs/transports.md``):
+
+* **One UCX context and worker per transport**, owned by it and destroyed by :meth:`close`; no
+  process-wide state, so several transports (ranks) can share a process, as tests do.
+* **Event-driven progress on the caller's event loop** (UCX "blocking" mode): the worker's
+  wake-up file descriptor is registered with the loop; on an event, or after new operations are
+  posted, the worker is progressed until it can be re-armed, and then the finished requests
+  are reaped. Nothing polls or spins; an idle transport costs no CPU but a watchdog timer that
+  fires every half second (UCX documents that a wake-up can be missed). ``ucxx``'s own
+  ``thread`` mode was 5-6x slower on two cores and its request waits spin on the loop, which is
+  why this module drives the worker itself.
+* **Wire format**: per ordered pair of ranks one UCX endpoint, authenticated by the job-secret
+  handshake of :mod:`asynccoll.transport.auth` over the endpoint's stream channel, in which each
+  side also chooses the two 64-bit tags its peer sends to it with. A frame is a tag message with
+  a 3-byte prefix (header length, flags) and the msgpack header, followed, unless the payload is
+  small enough to ride inline in that same message, by the payload as a second tag message. UCX
+  matches messages of one sender and tag in order, and every rank has one receive of headers
+  posted per peer at a time, so frames with one key arrive in order. Payloads land straight in
+  the destination (device memory for CuPy destinations); payloads of unknown length get a
+  buffer sized by the header.
+* **Failures**: UCX endpoint errors (peer gone, connection reset, cancelled requests) become
+  :class:`PeerLostError` for that rank, with the UCX exception chained, and fail every pending
+  operation that needs the rank. A peer that fails the handshake, sends a malformed frame or
+  exceeds the limits is disconnected with a logged reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import logging
+import os
+import socket
+import struct
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..buffers import is_cupy
+from ..errors import AuthenticationError, PeerLostError, ProtocolError, TransportClosedError
+from . import auth
+from .base import (
+    Header,
+    Limits,
+    Message,
+    Slot,
+    Transport,
+    _readable_bytes,
+    decode_header,
+    encode_header,
+)
+from .registry import parse_address
+
+__all__ = ["PROGRESS_MODES", "UcxTransport"]
+
+log = logging.getLogger("asynccoll.transport.ucx")
+
+#: progress modes this transport implements (see the module docstring for why only this one)
+PROGRESS_MODES = ("blocking",)
+
+_PREFIX = struct.Struct("<HB")  # header length, flags
+_INLINE = 1  # flag: the payload follows the header in the same message
+_BYE = 2  # flag, no header: the sender is closing; nothing follows
+_BYE_ACK = 4  # flag, no header: the answer to _BYE, sent after every frame before it was read
+# A header message stays below UCX's rendezvous threshold (ucxx sets 8 KiB) so that it travels
+# in one eager message; payloads that fit travel with it and cost one small copy at the receiver.
+_EAGER_BYTES = 8192
+# after the proofs: the tag base the peer sends to us with, the length of our UCX worker address
+# (0: no shared-memory endpoint offered) and our host's identity
+_TAGS = struct.Struct("<QH16s")
+_WATCHDOG_S = 0.5
+_CLOSE_S = 0.5  # how long close() lets the endpoint closes progress
+_CLOSE_NS = 100_000_000  # how long cancelling in-flight requests may take
+
+_ucx: Any = None  # the lazily imported ucxx modules, see _load()
+
+
+def _load() -> Any:
+    """Import ``ucxx`` on first use; ``ImportError`` naming the ``ucx`` extra when absent."""
+    global _ucx
+    if _ucx is None:
+        try:
+            import ucxx  # noqa: F401  (loads libucx and sets ucxx's UCX defaults)
+            import ucxx._lib.libucxx as lib
+            from ucxx._lib.arr import Array
+            from ucxx.types import Tag
+        except ImportError as exc:
+            raise ImportError(
+                f"the ucx:// transport needs the ucxx package ({exc}); install it with: "
+                "pip install 'asynccoll[ucx]'") from exc
+
+        class _Mods:
+            pass
+
+        mods = _Mods()
+        mods.lib, mods.Array, mods.Tag = lib, Array, Tag  # type: ignore[attr-defined]
+        _ucx = mods
+    return _ucx
+
+
+class _DeviceView:
+    """A byte view of a CuPy array that :class:`Matcher` can slice and fill like a memoryview.
+
+    Held (early) frames are kept in host memory; filling a device view from them copies host to
+    device once.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def __len__(self) -> int:
+        return int(self.array.nbytes)
+
+    def __getitem__(self, index: slice) -> _DeviceView:
+        return _DeviceView(self.array[index])
+
+    def __setitem__(self, index: slice, data: Any) -> None:
+        if is_cupy(data):
+            self.array[index] = data
+        else:
+            self.array[index].set(np.frombuffer(data, np.uint8))
+
+    @property
+    def __cuda_array_interface__(self) -> Any:
+        return self.array.__cuda_array_interface__
+
+
+def _target(view: Any) -> Any:
+    """The object UCX reads or writes for a slot view (the CuPy array behind a device view)."""
+    return view.array if isinstance(view, _DeviceView) else view
+
+
+class _Progress:
+    """Drives one UCX worker from an asyncio loop, without threads and without polling.
+
+    ``watch(req, cb)`` calls ``cb(None)`` once ``req`` completes, or ``cb(exc)`` with the UCX
+    error. Costs O(pending requests) per wake-up.
+    """
+
+    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker = worker
+        self.loop = loop
+        worker.init_blocking_progress_mode()
+        self.fd: int = worker.epoll_file_descriptor
+        self.pending: list[tuple[Any, Callable[[BaseException | None], None]]] = []
+        self.scheduled = False
+        self.stopped = False
+        loop.add_reader(self.fd, self.run)
+        self.watchdog = loop.call_later(_WATCHDOG_S, self._tick)
+
+    def watch(self, req: Any, cb: Callable[[BaseException | None], None]) -> None:
+        self.pending.append((req, cb))
+        self.kick()
+
+    def kick(self) -> None:
+        """Progress soon (after the current callback): new operations were posted."""
+        if not self.scheduled and not self.stopped:
+            self.scheduled = True
+            self.loop.call_soon(self.run)
+
+    def run(self) -> None:
+        self.scheduled = False
+        if self.stopped:
+            return
+        w = self.worker
+        while True:
+            w.progress()
+            if self.pending:
+                self._reap()
+            # Re-arm only when UCX has nothing left to do; otherwise its wake-up could be lost.
+            if self.stopped or w.arm():
+                return
+
+    def _reap(self) -> None:
+        keep: list[tuple[Any, Callable[[BaseException | None], None]]] = []
+        done: list[tuple[Any, Callable[[BaseException | None], None]]] = []
+        for item in self.pending:
+            (done if item[0].completed else keep).append(item)
+        if not done:
+            return
+        self.pending = keep
+        for req, cb in done:
+            try:
+                req.check_error()
+            except Exception as exc:  # the ucxx error hierarchy, mapped by the callback
+                cb(exc)
+            else:
+                cb(None)
+
+    def _tick(self) -> None:
+        if not self.stopped:
+            self.run()
+            self.watchdog = self.loop.call_later(_WATCHDOG_S, self._tick)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Give every pending callback ``exc`` and forget the requests."""
+        pending, self.pending = self.pending, []
+        for _req, cb in pending:
+            cb(exc)
+
+    def stop(self, exc: BaseException) -> None:
+        """Stop driving the worker; every pending callback gets ``exc``."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self.watchdog.cancel()
+        self.loop.remove_reader(self.fd)
+        self.fail_all(exc)
+
+
+class _Peer:
+    """One authenticated endpoint and the tags of its two directions."""
+
+    __slots__ = (
+        "acked",
+        "ep",
+        "harr",
+        "hbuf",
+        "lost",
+        "rank",
+        "recv_htag",
+        "recv_ptag",
+        "send_htag",
+        "send_ptag",
+        "sends",
+        "tx",
+    )
+
+    def __init__(self, rank: int, ep: Any, tx: Any, recv_base: int, send_base: int,
+                 hbytes: int) -> None:
+        tag = _load().Tag
+        self.rank = rank
+        self.ep = ep  # authenticated, error-handled: receives, and failure detection
+        self.tx = tx  # sends: ``ep``, or a shared-memory endpoint to the same peer
+        self.sends: set[_Send] = set()
+        self.recv_htag, self.recv_ptag = tag(recv_base), tag(recv_base + 1)
+        self.send_htag, self.send_ptag = tag(send_base), tag(send_base + 1)
+        self.hbuf = bytearray(hbytes)
+        self.harr = _load().Array(self.hbuf)
+        self.lost: BaseException | None = None
+        self.acked = False
+
+
+@functools.cache
+def _host_id() -> bytes:
+    """16 bytes that differ between hosts (name and boot), equal for ranks on one host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read()
+    except OSError:
+        boot = b""
+    return hashlib.blake2b(socket.gethostname().encode() + boot, digest_size=16).digest()
+
+
+def _tag_base() -> int:
+    return int.from_bytes(os.urandom(8), "little") & ~1
+
+
+class UcxTransport(Transport):
+    """One rank's UCX endpoint set.
+
+    ``secret``: the job secret (at least 16 bytes) every connection must prove knowledge of.
+    ``progress_mode``: ``"blocking"`` (the default and only mode; see the module docstring).
+    ``ucx_options``: UCX configuration for this transport's context, without the ``UCX_``
+    prefix (``{"TLS": "tcp,self"}``); environment variables ``UCX_*`` apply first.
+    ``shared_memory``: between two ranks on one host that both ask for it, frames travel over a
+    second endpoint made from the peer's UCX worker address without endpoint error handling, on
+    which UCX picks shared memory (sysv/posix, and cma for large messages) instead of TCP; the
+    authenticated, error-handled endpoint stays open to detect a failed peer. Off by default:
+    UCX documents that a transport error on an endpoint without error handling may abort the
+    process, so a peer dying mid-transfer is a risk the job must accept.
+    ``handshake_timeout``: seconds an accepted connection may take to authenticate.
+
+    The transport must be used from one event loop; ``listen`` and ``connect`` bind it to the
+    running loop. Connections: the higher rank of each pair connects to the lower one.
+    """
+
+    scheme = "ucx"
+    supports_device: ClassVar[bool] = True
+
+    def __init__(self, rank: int, world_size: int, *, secret: bytes, limits: Limits | None = None,
+                 progress_mode: str | None = None, ucx_options: Mapping[str, str] | None = None,
+                 shared_memory: bool = False, handshake_timeout: float = 10.0) -> None:
+        super().__init__(rank, world_size, limits=limits)
+        self._secret = auth.check_secret(secret)
+        mode = "blocking" if progress_mode is None else progress_mode
+        if mode not in PROGRESS_MODES:
+            raise ValueError(f"progress_mode must be one of {PROGRESS_MODES}, got {mode!r}")
+        if ucx_options is not None and not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in ucx_options.items()):
+            raise TypeError("ucx_options must map str to str")
+        if handshake_timeout <= 0:
+            raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout}")
+        _load()
+        self.progress_mode = mode
+        self.shared_memory = bool(shared_memory)
+        self._options = dict(ucx_options or {})
+        self._handshake_timeout = handshake_timeout
+        self._hbytes = _PREFIX.size + self.limits.max_header_bytes + _EAGER_BYTES
+        self._address = ""
+        self._closed = False
+        self._context: Any = None
+        self._worker: Any = None
+        self._listener: Any = None
+        self._progress: _Progress | None = None
+        self._peers: dict[int, _Peer] = {}
+        self._arrived: asyncio.Event | None = None
+        self._bye_event = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._dropped: list[Any] = []
+        self._held_order: dict[tuple[int, int, int, int], deque[list[Any]]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- setup -------------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def ucx_config(self) -> dict[str, str]:
+        """The UCX configuration in force for this transport's context (after :meth:`listen`)."""
+        if self._context is None:
+            raise TransportClosedError("listen() or connect() first")
+        return dict(self._context.config)
+
+    def _start(self) -> _Progress:
+        if self._closed:
+            raise TransportClosedError("transport closed")
+        if self._progress is None:
+            lib = _load().lib
+            self._loop = asyncio.get_running_loop()
+            self._context = lib.UCXContext(self._options)
+            self._worker = lib.UCXWorker(self._context)
+            self._progress = _Progress(self._worker, self._loop)
+            self._arrived = asyncio.Event()
+        elif asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("a UcxTransport must be used from the loop that started it")
+        return self._progress
+
+    async def listen(self, address: str = "ucx://127.0.0.1:0") -> str:
+        """Accept connections on ``host:port`` (port 0: any free one); return the address.
+
+        UCX listens on every interface of the host; ``host`` is the address published to
+        peers.
+        """
+        scheme, loc = parse_address(address)
+        host, sep, port_s = loc.rpartition(":")
+        if scheme != "ucx" or not sep or not port_s.isdigit():
+            raise ValueError(f"address must look like ucx://HOST:PORT, got {address!r}")
+        if self._listener is not None:
+            raise RuntimeError(f"already listening on {self._address}")
+        self._start()
+        lib = _load().lib
+        self._listener = lib.UCXListener.create(
+            self._worker, int(port_s), self._on_conn_request, deliver_endpoint=False)
+        if host in ("", "0.0.0.0"):
+            host = self._listener.ip
+        self._address = f"ucx://{host}:{self._listener.port}"
+        return self._address
+
+    async def connect(self, peers: Mapping[int, str], timeout: float = 30.0) -> None:
+        """Connect to every rank in ``peers`` within ``timeout`` seconds.
+
+        Ranks below this one are dialled (retrying with backoff until the deadline); ranks
+        above connect to us, and this waits for them. Raises :class:`PeerLostError` naming a
+        rank not connected in time and :class:`AuthenticationError` when a peer fails the
+        handshake.
+        """
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self._start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        dials = []
+        for rank, addr in peers.items():
+            if not 0 <= rank < self.world_size:
+                raise ValueError(f"peer rank {rank} outside 0..{self.world_size - 1}")
+            if rank == self.rank or rank in self._peers:
+                continue
+            if rank < self.rank:
+                dials.append(self._dial(rank, addr, deadline))
+        if dials:
+            await asyncio.gather(*dials)
+        assert self._arrived is not None
+        while True:
+            missing = [r for r in peers if r != self.rank and r not in self._peers]
+            if not missing:
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                raise PeerLostError(missing[0], f"did not connect within {timeout} s "
+                                    f"(waiting for ranks {missing})")
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _dial(self, rank: int, address: str, deadline: float) -> None:
+        scheme, loc = parse_address(address)
+        host, _, port_s = loc.rpartition(":")
+        if scheme != "ucx" or not port_s.isdigit():
+            raise ValueError(f"peer {rank} address must look like ucx://HOST:PORT, got {address!r}")
+        loop = asyncio.get_running_loop()
+        lib = _load().lib
+        delay = 0.01
+        while True:
+            ep = lib.UCXEndpoint.create(self._worker, host, int(port_s), True)
+            try:
+                await self._handshake_connector(rank, ep, deadline)
+                return
+            except AuthenticationError:
+                self._drop_ep(ep)
+                raise
+            except (Exception, asyncio.TimeoutError) as exc:
+                self._drop_ep(ep)
+                if self._closed:
+                    raise TransportClosedError("transport closed while connecting") from exc
+                if loop.time() + delay >= deadline:
+                    raise _lost(rank, f"could not connect to {address}: {exc!r}", exc) from exc
+                log.debug("rank %d: connecting to rank %d at %s: %r; retrying", self.rank, rank,
+                          address, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def _io(self, op: Callable[[Any], Any], buf: bytes | bytearray, deadline: float) -> None:
+        """Run one UCX stream operation on ``buf``; wait for it until ``deadline`` (loop time)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        arr = _load().Array(buf)
+        req = op(arr)
+
+        def done(exc: BaseException | None) -> None:
+            del keep[:]  # UCX reads or writes ``buf`` until here
+            if fut.done():
+                return
+            if exc is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(exc)
+
+        keep = [arr, buf]
+        assert self._progress is not None
+        self._progress.watch(req, done)
+        await asyncio.wait_for(fut, max(deadline - asyncio.get_running_loop().time(), 0.001))
+
+    async def _handshake_connector(self, rank: int, ep: Any, deadline: float) -> None:
+        nonce_c = auth.new_nonce()
+        await self._io(ep.stream_send,
+                       auth.make_hello(self.rank, self.world_size, rank, nonce_c), deadline)
+        raw = bytearray(auth.CHALLENGE_SIZE)
+        await self._io(ep.stream_recv, raw, deadline)
+        ch = auth.parse_challenge(bytes(raw))
+        if ch.rank != rank or ch.world_size != self.world_size:
+            raise AuthenticationError(f"expected rank {rank} of {self.world_size}, reached rank "
+                                      f"{ch.rank} of {ch.world_size}")
+        auth.verify(auth.acceptor_mac(self._secret, self.rank, rank, self.world_size, nonce_c,
+                                      ch.nonce), ch.mac, f"rank {rank}")
+        recv_base = _tag_base()
+        proof = auth.connector_mac(self._secret, self.rank, rank, self.world_size, nonce_c,
+                                   ch.nonce)
+        offer = self._offer()
+        await self._io(ep.stream_send, proof + _TAGS.pack(recv_base, len(offer), _host_id()),
+                       deadline)
+        if offer:
+            await self._io(ep.stream_send, offer, deadline)
+        ack = bytearray(auth.ACCEPT_SIZE + _TAGS.size)
+        await self._io(ep.stream_recv, ack, deadline)
+        if bytes(ack[:auth.ACCEPT_SIZE]) != auth.ACCEPT:
+            raise AuthenticationError(f"rank {rank} rejected our proof of the job secret")
+        send_base, n, host = _TAGS.unpack_from(ack, auth.ACCEPT_SIZE)
+        peer_addr = bytearray(n)
+        if n:
+            await self._io(ep.stream_recv, peer_addr, deadline)
+        self._add_peer(rank, ep, recv_base, send_base, self._shm_with(bytes(peer_addr), host))
+
+    def _on_conn_request(self, conn_request: Any) -> None:
+        # Called by UCX from inside worker progress: create the endpoint now, talk later.
+        if self._closed:
+            return
+        try:
+            ep = self._listener.create_endpoint_from_conn_request(conn_request, True)
+        except Exception as exc:  # a connection that failed before it was accepted
+            log.warning("rank %d: could not accept a connection: %r", self.rank, exc)
+            return
+        assert self._loop is not None
+        task = self._loop.create_task(self._accept(ep))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, ep: Any) -> None:
+        deadline = asyncio.get_running_loop().time() + self._handshake_timeout
+        peer = "unknown rank"
+        try:
+            raw = bytearray(auth.HELLO_SIZE)
+            await self._io(ep.stream_recv, raw, deadline)
+            hello = auth.parse_hello(bytes(raw))
+            peer = f"rank {hello.rank}"
+            if hello.world_size != self.world_size or hello.wanted != self.rank:
+                raise AuthenticationError(
+                    f"peer wants rank {hello.wanted} of {hello.world_size}, this is rank "
+                    f"{self.rank} of {self.world_size}")
+            if not self.rank < hello.rank < self.world_size or hello.rank in self._peers:
+                raise AuthenticationError(f"unexpected or duplicate connection from {peer}")
+            nonce_a = auth.new_nonce()
+            mac = auth.acceptor_mac(self._secret, hello.rank, self.rank, self.world_size,
+                                    hello.nonce, nonce_a)
+            await self._io(ep.stream_send,
+                           auth.make_challenge(self.rank, self.world_size, nonce_a, mac), deadline)
+            proof = bytearray(auth.PROOF_SIZE + _TAGS.size)
+            await self._io(ep.stream_recv, proof, deadline)
+            expected = auth.connector_mac(self._secret, hello.rank, self.rank, self.world_size,
+                                          hello.nonce, nonce_a)
+            try:
+                auth.verify(expected, memoryview(proof)[:auth.PROOF_SIZE], peer)
+            except AuthenticationError:
+                await self._io(ep.stream_send, b"\x00" * (auth.ACCEPT_SIZE + _TAGS.size),
+                               deadline)
+                raise
+            send_base, n, host = _TAGS.unpack_from(proof, auth.PROOF_SIZE)
+            peer_addr = bytearray(n)
+            if n:
+                await self._io(ep.stream_recv, peer_addr, deadline)
+            if hello.rank in self._peers:
+                raise AuthenticationError(f"duplicate connection from {peer}")
+            recv_base = _tag_base()
+            offer = self._offer()
+            # Register before the reply leaves, so that no frame can arrive unreceived.
+            self._add_peer(hello.rank, ep, recv_base, send_base,
+                           self._shm_with(bytes(peer_addr), host))
+            await self._io(ep.stream_send, auth.ACCEPT + _TAGS.pack(recv_base, len(offer),
+                                                                     _host_id()), deadline)
+            if offer:
+                await self._io(ep.stream_send, offer, deadline)
+        except (Exception, asyncio.TimeoutError) as exc:
+            if not self._closed:
+                log.warning("rank %d: refused connection from %s: %s", self.rank, peer,
+                            exc if isinstance(exc, AuthenticationError) else repr(exc))
+            if not any(p.ep is ep for p in self._peers.values()):
+                self._drop_ep(ep)
+
+    def _offer(self) -> bytes:
+        """Our worker address when we offer a shared-memory endpoint, else nothing."""
+        return bytes(self._worker.address.tobytes()) if self.shared_memory else b""
+
+    def _shm_with(self, peer_addr: bytes, host: bytes) -> bytes | None:
+        """The peer's worker address when both sides want shared memory on one host."""
+        return peer_addr if self.shared_memory and peer_addr and host == _host_id() else None
+
+    def _add_peer(self, rank: int, ep: Any, recv_base: int, send_base: int,
+                  peer_addr: bytes | None) -> None:
+        tx = ep
+        if peer_addr is not None:
+            lib = _load().lib
+            tx = self._worker.create_endpoint_from_worker_address(
+                lib.UCXAddress.create_from_buffer(peer_addr), False)
+        p = _Peer(rank, ep, tx, recv_base, send_base, self._hbytes)
+        self._peers[rank] = p
+        ep.set_close_callback(self._on_ep_error, (rank,))
+        self._post_header_recv(p)
+        if self._arrived is not None:
+            self._arrived.set()
+
+    def _drop_ep(self, ep: Any) -> None:
+        # Closing an endpoint twice, or one that UCX already closed on an error, crashes the
+        # process: remember what was closed (which also keeps it alive while it closes).
+        if any(e is ep for e in self._dropped):
+            return
+        self._dropped.append(ep)
+        try:
+            if ep.alive:
+                ep.close()
+        except Exception as exc:  # closing a failed endpoint may itself report the failure
+            log.debug("closing a UCX endpoint: %r", exc)
+
+    # -- receiving ---------------------------------------------------------------------------
+    def _post_header_recv(self, p: _Peer) -> None:
+        if p.acked or not p.ep.alive or self._progress is None or self._progress.stopped:
+            return
+        assert self._progress is not None
+        self._progress.watch(p.ep.tag_recv(p.harr, p.recv_htag),
+                             functools.partial(self._on_header, p))
+
+    def _on_header(self, p: _Peer, exc: BaseException | None) -> None:
+        if exc is not None:
+            self._lose(p, "receive failed", exc)
+            return
+        raw = memoryview(p.hbuf)
+        hlen, flags = _PREFIX.unpack_from(raw)
+        if flags & (_BYE | _BYE_ACK) and not hlen:
+            self._on_bye(p, flags)
+            return
+        start = _PREFIX.size + hlen
+        try:
+            if start > len(raw):
+                raise ProtocolError(f"header length {hlen} exceeds the message")
+            h = decode_header(raw[_PREFIX.size:start], self.world_size, self.limits)
+            if h.src != p.rank:
+                raise ProtocolError(f"frame claims source rank {h.src}")
+            if flags & _INLINE and start + h.length > len(raw):
+                raise ProtocolError(f"inline payload of {h.length} bytes exceeds the message")
+            slot = self.matcher.begin(h)
+        except ProtocolError as err:
+            self._disconnect(p, err)
+            return
+        if flags & _INLINE or not h.length:
+            if h.length:
+                slot.view[:] = raw[start:start + h.length]
+            self._complete(slot, None)
+        else:
+            entry = self._order(slot)
+            assert self._progress is not None
+            req = p.ep.tag_recv(_load().Array(_target(slot.view)), p.recv_ptag)
+            self._progress.watch(req, functools.partial(self._on_payload, p, slot, entry))
+        self._post_header_recv(p)
+
+    def _on_bye(self, p: _Peer, flags: int) -> None:
+        if flags & _BYE_ACK:
+            p.acked = True
+            self._bye_event.set()
+            return
+        # Every frame the peer sent before its goodbye has been read: answer, then forget it.
+        self._send_control(p, _BYE_ACK)
+        self._lose(p, "peer closed", None)
+        self._post_header_recv(p)  # our own goodbye's answer may still come
+
+    def _send_control(self, p: _Peer, flags: int) -> None:
+        msg = _PREFIX.pack(0, flags)
+        arr = _load().Array(msg)
+        assert self._progress is not None
+        self._progress.watch(p.tx.tag_send(arr, p.send_htag), functools.partial(_ignore, arr))
+
+    def _order(self, slot: Slot) -> list[Any] | None:
+        """Reserve ``slot``'s place among the held frames of its key (None: not to be held).
+
+        Payloads of one key may finish out of order (a small inline frame overtakes a large
+        one still streaming); held frames must still queue in arrival order.
+        """
+        if slot.posted is not None or slot.discard:
+            return None
+        h = slot.header
+        key = (h.src, h.sched, h.execution, h.tag)
+        entry: list[Any] = [slot, False]
+        q = self._held_order.get(key)
+        if q is None:
+            self._held_order[key] = deque((entry,))
+        else:
+            q.append(entry)
+        return entry
+
+    def _complete(self, slot: Slot, entry: list[Any] | None) -> None:
+        if entry is None:
+            h = slot.header
+            key = (h.src, h.sched, h.execution, h.tag)
+            if slot.posted is not None or slot.discard or key not in self._held_order:
+                self.matcher.complete(slot)
+                return
+            entry = [slot, True]
+            self._held_order[key].append(entry)
+        entry[1] = True
+        h = slot.header
+        key = (h.src, h.sched, h.execution, h.tag)
+        q = self._held_order[key]
+        while q and q[0][1]:
+            done = q.popleft()[0]
+            if done is not None:
+                self.matcher.complete(done)
+        if not q:
+            del self._held_order[key]
+
+    def _on_payload(self, p: _Peer, slot: Slot, entry: list[Any] | None,
+                    exc: BaseException | None) -> None:
+        if exc is None:
+            self._complete(slot, entry)
+            return
+        if entry is not None:
+            entry[0] = None  # the frame is lost; do not let it block those behind it
+            self._complete(slot, entry)
+        err = self._map(p.rank, "payload receive failed", exc)
+        if slot.posted is not None and not slot.posted.fut.done():
+            slot.posted.fut.set_exception(err)
+        self._lose(p, "payload receive failed", exc)
+
+    def post_recv(self, src: int, sched: int, execution: int, tag: int,
+                  buf: Any = None) -> asyncio.Future[Message]:
+        """As :meth:`Transport.post_recv`; ``buf`` may also be a CuPy array (device memory)."""
+        if is_cupy(buf):
+            if not 0 <= src < self.world_size:
+                raise ValueError(f"src must be in 0..{self.world_size - 1}, got {src}")
+            if not buf.flags.c_contiguous:
+                raise ValueError("receive buffer must be C-contiguous")
+            view: Any = _DeviceView(buf.reshape(-1).view(np.uint8))
+            return self.matcher.post(src, sched, execution, tag, view)
+        return super().post_recv(src, sched, execution, tag, buf)
+
+    # -- sending -----------------------------------------------------------------------------
+    def post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
+        """Send a frame; the future resolves once UCX no longer needs ``payload``.
+
+        Payloads up to about 8 KiB are copied into the header message; larger ones (and CuPy
+        arrays, sent from device memory) go as a second message straight from ``payload``.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        if self._closed:
+            fut.set_exception(TransportClosedError("transport closed"))
+            return fut
+        if dst == self.rank:
+            return self._loopback_any(header, payload)
+        p = self._peers.get(dst)
+        if p is None or p.lost is not None:
+            fut.set_exception(p.lost if p is not None and p.lost is not None
+                              else PeerLostError(dst, "not connected"))
+            return fut
+        device = is_cupy(payload)
+        if device:
+            if int(payload.nbytes) != header.length:
+                raise ValueError(f"payload has {payload.nbytes} bytes, header says "
+                                 f"{header.length}")
+            data: Any = payload
+        else:
+            data = _readable_bytes(payload)
+            if len(data) < header.length:
+                raise ValueError(f"payload has {len(data)} bytes, header says {header.length}")
+            data = data[:header.length]
+        enc = encode_header(header)
+        size = _PREFIX.size + len(enc)
+        inline = not device and size + header.length <= _EAGER_BYTES
+        if inline:
+            msg = _PREFIX.pack(len(enc), _INLINE) + enc + bytes(data)
+        else:
+            msg = _PREFIX.pack(len(enc), 0) + enc
+        arr = _load().Array
+        assert self._progress is not None
+        done = _Send(self, p, fut, 1 if inline or not header.length else 2, (msg, data))
+        p.sends.add(done)
+        self._progress.watch(p.tx.tag_send(arr(msg), p.send_htag), done)
+        if done.left == 2:
+            self._progress.watch(p.tx.tag_send(arr(data), p.send_ptag), done)
+        return fut
+
+    def _loopback_any(self, header: Header, payload: Any) -> asyncio.Future[None]:
+        if not is_cupy(payload):
+            return self._loopback(header, payload)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            slot = self.matcher.begin(header)
+        except ProtocolError as exc:
+            fut.set_exception(exc)
+            return fut
+        if header.length:
+            src = payload.reshape(-1).view(np.uint8)[: header.length]
+            view = slot.view
+            if isinstance(view, _DeviceView):
+                view.array[...] = src
+            else:
+                view[:] = src.get().data
+        self.matcher.complete(slot)
+        fut.set_result(None)
+        return fut
+
+    # -- failures and closing ----------------------------------------------------------------
+    def _map(self, rank: int, reason: str, exc: BaseException) -> BaseException:
+        if self._closed:
+            return TransportClosedError("transport closed")
+        if isinstance(exc, (PeerLostError, TransportClosedError)):
+            return exc
+        return _lost(rank, f"{reason}: {exc}", exc)
+
+    def _on_ep_error(self, rank: int) -> None:
+        # Called by UCX (inside progress) when the endpoint fails or is closed.
+        p = self._peers.get(rank)
+        if p is None or p.lost is not None:
+            self._bye_event.set()
+            return
+        cause: BaseException = ConnectionError("UCX endpoint closed")
+        try:
+            p.ep.raise_on_error()
+        except Exception as exc:  # the ucxx error that closed the endpoint
+            cause = exc
+        self._lose(p, "endpoint error", cause)
+
+    def _lose(self, p: _Peer, reason: str, cause: BaseException | None) -> None:
+        if self._closed:
+            self._bye_event.set()
+            return
+        if p.lost is not None:
+            return
+        exc = PeerLostError(p.rank, reason) if cause is None else self._map(p.rank, reason, cause)
+        p.lost = exc
+        log.info("rank %d: lost rank %d: %s", self.rank, p.rank, exc)
+        self.matcher.fail_peer(p.rank, exc)
+        # Sends on a shared-memory endpoint (no error handling) would never learn of it.
+        sends, p.sends = p.sends, set()
+        for snd in sends:
+            if not snd.fut.done():
+                snd.fut.set_exception(exc)
+
+    def _disconnect(self, p: _Peer, err: ProtocolError) -> None:
+        """Close the connection of a peer that broke the protocol; log the reason."""
+        log.warning("rank %d: disconnecting rank %d: %s", self.rank, p.rank, err)
+        self._lose(p, "protocol error", err)
+        self._drop_ep(p.ep)
+
+    async def close(self) -> None:
+        """Close every endpoint, the listener, the worker and the context.
+
+        Pending operations fail with :class:`TransportClosedError`. Idempotent. Takes a few
+        round trips, at most 0.5 s when peers do not answer.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        exc = TransportClosedError("transport closed")
+        self.matcher.close(exc)
+        for t in list(self._tasks):
+            t.cancel()
+        self._listener = None
+        prog = self._progress
+        if prog is not None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + _CLOSE_S
+            # Say goodbye and wait for the answers: UCX keeps a peer's messages in order, so an
+            # answer proves that everything sent before it was read, and the peers learn that
+            # this rank closed (rather than failed).
+            live = [p for p in self._peers.values() if p.lost is None and p.ep.alive]
+            for p in live:
+                self._send_control(p, _BYE)
+            while True:
+                waiting = [p for p in live if not p.acked and p.ep.alive]
+                if not waiting or loop.time() >= deadline:
+                    break
+                self._bye_event.clear()
+                try:
+                    await asyncio.wait_for(self._bye_event.wait(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    break
+            prog.fail_all(exc)
+            for p in self._peers.values():
+                if p.tx is not p.ep:
+                    self._drop_ep(p.tx)
+                self._drop_ep(p.ep)
+            eps = [e for e in self._dropped if not any(e is p.tx is not p.ep
+                                                          for p in self._peers.values())]
+            # Progress the closes for a moment so that peers learn of them now rather than
+            # from a keep-alive timeout.
+            while any(ep.alive for ep in eps) and loop.time() < deadline:
+                prog.kick()
+                await asyncio.sleep(0.002)
+            prog.stop(exc)
+            self._worker.cancel_inflight_requests(period=_CLOSE_NS, max_attempts=1)
+        self._peers.clear()
+        self._dropped = []
+        self._progress = None
+        self._worker = None
+        self._context = None
+
+
+class _Send:
+    """Completion of one frame's one or two UCX sends; holds the buffers UCX reads until then."""
+
+    __slots__ = ("fut", "keep", "left", "peer", "transport")
+
+    def __init__(self, transport: UcxTransport, peer: _Peer, fut: asyncio.Future[None],
+                 left: int, keep: tuple[Any, ...]) -> None:
+        self.transport = transport
+        self.peer = peer
+        self.fut = fut
+        self.left = left
+        self.keep = keep
+
+    def __call__(self, exc: BaseException | None) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.peer.sends.discard(self)
+        if self.fut.done():
+            return
+        if exc is not None:
+            t = self.transport
+            self.fut.set_exception(t._map(self.peer.rank, "send failed", exc))
+            t._lose(self.peer, "send failed", exc)
+        elif self.left == 0:
+            self.fut.set_result(None)
+            self.keep = ()
+
+
+def _ignore(_keep: Any, _exc: BaseException | None) -> None:
+    """Completion of a control message: nothing to do (``_keep`` holds its buffer till now)."""
+
+
+def _lost(rank: int, reason: str, cause: BaseException) -> PeerLostError:
+    exc = PeerLostError(rank, reason)
+    exc.__cause__ = cause
+    return exc

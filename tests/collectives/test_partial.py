@@ -1,0 +1,156 @@
+"""The partial-allreduce schedule builder: initiator sets, validation, identities, structure."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from asynccoll.collectives.partial import (
+    COUNT,
+    FRESH,
+    SNAPSHOTS,
+    STATE_LEN,
+    build_partial_allreduce,
+    check_kind,
+    identity,
+    initiators,
+)
+from asynccoll.sched import KERNELS, Schedule
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 7, 16])
+def test_initiator_sets(P: int) -> None:
+    for e in range(200):
+        assert initiators("solo", e, P) == frozenset(range(P))
+        assert initiators("quorum", e, P) == frozenset(range(P))
+        (m,) = initiators("majority", e, P, seed=5)
+        assert 0 <= m < P
+        two = initiators("two_choice", e, P, seed=5)
+        assert len(two) == min(2, P)
+        assert all(0 <= r < P for r in two)
+        # a pure function: the same on every rank, every time
+        assert initiators("two_choice", e, P, seed=5) == two
+
+
+def test_majority_draw_is_uniform_and_seeded() -> None:
+    P, n = 8, 4000
+    counts = collections.Counter(next(iter(initiators("majority", e, P, seed=1)))
+                                 for e in range(n))
+    assert set(counts) == set(range(P))
+    assert max(counts.values()) - min(counts.values()) < 0.25 * n / P
+    a = [initiators("majority", e, P, seed=1) for e in range(50)]
+    b = [initiators("majority", e, P, seed=2) for e in range(50)]
+    assert a != b
+
+
+def test_two_choice_pairs_are_uniform() -> None:
+    P, n = 5, 6000
+    counts = collections.Counter(initiators("two_choice", e, P, seed=3) for e in range(n))
+    assert len(counts) == P * (P - 1) // 2
+    expect = n / len(counts)
+    assert all(abs(c - expect) < 0.25 * expect for c in counts.values())
+
+
+def test_check_kind_errors() -> None:
+    assert check_kind("solo", 4, None) is None
+    assert check_kind("quorum", 4, 3) == 3
+    with pytest.raises(ValueError, match="kind"):
+        check_kind("bogus", 4, None)
+    for bad in (0, 5, -1, None, 2.5, True):
+        with pytest.raises(ValueError, match="quorum"):
+            check_kind("quorum", 4, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="quorum"):
+        check_kind("solo", 4, 2)
+
+
+def test_identity() -> None:
+    assert identity("sum", "float32") == 0
+    assert identity("prod", "int32") == 1
+    assert identity("min", "float64") == np.inf
+    assert identity("max", "float64") == -np.inf
+    assert identity("min", "int8") == 127
+    assert identity("max", "uint16") == 0
+    assert identity("sum", "bool") is False
+    assert identity("prod", "bool") is True
+    with pytest.raises(ValueError, match="op"):
+        identity("mean", "float32")
+
+
+@pytest.mark.parametrize(("kind", "quorum"), [("solo", None), ("majority", None),
+                                         ("two_choice", None), ("quorum", 2)])
+@pytest.mark.parametrize("P", [1, 3, 4])
+def test_schedule_structure(kind: str, quorum: int | None, P: int) -> None:
+    for r in range(P):
+        q = None if quorum is None else min(quorum, P)
+        s = build_partial_allreduce(r, P, 10, "float32", kind=kind, quorum=q)
+        assert s.committed
+        starts = [i for i, op in enumerate(s.ops) if not op.deps and op.kind != "recv"]
+        assert len(starts) == 1  # the internal start is the only start source
+        # the final op must not depend on the start: external activation completes without it
+        anc: set[int] = set()
+        stack = [s.final]
+        while stack:
+            i = stack.pop()
+            assert i is not None
+            for d in s.ops[i].deps:
+                if d not in anc:
+                    anc.add(d)
+                    stack.append(d)
+        snap = next(i for i, op in enumerate(s.ops) if op.kind == "compute"
+                    and op.kernel == "partial_snapshot")
+        assert snap in anc
+        activated = s.ops[snap].deps[0]
+        assert s.ops[activated].k == 1
+        if kind == "quorum":
+            kop = next(op for op in s.ops if op.label.startswith("quorum"))
+            assert kop.k == q
+            assert len(kop.deps) == P
+        assert Schedule.from_dict(s.to_dict()) == s
+
+
+@pytest.mark.parametrize(("kind", "quorum"), [("solo", None), ("majority", None), ("quorum", 3)])
+def test_final_reachable_without_internal_start(kind: str, quorum: int | None) -> None:
+    # Fire everything that can fire when the internal start never does and every receive
+    # arrives: the final op must complete (external activation needs no call on this rank).
+    s = build_partial_allreduce(1, 4, 8, "float64", kind=kind, quorum=quorum)
+    start = next(i for i, op in enumerate(s.ops) if op.label == "internal start")
+    done = {i for i, op in enumerate(s.ops) if not op.deps and i != start}
+    changed = True
+    while changed:
+        changed = False
+        for i, op in enumerate(s.ops):
+            if i not in done and i != start and op.deps \
+                    and sum(d in done for d in op.deps) >= op.k:
+                done.add(i)
+                changed = True
+    assert s.final in done
+    # and the arrival sends (quorum) are not needed by it
+    arrivals = {i for i, op in enumerate(s.ops) if op.label == "arrival out"}
+    assert not arrivals & done
+
+
+def test_snapshot_kernel() -> None:
+    acc = np.array([1.0, 2.0, 3.0])
+    data = np.zeros(3)
+    meta = np.zeros(8, np.int64)
+    state = np.zeros(STATE_LEN, np.int64)
+    state[COUNT], state[FRESH] = 2, 1
+    KERNELS["partial_snapshot"](None, [acc, data, meta, state],
+                                {"rank": 1, "world_size": 3, "op": "max", "sig": 9}, [])
+    assert data.tolist() == [1.0, 2.0, 3.0]
+    assert (acc == -np.inf).all()
+    assert meta.tolist() == [0, 2, 0, 0, 1, 0, 9, 0]
+    assert state[COUNT] == 0
+    assert state[FRESH] == 0
+    assert state[SNAPSHOTS] == 1
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="op"):
+        build_partial_allreduce(0, 2, 4, "float32", op="avg")
+    with pytest.raises(ValueError, match="algorithm"):
+        build_partial_allreduce(0, 2, 4, "float32", algorithm="tree")
+    with pytest.raises(ValueError, match="quorum"):
+        build_partial_allreduce(0, 2, 4, "float32", kind="quorum", quorum=3)

@@ -1,0 +1,79 @@
+"""Traces of Communicator runs: solo and majority allreduce over inproc and tcp, and a
+deliberately hung collective explained by name.
+
+These need the Communicator to trace (``local_world(..., trace=DIR)`` / ``connect(trace=DIR)``,
+writing with :class:`asynccoll.inspect.tracefile.TraceWriter`, recording ``contributors`` in
+``Trace.extra`` and a ``pending`` snapshot on timeout, and registering its executors with
+:func:`asynccoll.inspect.pending.register_executor`). Until ``local_world`` accepts ``trace``
+they skip, saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_inspect_trace import validate_trace_events
+
+from asynccoll import CollectiveTimeoutError
+from asynccoll.inspect.pending import explain, explain_executors, live_executors
+from asynccoll.inspect.perfetto import perfetto_json
+from asynccoll.inspect.summary import summarize
+from asynccoll.inspect.tracefile import load_dir
+from asynccoll.results import PartialResult
+from asynccoll.testing import local_world
+
+TRACING = "trace" in inspect.signature(local_world).parameters
+needs_tracing = pytest.mark.skipif(
+    not TRACING, reason="waits on the Communicator's trace support: local_world(..., trace=DIR)")
+
+
+@needs_tracing
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+@pytest.mark.parametrize("kind", ["solo", "majority"])
+async def test_traced_partial_run(tmp_path: Path, kind: str, transport: str) -> None:
+    world, steps = 4, 6
+    results: dict[int, list[PartialResult]] = {r: [] for r in range(world)}
+    async with local_world(world, transport, trace=str(tmp_path),  # type: ignore[call-arg]
+                           timeout=20) as comms:
+        like = np.zeros(8, np.float32)
+        handles = [c.partial_allreduce(kind, like=like) for c in comms]
+
+        async def worker(r: int) -> None:
+            for step in range(steps):
+                await asyncio.sleep(0.003 * r * (step % 2))  # skew: some rounds are partial
+                results[r].append(await handles[r](np.full(8, r + 1, np.float32)))
+            results[r].append(await handles[r].flush())
+
+        await asyncio.wait_for(asyncio.gather(*(worker(r) for r in range(world))), 60)
+    traces = load_dir(tmp_path)
+    (summ,) = [s for s in summarize(traces) if kind in s.name]
+    by_round = {d.execution: d for d in summ.executions}
+    assert sum(summ.nap.values()) == len(summ.executions) > 0
+    for r, rs in results.items():
+        for res in rs:
+            assert by_round[res.round].contributors == sorted(res.contributors), (r, res.round)
+    if kind == "majority":
+        assert all(len(d.initiators) == 1 for d in summ.executions)
+    validate_trace_events(json.loads(perfetto_json(traces)))
+
+
+@needs_tracing
+@pytest.mark.timeout(60)
+async def test_hung_collective_names_the_missing_rank(tmp_path: Path) -> None:
+    async with local_world(3, "inproc", trace=str(tmp_path)) as comms:  # type: ignore[call-arg]
+        x = np.ones(4, np.float32)
+        outcomes = await asyncio.wait_for(asyncio.gather(
+            comms[0].allreduce(x, timeout=0.5), comms[1].allreduce(x, timeout=0.5),
+            return_exceptions=True), 30)
+        assert all(isinstance(o, CollectiveTimeoutError) for o in outcomes), outcomes
+        mine = {c.transport for c in comms}
+        live = [ex for ex in live_executors() if ex.transport in mine]
+        assert [e.culprits for e in explain_executors(live)] == [[2]]
+    exps = explain(load_dir(tmp_path))
+    assert [e.culprits for e in exps] == [[2]], "\n".join(map(str, exps))

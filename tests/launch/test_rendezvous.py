@@ -1,0 +1,174 @@
+"""The rendezvous: every rank in one process (fast), and real processes via ``asynccoll run``."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asynccoll import AuthenticationError
+from asynccoll.buffers import dtype_to_wire
+from asynccoll.launch import (
+    JobSpec,
+    RendezvousError,
+    RendezvousTimeoutError,
+    StoreServer,
+    rendezvous,
+    resolve,
+)
+from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Kind
+
+SECRET = b"k" * 32
+HERE = Path(__file__).parent
+HAS_UCX = importlib.util.find_spec("ucxx") is not None
+
+
+def free_port() -> int:
+    """A port free now, below the ephemeral range, so that no outgoing connection of another
+    process takes it before the process under test binds it."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
+def specs(world: int, port: int, **kw: object) -> list[JobSpec]:
+    return [resolve(r, world, ("127.0.0.1", port), environ={}, secret=SECRET, **kw)  # type: ignore[arg-type]
+            for r in range(world)]
+
+
+async def ring(ts: list[object]) -> None:
+    p = len(ts)
+    outs = [np.full(1000, r, np.float32) for r in range(p)]
+    ins = [np.empty(1000, np.float32) for _ in range(p)]
+    futs = []
+    for r, t in enumerate(ts):
+        h = Header(PROTOCOL_VERSION, int(Kind.DATA), 1, 0, 0, r, dtype_to_wire(outs[r].dtype),
+                   outs[r].shape, int(Format.DENSE), outs[r].nbytes)
+        futs.append(t.post_recv((r - 1) % p, 1, 0, 0, ins[r]))  # type: ignore[attr-defined]
+        futs.append(t.post_send((r + 1) % p, h, outs[r]))  # type: ignore[attr-defined]
+    await asyncio.wait_for(asyncio.gather(*futs), 10.0)
+    for r in range(p):
+        assert (ins[r] == (r - 1) % p).all()
+
+
+@pytest.mark.timeout(30)
+async def test_in_process_rendezvous_over_tcp_with_rank0_hosting_the_store() -> None:
+    ss = specs(3, free_port())
+    assert ss[0].host_store
+    assert not ss[1].host_store
+    ts = await asyncio.wait_for(
+        asyncio.gather(*(rendezvous(s, timeout=15.0, generation=0) for s in ss)), 20.0)
+    try:
+        assert [t.scheme for t in ts] == ["tcp"] * 3
+        assert all(t.address.startswith("tcp://127.0.0.1:") for t in ts)
+        await ring(ts)
+    finally:
+        for t in ts:
+            await t.close()
+    # the store hosted by rank 0 has stopped
+    assert ss[0].store is not None
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", ss[0].store[1]), timeout=1.0).close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_job_can_rendezvous_again_after_closing() -> None:
+    # each call counts as the next generation of its rank at this store
+    port = free_port()
+    async with StoreServer("127.0.0.1", port, SECRET):  # a launcher's store outlives both
+        ss = specs(2, port, host_store=False)
+        for _ in range(2):
+            ts = await asyncio.wait_for(
+                asyncio.gather(*(rendezvous(s, timeout=10.0) for s in ss)), 15.0)
+            try:
+                await ring(ts)
+            finally:
+                for t in ts:
+                    await t.close()
+
+
+@pytest.mark.timeout(30)
+async def test_world_of_one_needs_no_store() -> None:
+    t = await rendezvous(resolve(0, 1, environ={}, secret=SECRET), timeout=5.0)
+    try:
+        assert t.world_size == 1
+    finally:
+        await t.close()
+
+
+@pytest.mark.timeout(30)
+async def test_missing_rank_times_out_naming_it() -> None:
+    ss = specs(3, free_port())
+    with pytest.raises(RendezvousTimeoutError) as info:
+        await asyncio.wait_for(asyncio.gather(rendezvous(ss[0], timeout=1.5, generation=0),
+                                              rendezvous(ss[1], timeout=1.5, generation=0)), 10.0)
+    assert info.value.missing == [2]
+    assert "[2]" in str(info.value)
+
+
+@pytest.mark.timeout(30)
+async def test_duplicate_rank_and_world_mismatch_are_refused() -> None:
+    port = free_port()
+    async with StoreServer("127.0.0.1", port, SECRET) as server:
+        a = resolve(1, 3, ("127.0.0.1", server.port), environ={}, secret=SECRET)
+        b = resolve(2, 4, ("127.0.0.1", server.port), environ={}, secret=SECRET)
+        # generation=0: as if from separate processes (one process counts its calls)
+        first = asyncio.create_task(rendezvous(a, timeout=5.0, generation=0))
+        await asyncio.sleep(0.3)
+        with pytest.raises(RendezvousError, match="claimed by 2"):
+            await rendezvous(a, timeout=5.0, generation=0)
+        with pytest.raises(RendezvousError, match="world size 4"):
+            await rendezvous(b, timeout=5.0, generation=0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+
+@pytest.mark.timeout(30)
+async def test_wrong_secret_fails_authentication() -> None:
+    port = free_port()
+    async with StoreServer("127.0.0.1", port, SECRET):
+        bad = resolve(1, 2, ("127.0.0.1", port), environ={}, secret=b"w" * 32)
+        with pytest.raises(AuthenticationError):
+            await rendezvous(bad, timeout=5.0)
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    p = subprocess.Popen([sys.executable, "-m", "asynccoll.cli", "run", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(HERE.parents[1])})
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", [
+    "tcp",
+    pytest.param("ucx", marks=pytest.mark.skipif(not HAS_UCX, reason="ucxx is not installed")),
+])
+def test_asynccoll_run_exchange(transport: str) -> None:
+    res = _run(["-n", "3", "--transport", transport, str(HERE / "_exchange.py")], timeout=80)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for r in range(3):
+        assert f"[{r}] rank {r} of 3 ok over {transport}" in res.stdout, res.stdout + res.stderr

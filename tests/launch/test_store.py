@@ -1,0 +1,248 @@
+"""The rendezvous store: every operation, authentication, limits, timeouts, atomicity."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgpack
+import pytest
+
+from asynccoll import AsyncCollError, AuthenticationError
+from asynccoll.launch.store import (
+    BlockingStoreClient,
+    StoreClient,
+    StoreError,
+    StoreLimits,
+    StoreServer,
+    StoreTimeoutError,
+)
+
+SECRET = b"s" * 32
+pytestmark = pytest.mark.timeout(20)
+
+
+async def _server(**limits: object) -> StoreServer:
+    return await StoreServer("127.0.0.1", 0, SECRET,
+                             limits=StoreLimits(**limits)).start()  # type: ignore[arg-type]
+
+
+async def _client(server: StoreServer, secret: bytes = SECRET, timeout: float = 5.0
+                  ) -> StoreClient:
+    return await StoreClient.connect("127.0.0.1", server.port, secret, timeout=timeout)
+
+
+async def test_set_get_check_compare_set() -> None:
+    async with await _server() as server, await _client(server) as c:
+        assert not await c.check(["a"])
+        await c.set("a", b"1")
+        assert await c.get("a") == b"1"
+        assert await c.check(["a"])
+        await c.set("a", b"2")
+        assert await c.get("a") == b"2"
+        # compare_set: absent -> first writer wins, others learn its value
+        assert await c.compare_set("k", None, b"first") == b"first"
+        assert await c.compare_set("k", None, b"second") == b"first"
+        assert await c.compare_set("k", b"wrong", b"third") == b"first"
+        assert await c.compare_set("k", b"first", b"fourth") == b"fourth"
+        assert await c.get("k") == b"fourth"
+
+
+async def test_get_waits_for_key_set_by_another_client() -> None:
+    async with await _server() as server, await _client(server) as a, \
+            await _client(server) as b:
+        getter = asyncio.create_task(a.get("late", timeout=5.0))
+        waiter = asyncio.create_task(a.wait(["late", "later"], timeout=5.0))
+        await asyncio.sleep(0.05)
+        assert not getter.done()
+        await b.set("late", b"v")
+        assert await asyncio.wait_for(getter, 2.0) == b"v"
+        assert not waiter.done()
+        await b.set("later", b"w")
+        await asyncio.wait_for(waiter, 2.0)
+
+
+async def test_wait_does_not_block_other_requests_of_the_same_client() -> None:
+    async with await _server() as server, await _client(server) as c:
+        waiter = asyncio.create_task(c.wait(["x"], timeout=5.0))
+        await asyncio.sleep(0.02)
+        await asyncio.wait_for(c.set("x", b"1"), 2.0)  # would deadlock if serialised
+        await asyncio.wait_for(waiter, 2.0)
+
+
+async def test_add_is_an_atomic_counter() -> None:
+    async with await _server() as server:
+        clients = [await _client(server) for _ in range(8)]
+        try:
+            results = await asyncio.gather(*(c.add("n", 1) for c in clients for _ in range(50)))
+            assert sorted(results) == list(range(1, 401))  # each increment seen exactly once
+            assert await clients[0].get("n") == b"400"
+            assert await clients[0].add("n", -400) == 0
+        finally:
+            for c in clients:
+                await c.close()
+
+
+async def test_add_on_a_non_integer_fails_cleanly() -> None:
+    async with await _server() as server, await _client(server) as c:
+        await c.set("s", b"abc")
+        with pytest.raises(StoreError, match="integer"):
+            await c.add("s", 1)
+        assert await c.get("s") == b"abc"  # the connection survives a refused request
+        with pytest.raises(TypeError, match="amount"):
+            await c.add("s", 1.5)  # type: ignore[arg-type]
+
+
+async def test_wait_timeout_names_missing_keys() -> None:
+    async with await _server() as server, await _client(server) as c:
+        await c.set("here", b"1")
+        with pytest.raises(StoreTimeoutError) as info:
+            await c.wait(["here", "absent1", "absent2"], timeout=0.2)
+        assert info.value.missing == ["absent1", "absent2"]
+        assert isinstance(info.value, AsyncCollError)
+        assert isinstance(info.value, TimeoutError)
+        with pytest.raises(StoreTimeoutError, match="absent"):
+            await c.get("absent1", timeout=0.1)
+
+
+async def test_wrong_secret_is_refused_and_server_carries_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with await _server() as server:
+        with pytest.raises(AuthenticationError, match="refused"):
+            await _client(server, secret=b"x" * 32)
+        assert any("wrong secret" in r.getMessage() for r in caplog.records)
+        async with await _client(server) as good:
+            await good.set("ok", b"1")
+            assert await good.get("ok") == b"1"
+
+
+async def test_client_detects_a_store_that_does_not_know_the_secret() -> None:
+    # a fake store that answers the handshake with a made-up proof
+    async def fake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = msgpack.packb(["hello", 1, b"n" * 32])
+        writer.write(struct.pack(">I", len(body)) + body)
+        (n,) = struct.unpack(">I", await reader.readexactly(4))
+        await reader.readexactly(n)
+        body = msgpack.packb(["ok", b"m" * 32])
+        writer.write(struct.pack(">I", len(body)) + body)
+        await writer.drain()
+        await reader.read()
+
+    srv = await asyncio.start_server(fake, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(AuthenticationError, match="does not know"):
+            await StoreClient.connect("127.0.0.1", port, SECRET, timeout=3.0)
+    finally:
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_unauthenticated_requests_are_refused() -> None:
+    async with await _server() as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        (n,) = struct.unpack(">I", await reader.readexactly(4))
+        assert msgpack.unpackb(await reader.readexactly(n))[0] == "hello"
+        body = msgpack.packb([0, "set", "k", b"v"])  # a request instead of the handshake
+        writer.write(struct.pack(">I", len(body)) + body)
+        rest = await asyncio.wait_for(reader.read(), 3.0)  # the server closes on us
+        assert b"denied" in rest
+        writer.close()
+        async with await _client(server) as c:
+            assert not await c.check(["k"])
+
+
+async def test_oversized_handshake_and_values_are_rejected() -> None:
+    async with await _server(max_value_bytes=1024) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(struct.pack(">I", 1 << 30))  # claims a 1 GiB handshake frame
+        assert await asyncio.wait_for(reader.read(), 3.0) is not None  # closed, not stuck
+        writer.close()
+        async with await _client(server) as c:
+            with pytest.raises(StoreError, match="exceeds"):
+                await c.set("big", b"x" * 2048)
+            await c.set("small", b"x" * 1024)
+            assert await c.get("small") == b"x" * 1024
+
+
+async def test_silent_client_is_dropped_after_handshake_timeout() -> None:
+    async with await _server(handshake_timeout=0.2) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        data = await asyncio.wait_for(reader.read(), 3.0)  # hello, then EOF after 0.2 s
+        assert data.startswith(b"\x00")
+        writer.close()
+
+
+async def test_connect_retries_until_the_server_starts() -> None:
+    probe = await _server()
+    port = probe.port
+    await probe.close()
+    connecting = asyncio.create_task(
+        StoreClient.connect("127.0.0.1", port, SECRET, timeout=5.0))
+    await asyncio.sleep(0.2)
+    server = await StoreServer("127.0.0.1", port, SECRET).start()
+    try:
+        c = await asyncio.wait_for(connecting, 5.0)
+        await c.set("a", b"b")
+        await c.close()
+    finally:
+        await server.close()
+
+
+async def test_connect_times_out_when_nothing_listens() -> None:
+    probe = await _server()
+    port = probe.port
+    await probe.close()
+    with pytest.raises(StoreTimeoutError, match="could not reach"):
+        await StoreClient.connect("127.0.0.1", port, SECRET, timeout=0.3)
+
+
+async def test_pending_operations_fail_when_the_server_goes_away() -> None:
+    server = await _server()
+    c = await _client(server)
+    waiter = asyncio.create_task(c.wait(["never"], timeout=10.0))
+    await asyncio.sleep(0.05)
+    await server.close()
+    with pytest.raises(StoreError, match="lost the connection"):
+        await asyncio.wait_for(waiter, 3.0)
+    with pytest.raises(StoreError):
+        await c.set("a", b"b")
+    await c.close()
+
+
+async def test_bad_arguments_name_the_parameter() -> None:
+    with pytest.raises(ValueError, match="secret"):
+        StoreServer("127.0.0.1", 0, b"short")
+    with pytest.raises(TypeError, match="secret"):
+        StoreServer("127.0.0.1", 0, "not bytes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="port"):
+        StoreServer("127.0.0.1", 70000, SECRET)
+    async with await _server() as server, await _client(server) as c:
+        with pytest.raises(TypeError, match="key"):
+            await c.set(1, b"v")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="value"):
+            await c.set("k", "v")  # type: ignore[arg-type]
+
+
+def test_blocking_client() -> None:
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(_server())
+    import threading
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        with BlockingStoreClient("127.0.0.1", server.port, SECRET, timeout=5.0) as c:
+            c.set("a", b"1")
+            assert c.get("a") == b"1"
+            assert c.add("n", 5) == 5
+            assert c.compare_set("a", b"1", b"2") == b"2"
+            assert c.check(["a", "n"])
+            c.wait(["a"], timeout=1.0)
+            with pytest.raises(StoreTimeoutError):
+                c.wait(["zz"], timeout=0.1)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(5.0)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5.0)
+        loop.close()

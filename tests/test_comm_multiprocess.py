@@ -1,0 +1,110 @@
+"""asynccoll.connect() in real processes: synchronous and partial collectives over tcp and ucx."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any
+
+import numpy as np
+import pytest
+
+import asynccoll
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+HAVE_UCX = importlib.util.find_spec("ucxx") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def rank_main(rank: int, P: int, port: int, transport: str) -> dict[str, Any]:
+    comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
+                                   transport=transport, timeout=60)
+    async with comm:
+        x = np.arange(10, dtype=np.float64) * (rank + 1)
+        s = await comm.allreduce(x, timeout=30)
+        assert np.array_equal(s, np.arange(10) * P * (P + 1) / 2), s
+        b = await comm.broadcast(x, root=P - 1, timeout=30)
+        assert np.array_equal(b, np.arange(10) * P)
+        out: dict[str, Any] = {"rank": comm.rank, "size": comm.size}
+        for kind, q in (("solo", None), ("majority", None), ("quorum", max(1, P - 1))):
+            h = comm.partial_allreduce(kind, like=x, accumulate=True, quorum=q)
+            got = np.zeros_like(x)
+            count = 0
+            for _ in range(6):
+                await asyncio.sleep(0.002 * rank)  # linear skew
+                r = await h(x, timeout=30)
+                got += r.value
+                count += r.count
+            f = await h.flush(timeout=30)
+            got += f.value
+            count += f.count
+            # every contribution of every rank counted exactly once, as seen by this rank
+            assert np.array_equal(got, 6 * np.arange(10) * P * (P + 1) / 2), (kind, got)
+            assert count == 6 * P
+        await comm.barrier(timeout=30)
+        out["transport"] = type(comm.transport).__name__
+    return out
+
+
+def child(rank: int, P: int, port: int, transport: str, q: Any) -> None:
+    try:
+        os.environ["ASYNCCOLL_SECRET"] = "multiprocess-test-secret-0123456789"
+        q.put((rank, "ok", asyncio.run(rank_main(rank, P, port, transport))))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_world(P: int, transport: str, timeout: float = 90.0) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=child, args=(r, P, port, transport, q), daemon=True)
+             for r in range(P)]
+    try:
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        while len(results) < P:
+            try:
+                rank, status, payload = q.get(timeout=timeout)
+            except queue.Empty:
+                pytest.fail(f"ranks {sorted(set(range(P)) - set(results))} did not report "
+                            f"within {timeout} s")
+            if status != "ok":
+                pytest.fail(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+        for p in procs:
+            p.join(10)
+        return [results[r] for r in range(P)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_tcp_processes(P: int) -> None:
+    out = run_world(P, "tcp")
+    assert [o["rank"] for o in out] == list(range(P))
+    assert all(o["size"] == P and o["transport"] == "TcpTransport" for o in out)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_UCX, reason="ucxx is not installed (pip install 'asynccoll[ucx]')")
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_ucx_processes(P: int) -> None:
+    out = run_world(P, "ucx")
+    assert all(o["transport"] == "UcxTransport" for o in out)
