@@ -27,17 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ._progress import ProgressEngine
 from .buffers import check_array, empty_like, is_cupy, reduce_into
-from .collectives.dense import allreduce as dense_allreduce
 from .collectives.dense import scratch_buffers
 from .collectives.partial import (
     COUNT,
-    FORCED,
+    FLUSHING,
     FRESH,
     SNAPSHOTS,
     STATE_LEN,
@@ -45,6 +45,8 @@ from .collectives.partial import (
     build_partial_allreduce,
     identity,
     initiators,
+    meta_len,
+    packs_meta,
     signature,
 )
 from .errors import BusyError, CollectiveTimeoutError, ExecutionError, TransportClosedError
@@ -52,7 +54,10 @@ from .results import PartialResult
 from .sched import Executor
 from .transport.base import PROTOCOL_VERSION, Format, Header, Kind, Transport
 
-__all__ = ["PartialAllreduce", "stable_id"]
+__all__ = ["Combine", "PartialAllreduce", "stable_id"]
+
+#: ``combine(acc, x, n, late) -> n'``: see :meth:`PartialAllreduce.__call__`.
+Combine = Callable[[Any, Any, int, bool], int]
 
 
 def stable_id(text: str, space: int) -> int:
@@ -94,13 +99,15 @@ class PartialAllreduce:
         flat_like = like.reshape(-1)
         self._acc = empty_like(flat_like)
         self._acc.fill(identity(op, self.dtype))
-        self._data = empty_like(flat_like)
-        self._meta = np.zeros(2 * P + 2, np.int64)
+        self._packed = packs_meta(self.dtype, op, P)
+        m = meta_len(P)
+        self._work = empty_like(flat_like, count + (m if self._packed else 0))
+        self._data = self._work[:count]  # the result part of the work buffer
+        self._meta = np.zeros(m, np.int64)
         self._sig = signature(kind, op, quorum, count, self.dtype, algorithm)
         self._state = np.zeros(STATE_LEN, np.int64)
         self.sched_id = stable_id(name, 0)
-        self._flush_id = stable_id(name, 1)
-        bufs = {"acc": self._acc, "data": self._data, "meta": self._meta, "state": self._state}
+        bufs = {"acc": self._acc, "data": self._work, "meta": self._meta, "state": self._state}
         bufs.update(scratch_buffers(sched))
         if is_cupy(flat_like):  # the data's scratch on the device, meta's on the host
             bufs.update({k: v for k, v in scratch_buffers(sched, flat_like).items()
@@ -114,14 +121,22 @@ class PartialAllreduce:
         self._wait_included = False
         self._busy = False
         self._closed = False
-        self._flush_ex: Executor | None = None
-        self._flush_buf = np.zeros(1, np.int64)
+        self._flushing_seen = 0  # ranks flushing in the latest completed execution
         self._ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=True,
                             on_complete=self._on_complete)
 
     # -- public, from any loop ---------------------------------------------------------------
-    async def __call__(self, x: Any, timeout: float | None = None) -> PartialResult:
+    async def __call__(self, x: Any, timeout: float | None = None, *,
+                       combine: Combine | None = None) -> PartialResult:
         """Contribute ``x`` (shape and dtype of ``like``); see the module doc for the rules.
+
+        ``combine(acc, x, n, late) -> int`` (optional, runs on the runtime's loop, atomically
+        with respect to snapshots) replaces "add ``x`` to the send buffer": ``acc`` is the flat
+        send buffer holding ``n`` local contributions (0: the identity), ``x`` the flat data,
+        ``late`` whether ``x`` cannot be in the execution whose result this call returns; it
+        writes ``acc`` in place and returns how many contributions ``acc`` now holds (0 only
+        if ``acc`` holds the identity). Training methods use it to drop late data or to
+        weight stale data.
 
         Raises ``ValueError``/``TypeError`` naming ``x`` for a wrong array,
         :class:`~asynccoll.BusyError` when a call or flush of this handle is under way,
@@ -130,19 +145,21 @@ class PartialAllreduce:
         execution failed (mismatched shapes across ranks, say), ``TransportClosedError``
         after close.
         """
-        return await self._engine.run(self._call(x, timeout))
+        return await self._engine.run(self._call(x, timeout, combine))
 
     async def flush(self, timeout: float | None = None) -> PartialResult:
         """Collective and synchronous: drain every contribution; return what was not given.
 
-        Every rank must call it (after its last call of the handle). Each rank forces an
-        execution that snapshots all it still holds (bypassing the initiator set and the
-        quorum), then the ranks agree on the last execution any of them saw complete and wait
-        for it. Afterwards no contribution is left in any send buffer and no execution is under
-        way. Returns the latest result (``accumulate=True``: the sum of all results not yet
-        given), ``included=True``. It also releases calls of other ranks still waiting for an
-        initiator that has stopped calling (majority, two-choice, quorum at the end of
-        training). Costs one to two executions plus a one-element allreduce.
+        Every rank must call it, after its last call of the handle (calls may resume after it).
+        A flushing rank marks its snapshots "flushing" and forces one execution (bypassing the
+        initiator set and the quorum); while any rank is flushing, the others' calls activate
+        executions themselves, so no call waits for an initiator that has stopped calling.
+        Flush returns at the first execution in which all P ranks were flushing: the same one
+        on every rank. Afterwards no contribution is left in any send buffer and no execution
+        is under way. Returns the latest result (``accumulate=True``: the sum of all results
+        not yet given) with ``included=True``, ``flushed=True`` and ``missed`` = the number of
+        further results folded in (or superseded). Costs one to a few executions; it waits
+        (without polling) for the slowest rank to reach its flush.
         """
         return await self._engine.run(self._flush(timeout))
 
@@ -183,22 +200,26 @@ class PartialAllreduce:
                             "under way; one at a time per handle")
         return x.reshape(-1)
 
-    def _add(self, flat: Any) -> None:
+    def _add(self, flat: Any, combine: Combine | None = None, late: bool = False) -> None:
         if is_cupy(self._acc) and not is_cupy(flat):
             raise TypeError("x must be a CuPy array like the handle's")
-        reduce_into(self.op, self._acc, flat)
-        self._state[COUNT] += 1
+        if combine is None:
+            reduce_into(self.op, self._acc, flat)
+            self._state[COUNT] += 1
+        else:
+            self._state[COUNT] = int(combine(self._acc, flat, int(self._state[COUNT]), late))
 
-    async def _call(self, x: Any, timeout: float | None) -> PartialResult:
+    async def _call(self, x: Any, timeout: float | None,
+                    combine: Combine | None = None) -> PartialResult:
         flat = self._check(x)
         ex = self._ex
         c = ex.completed
         if c > self._given:
-            self._add(flat)
+            self._add(flat, combine, True)
             return self._take(False, c - self._given)
         cur = c + 1
         fut = ex.current  # execution cur's completion
-        self._add(flat)
+        self._add(flat, combine, bool(self._state[SNAPSHOTS] > cur))
         # Set before start(): a world of one completes the execution inside start().
         self._wait_round = cur
         self._busy = True
@@ -208,7 +229,11 @@ class PartialAllreduce:
             else:
                 self._wait_included = True
                 self._state[FRESH] = 1
-                if self.rank in initiators(self.kind, cur, self.world_size, self.seed):
+                if self._flushing_seen:
+                    # Some rank is flushing and will never call again: S(e) may never come,
+                    # so this call activates e itself.
+                    self._force(cur)
+                elif self.rank in initiators(self.kind, cur, self.world_size, self.seed):
                     ex.start()
             await self._await(fut, timeout, cur)
         except BaseException:
@@ -238,6 +263,10 @@ class PartialAllreduce:
     def _on_complete(self, e: int) -> None:
         # Runs inside the executor right after execution e completes and before it re-arms:
         # copy the result out, since the next snapshot overwrites ``data``.
+        if self._packed:
+            tail = self._work[self._data.size:]
+            tail = tail.get() if is_cupy(tail) else tail
+            np.copyto(self._meta, np.rint(tail.real), casting="unsafe")
         if self._meta[2 * self.world_size] != self.world_size * self._sig:
             raise ExecutionError(
                 f"rank {self.rank}: the ranks disagree on partial allreduce {self.name!r} "
@@ -254,6 +283,7 @@ class PartialAllreduce:
             self._value[...] = self._data  # never handed out, so nobody sees it change
             self._vmeta[...] = self._meta
         self._round = e
+        self._flushing_seen = int(self._meta[2 * self.world_size + 1])
         if e == self._wait_round:
             self._wait_result = self._take(self._wait_included, 0)
 
@@ -268,9 +298,8 @@ class PartialAllreduce:
         """Activate execution ``e`` here from outside the initiator set: a message to self."""
         h = Header(PROTOCOL_VERSION, int(Kind.ACTIVATION), self.sched_id, e, TAG_FORCE,
                    self.rank, "", (), int(Format.RAW), 0)
-        self._state[FORCED] = 1  # e's snapshot is the next one: e is not activated here yet
         fut = self._transport.post_send(self.rank, h, b"")
-        # A failed self-send leaves the execution unforced; the flush then times out naming it.
+        # A failed self-send leaves the execution unforced; the caller then times out naming it.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _flush(self, timeout: float | None) -> PartialResult:
@@ -282,39 +311,32 @@ class PartialAllreduce:
         loop = asyncio.get_running_loop()
         t = self.timeout if timeout is None else timeout
         deadline = None if t is None else loop.time() + t
-
-        def left() -> float | None:
-            return None if deadline is None else max(deadline - loop.time(), 0.0)
-
         ex = self._ex
+        P = self.world_size
+        # From now on every snapshot of this rank says "flushing" (the kernel does not reset
+        # it); the flush ends at the first execution in which all P ranks said so. Each rank
+        # forces one execution that is not yet activated here after it began flushing, so the
+        # execution forced by the last rank to begin is such an execution (every rank's
+        # snapshot of it comes after its own start) and nobody waits on a rank that is done.
+        self._state[FLUSHING] = 1
+        forced = False
         try:
-            cur = ex.completed + 1
-            if self._state[SNAPSHOTS] > cur:  # under way: let it finish first
-                await self._await(ex.current, left(), cur)
-            cur = ex.completed + 1
-            self._force(cur)
-            while ex.completed < cur:
-                await self._await(ex.current, left(), ex.completed + 1)
-            last = await self._agree_max(ex.completed, left())
-            while ex.completed < last:
-                await self._await(ex.current, left(), ex.completed + 1)
+            while True:
+                cur = ex.completed + 1
+                if not forced and self._state[SNAPSHOTS] <= cur:
+                    self._force(cur)
+                    forced = True
+                left = None if deadline is None else max(deadline - loop.time(), 0.0)
+                await self._await(ex.current, left, cur)
+                if self._flushing_seen == P:
+                    break
+            self._flushing_seen = 0  # everyone left their flush at this execution
             c = ex.completed
-            if c > self._given:
-                return self._take(True, c - self._given - 1)
-            raise AssertionError("flush completed an execution but has no result")
+            assert c > self._given
+            return self._take(True, c - self._given - 1)
         finally:
+            self._state[FLUSHING] = 0
             self._busy = False
-
-    async def _agree_max(self, value: int, timeout: float | None) -> int:
-        if self._flush_ex is None:
-            s = dense_allreduce(self.rank, self.world_size, 1, np.int64, "max")
-            self._flush_ex = Executor(s, self._transport, {"data": self._flush_buf,
-                                                           **scratch_buffers(s)},
-                                      sched_id=self._flush_id)
-        self._flush_buf[0] = value
-        self._flush_ex.start()
-        await self._flush_ex.wait(timeout)
-        return int(self._flush_buf[0])
 
     def _close(self) -> None:
         """Stop (on the loop): a waiting call fails with TransportClosedError."""
@@ -322,5 +344,3 @@ class PartialAllreduce:
             return
         self._closed = True
         self._ex.close()
-        if self._flush_ex is not None:
-            self._flush_ex.close()

@@ -71,14 +71,14 @@ def as_bytes(a: Any) -> memoryview:
         raise TypeError(f"expected a NumPy array or buffer, got {type(a).__name__}")
     if not a.flags.c_contiguous:
         raise ValueError("array must be C-contiguous")
-    return memoryview(a.reshape(-1).view(np.uint8))
+    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def empty_like(a: Any, count: int | None = None) -> Any:
     """A new 1-D array of ``a``'s backend and dtype with ``count`` elements (default ``a.size``)."""
     n = a.size if count is None else count
     if is_cupy(a):
-        import cupy  # noqa: PLC0415
+        import cupy
 
         return cupy.empty(n, dtype=a.dtype)
     return np.empty(n, dtype=a.dtype)
@@ -91,7 +91,7 @@ def reduce_into(op: str, out: Any, other: Any) -> None:
     except KeyError:
         raise ValueError(f"unknown op {op!r}; expected one of {sorted(REDUCE_OPS)}") from None
     if is_cupy(out):
-        import cupy  # noqa: PLC0415
+        import cupy
 
         fn = getattr(cupy, fn.__name__)
     if out.dtype == np.bool_ and op == "sum":

@@ -18,7 +18,7 @@ __all__ = ["main"]
 
 
 def _doubling_schedule(rank: int, world: int, n: int) -> object:
-    from .sched import Schedule  # noqa: PLC0415
+    from .sched import Schedule
 
     s = Schedule(rank, world, "demo-recursive-doubling", {"x": n, "tmp": n})
     prev: int | None = None
@@ -34,11 +34,11 @@ def _doubling_schedule(rank: int, world: int, n: int) -> object:
 
 
 async def _demo(ranks: int, executions: int) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
+    from rich.console import Console
+    from rich.table import Table
 
-    from .sched import Executor  # noqa: PLC0415
-    from .testing import inproc_world  # noqa: PLC0415
+    from .sched import Executor
+    from .testing import inproc_world
 
     console = Console()
     n = 8
@@ -97,7 +97,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import importlib  # noqa: PLC0415
+    import importlib
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="asynccoll", description="asynccoll command line")

@@ -52,12 +52,18 @@ __all__ = ["Communicator", "connect"]
 T = TypeVar("T")
 
 
+#: below this many bytes a cached collective copies through its own buffer instead of
+#: rebinding the executor to the caller's array (rebinding costs O(ops) Python work).
+_SMALL = 64 << 10
+
+
 class _Dense:
     """A cached synchronous collective: its executor, scratch buffers and a lock (one at a time)."""
 
-    def __init__(self, ex: Executor, scratch: dict[str, Any]) -> None:
+    def __init__(self, ex: Executor, scratch: dict[str, Any], own: Any) -> None:
         self.ex = ex
         self.scratch = scratch
+        self.own = own  # the bound "data" buffer when small (else None: rebind per call)
         self.lock = asyncio.Lock()
 
 
@@ -223,18 +229,26 @@ class Communicator:
             scratch = scratch_buffers(sched, None if data is None or isinstance(data, np.ndarray)
                                       else data)
             bufs = dict(scratch)
+            own = None
             if "data" in sched.slots:
-                bufs["data"] = data
-            entry = _Dense(Executor(sched, self.transport, bufs, sched_id=sid), scratch)
+                small = isinstance(data, np.ndarray) and data.nbytes <= _SMALL
+                own = data.copy() if small else None
+                bufs["data"] = data if own is None else own
+            entry = _Dense(Executor(sched, self.transport, bufs, sched_id=sid), scratch, own)
             self._dense[key] = entry
         t = self.timeout if timeout is None else timeout
         async with entry.lock:
             ex = entry.ex
-            if data is not None and not fresh:
+            own = entry.own
+            if own is not None:
+                own[...] = data
+            elif data is not None and not fresh:
                 ex.bind({"data": data, **entry.scratch})  # O(ops): views of the new array
             try:
                 ex.start()
                 await ex.wait(t)
+                if own is not None:
+                    data[...] = own
             except BaseException:
                 # A failed, timed-out or cancelled execution leaves the executor mid-way: drop
                 # it (its receives retired); the next call of this key starts a fresh one.

@@ -10,6 +10,8 @@ over repetitions after a warm-up. Implementations (rows' ``impl``) live in :data
 * ``asyncio-raw``: the same loop's plain socket calls (``sock_sendall`` / ``sock_recv_into``
   into a preallocated buffer, an 8-byte length prefix per message);
 * ``asynccoll-ucx``: :class:`asynccoll.transport.ucx.UcxTransport`;
+* ``asynccoll-ucx-shm``: the same with ``shared_memory=True`` (UCX shared memory between
+  the two local processes instead of TCP);
 * ``ucxx-raw``: ucxx's asyncio API (``ep.send`` / ``ep.recv``, ``blocking`` progress mode);
 * ``mpi``: mpi4py ``Send``/``Recv`` started with ``mpirun`` (only when mpi4py imports).
 
@@ -202,17 +204,20 @@ def _no_ucxx() -> str | None:
     return None
 
 
-async def setup_asynccoll_ucx(rank: int, ex: Exchange) -> Endpoint:
+async def setup_asynccoll_ucx(rank: int, ex: Exchange, shm: bool = False) -> Endpoint:
     from asynccoll.transport.ucx import UcxTransport
 
-    # The publishing process (rank 1 here) listens; in UcxTransport the higher rank dials.
-    t = UcxTransport(1 - rank, 2, secret=SECRET)
+    t = UcxTransport(rank, 2, secret=SECRET, shared_memory=shm)
     if rank == 1:
         ex.publish(await t.listen("ucx://127.0.0.1:0"))
-        await t.connect({1: "ucx://unused:1"}, timeout=60)
+        await t.connect({0: "ucx://unused:1"}, timeout=60)
     else:
-        await t.connect({0: await ex.peer()}, timeout=60)
-    return AsynccollEndpoint(t, 1 - t.rank)
+        await t.connect({1: await ex.peer()}, timeout=60)
+    return AsynccollEndpoint(t, 1 - rank)
+
+
+async def setup_asynccoll_ucx_shm(rank: int, ex: Exchange) -> Endpoint:
+    return await setup_asynccoll_ucx(rank, ex, shm=True)
 
 
 class UcxxEndpoint:
@@ -401,6 +406,7 @@ IMPLS: list[Impl] = [
     Impl("asyncio-raw", _always, setup=setup_asyncio_raw),
     Impl("asynccoll-ucx", _no_ucxx, setup=setup_asynccoll_ucx),
     Impl("ucxx-raw", _no_ucxx, setup=setup_ucxx_raw),
+    Impl("asynccoll-ucx-shm", _no_ucxx, setup=setup_asynccoll_ucx_shm),
     Impl("mpi", _no_mpi, run=run_mpi),
 ]
 

@@ -61,6 +61,15 @@ async def _worker_main(rank: int, P: int, N: int, reps: int, densities: list[flo
         data = np.zeros(N, np.float32)
         dense = Executor(ds, t, {"data": data, **scratch_buffers(ds)}, sched_id=2)
         sid = 10
+        # warm every connection and code path once before anything is timed
+        idx, vals = _data(rank, N, densities[0])
+        for impl in IMPLS[:3]:
+            op = SparseAllreduce(t, N, np.float32, sched_id=sid, algorithm=impl)
+            sid += 1
+            await op.run(SparseVector(idx, vals, N), timeout=300)
+            op.close()
+        dense.start()
+        await dense.wait(300)
         for d in densities:
             idx, vals = _data(rank, N, d)
             x = SparseVector(idx, vals, N)
@@ -169,11 +178,19 @@ def run_ours(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any
         for p in procs:
             p.start()
         addrs: dict[int, str] = {}
+        deadline = time.monotonic() + 120
         while len(addrs) < P:
             try:
-                r, a = addr_q.get(timeout=120)
+                r, a = addr_q.get(timeout=1)
             except queue.Empty:
-                raise RuntimeError("workers did not start listening") from None
+                try:  # a worker that failed before listening says why on the result queue
+                    _kind, rank, detail, _, _ = res_q.get_nowait()
+                    raise RuntimeError(f"rank {rank} failed before listening:\n{detail}")
+                except queue.Empty:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("workers did not start listening in 120 s") from None
+                continue
             addrs[r] = a
         for q in peer_qs:
             q.put(addrs)

@@ -172,11 +172,16 @@ async def test_mismatched_shapes_and_dtypes_raise() -> None:
             comms[0].solo_allreduce(np.zeros(4), timeout=5),
             comms[1].solo_allreduce(np.zeros(6), timeout=5), return_exceptions=True), 10)
         assert all(isinstance(o, AsyncCollError) for o in outs), outs
-        # partial: same shape, different op: the signature check catches it
-        h0 = comms[0].partial_allreduce("solo", like=np.zeros(4), op="sum", name="sig")
-        h1 = comms[1].partial_allreduce("solo", like=np.zeros(4), op="max", name="sig")
-        outs = await asyncio.wait_for(asyncio.gather(
-            h0(np.zeros(4), timeout=5), h1(np.zeros(4), timeout=5), return_exceptions=True), 10)
+        # partial: same shape, different op or kind: an error on every rank, never a hang
+        for kind1, op1 in [("solo", "max"), ("majority", "sum")]:
+            h0 = comms[0].partial_allreduce("solo", like=np.zeros(4), name=f"{kind1}{op1}")
+            h1 = comms[1].partial_allreduce(kind1, like=np.zeros(4), op=op1,
+                                            name=f"{kind1}{op1}")
+            outs = await asyncio.wait_for(asyncio.gather(
+                h0(np.zeros(4), timeout=5), h1(np.zeros(4), timeout=5),
+                return_exceptions=True), 10)
+            assert all(isinstance(o, AsyncCollError) for o in outs), outs
+        # same structure, different kind: only the signature tells them apart
         assert all(isinstance(o, ExecutionError) for o in outs), outs
         assert "disagree" in str(outs[0])
 

@@ -315,3 +315,53 @@ async def test_busy_rank_is_activated_by_the_progress_thread() -> None:
         assert done_while_busy == 1  # rank 2 was activated from outside and contributed
         assert np.array_equal(res.value, total([0, 2]))
         assert res.contributors == frozenset({0, 2})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("kind", "quorum"), [("quorum", 3), ("majority", None)])
+async def test_flush_while_a_rank_still_calls(kind: str, quorum: int | None) -> None:
+    # Ranks 0 and 1 are done and flush; rank 2 still makes calls. A full quorum (or the drawn
+    # initiator) can never come: rank 2's calls must still complete, and the flush must wait
+    # for rank 2's flush and then drain everything.
+    P = 3
+    async with local_world(P, progress="inline") as comms:
+        h = handles(comms, kind, quorum, accumulate=True)
+        first = await gather(*(x(v(r)) for r, x in enumerate(h)))
+        flushing = [asyncio.ensure_future(h[r].flush(timeout=10)) for r in (0, 1)]
+        await asyncio.sleep(0.05)
+        assert not any(f.done() for f in flushing)  # rank 2 has not flushed yet
+        late = [await asyncio.wait_for(h[2](v(2, 10)), 5) for _ in range(3)]
+        assert not any(f.done() for f in flushing)
+        last = await asyncio.wait_for(h[2].flush(), 5)
+        fl = await gather(*flushing)
+        got0 = sum(r.value for r in (first[0], fl[0]))
+        got2 = sum(r.value for r in (first[2], *late, last))
+        expect = total(range(P)) + 3 * v(2, 10)
+        assert np.array_equal(got0, expect)
+        assert np.array_equal(got2, expect)
+        assert all(r.flushed for r in (*late, last, *fl))
+        assert len({r.round for r in (*fl, last)}) == 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("dtype", "op"), [("float32", "sum"), ("int16", "sum"),
+                                           ("float64", "max"), ("int64", "min"),
+                                           ("complex64", "sum"), ("float16", "prod")])
+async def test_dtypes_and_ops_packed_or_not(dtype: str, op: str) -> None:
+    P = 3
+    rng = np.random.default_rng(1)
+    xs = [rng.integers(1, 4, (2, 3)).astype(dtype) for _ in range(P)]
+    async with local_world(P, progress="inline") as comms:
+        hs = [c.partial_allreduce("solo", like=xs[0], op=op) for c in comms]
+        rs = await gather(*(h(x) for h, x in zip(hs, xs, strict=True)))
+        ref = await gather(*(c.allreduce(x, op=op) for c, x in zip(comms, xs, strict=True)))
+        for res in rs:
+            assert res.value.dtype == np.dtype(dtype)
+            assert res.value.shape == (2, 3)
+            assert np.array_equal(res.value, ref[0])
+            assert res.contributors == frozenset(range(P))
+            assert res.count == P
+        # a lone contributor: the others' empty buffers hold op's identity, not zeros
+        (r0,) = await gather(hs[0](xs[0]))
+        assert np.array_equal(r0.value, xs[0])
+        await gather(*(h.flush() for h in hs))

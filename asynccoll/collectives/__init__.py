@@ -25,17 +25,20 @@ from .dense import (
 from .select import (
     ALLGATHER_ALGORITHMS,
     ALLREDUCE_ALGORITHMS,
+    BROADCAST_ALGORITHMS,
     DEFAULT_COST_MODEL,
     REDUCE_SCATTER_ALGORITHMS,
     CostModel,
     choose_allgather,
     choose_allreduce,
+    choose_broadcast,
     choose_reduce_scatter,
 )
 
 __all__ = [
     "ALLGATHER_ALGORITHMS",
     "ALLREDUCE_ALGORITHMS",
+    "BROADCAST_ALGORITHMS",
     "DEFAULT_COST_MODEL",
     "DEFAULT_SEGMENT_BYTES",
     "REDUCE_OPS",
@@ -53,6 +56,7 @@ __all__ = [
     "build_reduce_scatter",
     "choose_allgather",
     "choose_allreduce",
+    "choose_broadcast",
     "choose_reduce_scatter",
     "next_tag",
     "reduce_scatter",

@@ -353,7 +353,8 @@ class Plan:
         numbered by rank relative to the root) and forwards the children's parts."""
         P = self.P
         vr = (self.rank - root) % P
-        t0 = self.step(b[P] - b[(P + 1) // 2] if P > 1 else 0, f"scatter from {root}")
+        # no message holds more than P // 2 blocks (a subtree below the root's largest child)
+        t0 = self.step((b[1] - b[0]) * max(1, P // 2), f"scatter from {root}")
         mask = 1
         while mask < P:
             if vr & mask:

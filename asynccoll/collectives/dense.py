@@ -51,15 +51,18 @@ from ._plan import Plan, block_bounds, check_count, check_dtype, check_op
 from .select import (
     ALLGATHER_ALGORITHMS,
     ALLREDUCE_ALGORITHMS,
+    BROADCAST_ALGORITHMS,
     REDUCE_SCATTER_ALGORITHMS,
     choose_allgather,
     choose_allreduce,
+    choose_broadcast,
     choose_reduce_scatter,
 )
 
 __all__ = [
     "ALLGATHER_ALGORITHMS",
     "ALLREDUCE_ALGORITHMS",
+    "BROADCAST_ALGORITHMS",
     "DEFAULT_SEGMENT_BYTES",
     "REDUCE_OPS",
     "REDUCE_SCATTER_ALGORITHMS",
@@ -147,31 +150,45 @@ def allreduce(rank: int, world_size: int, count: int, dtype: Any, op: str = "sum
 
 
 # -- broadcast ---------------------------------------------------------------------------------
-def build_broadcast(s: Schedule, count: int, dtype: Any, root: int = 0, *, slot: str = "data",
-                    tag_base: int = 0, after: Sequence[int] = (),
+def build_broadcast(s: Schedule, count: int, dtype: Any, root: int = 0,
+                    algorithm: str | None = None, *, slot: str = "data", tag_base: int = 0,
+                    after: Sequence[int] = (),
                     segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> int:
-    """Append a binomial-tree broadcast of ``count`` elements of ``slot`` from ``root``.
+    """Append a broadcast of ``count`` elements of ``slot`` from ``root``.
 
     ``slot`` holds the root's data, and receives it in place on the other ranks. No scratch.
-    Segments are forwarded down the tree as soon as each arrives (pipelined). Depth
-    ceil(log2 P) steps. Raises ``ValueError`` naming a bad ``root`` (outside 0..P-1) or any
-    argument :func:`build_allreduce` checks.
+    ``algorithm``: ``"binomial"`` (a binomial tree, ceil(log2 P) deep; segments are forwarded
+    as soon as each arrives), ``"scatter_allgather"`` (a binomial scatter of P blocks, then a
+    ring allgather: about 2n bytes on the critical path instead of n·log2 P), or ``None``:
+    :func:`~asynccoll.collectives.select.choose_broadcast`. Raises ``ValueError`` naming a bad
+    ``root`` (outside 0..P-1), ``algorithm`` or any argument :func:`build_allreduce` checks.
     """
     P = s.world_size
-    if not isinstance(root, (int, np.integer)) or not 0 <= root < P:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < P:
         raise ValueError(f"root must be a rank in 0..{P - 1}, got {root!r}")
     p = _plan(s, count, dtype, tag_base, after, segment_bytes, slot)
-    _record(s, "broadcast", count=count, dtype=p.dtype_name, root=int(root), slot=slot)
+    algo = choose_broadcast(P, count * p.itemsize) if algorithm is None else algorithm
+    if algo not in BROADCAST_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {BROADCAST_ALGORITHMS} or None, "
+                         f"got {algo!r}")
+    _record(s, "broadcast", count=count, dtype=p.dtype_name, root=int(root), algorithm=algo,
+            slot=slot)
     if P > 1 and count > 0:
-        p.binomial_broadcast(slot, int(root))
+        if algo == "binomial":
+            p.binomial_broadcast(slot, int(root))
+        else:
+            b = block_bounds(count, P)  # block i goes to rank root + i
+            p.binomial_scatter(slot, int(root), b)
+            p.ring_allgather(slot, b, shift=int(root))
     return p.finish()
 
 
-def broadcast(rank: int, world_size: int, count: int, dtype: Any, root: int = 0, *,
-              tag_base: int = 0, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Schedule:
+def broadcast(rank: int, world_size: int, count: int, dtype: Any, root: int = 0,
+              algorithm: str | None = None, *, tag_base: int = 0,
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Schedule:
     """A committed broadcast schedule (see :func:`build_broadcast`); bind ``"data"``."""
     return _single("broadcast", rank, world_size, lambda s: build_broadcast(
-        s, count, dtype, root, tag_base=tag_base, segment_bytes=segment_bytes))
+        s, count, dtype, root, algorithm, tag_base=tag_base, segment_bytes=segment_bytes))
 
 
 # -- allgather ---------------------------------------------------------------------------------

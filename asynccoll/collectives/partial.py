@@ -29,12 +29,13 @@ One rank's schedule, executed again and again by a persistent executor::
   external, the send buffer ``acc`` (fresh data, accumulated stale data, or nothing) is copied
   into the work buffer ``data`` and reset to the identity of ``op``; the small int64 ``state``
   slot counts the local contributions in ``acc`` (``state[COUNT]``), says whether a call is
-  waiting with fresh data in it (``state[FRESH]``), whether this rank forces the execution
-  (``state[FORCED]``) and counts the snapshots taken
+  waiting with fresh data in it (``state[FRESH]``), whether this rank is flushing
+  (``state[FLUSHING]``; not reset by the snapshot) and counts the snapshots taken
   (``state[SNAPSHOTS]``: execution ``e`` has been activated on this rank iff it is ``> e``).
   The kernel writes ``meta[rank] = count``, ``meta[P + rank] = fresh``, ``meta[2P]`` =
-  :func:`signature` and ``meta[2P + 1] = state[FORCED]`` (this rank forced the execution, in a
-  flush); ``meta`` (2P + 2 int64) is sum-allreduced alongside the data, so every rank
+  :func:`signature` and ``meta[2P + 1] = state[FLUSHING]`` (so every rank learns how many ranks
+  were flushing); ``meta`` (2P + 2 int64) is sum-allreduced with the data (appended to it
+  when :func:`packs_meta` says the data's dtype holds it exactly, else separately), so every rank
   learns the same contributors and counts, and ranks that disagree on the collective find out.
 * The data allreduce is :func:`~asynccoll.collectives.dense.build_allreduce` (algorithm chosen
   by size and P, or ``algorithm=``), in place on ``data``.
@@ -59,7 +60,7 @@ from .dense import REDUCE_OPS, build_allreduce, next_tag
 
 __all__ = [
     "COUNT",
-    "FORCED",
+    "FLUSHING",
     "FRESH",
     "KINDS",
     "SNAPSHOTS",
@@ -71,6 +72,8 @@ __all__ = [
     "check_kind",
     "identity",
     "initiators",
+    "meta_len",
+    "packs_meta",
     "signature",
 ]
 
@@ -78,7 +81,7 @@ __all__ = [
 KINDS: tuple[str, ...] = ("solo", "majority", "two_choice", "quorum")
 
 #: indices of the ``state`` slot (int64).
-COUNT, FRESH, SNAPSHOTS, FORCED = 0, 1, 2, 3
+COUNT, FRESH, SNAPSHOTS, FLUSHING = 0, 1, 2, 3
 STATE_LEN = 4
 
 #: tags: activation flood, quorum arrivals, forced (self) activation; data from ``_TAG_DATA``.
@@ -167,16 +170,33 @@ def initiators(kind: str, execution: int, world_size: int, seed: int = 0) -> fro
     return frozenset((a, b + 1 if b >= a else b))
 
 
+def meta_len(world_size: int) -> int:
+    """Length of the meta vector: P counts, P fresh flags, the signature, the flushing count."""
+    return 2 * world_size + 2
+
+
+def packs_meta(dtype: Any, op: str, world_size: int) -> bool:
+    """Whether the meta vector rides at the end of the data allreduce (one allreduce, not two).
+
+    Only for sums of dtypes that hold the meta's small integers and their sums exactly: 32- and
+    64-bit integers, float64 and complex128, and float32/complex64 (exact to 2**24) for P < 256.
+    """
+    dt = np.dtype(dtype)
+    if op != "sum" or dt.itemsize < 4 or dt.kind not in "iufc":
+        return False
+    return dt.kind in "iu" or dt.itemsize >= (16 if dt.kind == "c" else 8) or world_size < 256
+
+
 def signature(kind: str, op: str, quorum: int | None, count: int, dtype: Any,
               algorithm: str | None) -> int:
-    """A 20-bit fingerprint of a partial allreduce's definition.
+    """A 16-bit fingerprint of a partial allreduce's definition.
 
     Each rank adds its own to the meta allreduce; a sum other than P times one's own shows that
     the ranks disagree on the collective (kind, op, quorum, ...) behind one schedule id.
     """
     text = f"{kind}|{op}|{quorum}|{count}|{np.dtype(dtype).str}|{algorithm}"
     digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0xFFFFF
+    return int.from_bytes(digest, "little") & 0xFFFF
 
 
 def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, *,
@@ -184,8 +204,9 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
                             algorithm: str | None = None) -> Schedule:
     """The committed persistent schedule of one rank of a partial allreduce (module doc).
 
-    Slots to bind: ``acc`` and ``data`` (``count`` elements of ``dtype``: the send buffer and
-    the work buffer that holds the result), ``meta`` (``2 * world_size + 2`` int64), ``state``
+    Slots to bind: ``acc`` (``count`` elements of ``dtype``: the send buffer), ``data`` (the
+    work buffer: ``count`` elements, plus :func:`meta_len` when :func:`packs_meta`; the result
+    is its first ``count``), ``meta`` (:func:`meta_len` int64), ``state``
     (:data:`STATE_LEN` int64, zero at first), and the dense builders' scratch slots
     (:func:`~asynccoll.collectives.dense.scratch_buffers`). Raises ``ValueError`` naming a bad
     ``kind``, ``quorum``, ``op``, ``algorithm``, ``count`` or ``dtype``.
@@ -196,9 +217,11 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
     dt = np.dtype(dtype)
     s = Schedule(rank, world_size, name=f"partial_allreduce.{kind}")
     wire = dtype_to_wire(dt)
+    packed = packs_meta(dt, op, world_size)
+    m = meta_len(world_size)
     s.declare("acc", SlotSpec(count, wire))
-    s.declare("data", SlotSpec(count, wire))
-    s.declare("meta", SlotSpec(2 * world_size + 2, "<i8"))
+    s.declare("data", SlotSpec(count + (m if packed else 0), wire))
+    s.declare("meta", SlotSpec(m, "<i8"))
     s.declare("state", SlotSpec(STATE_LEN, "<i8"))
     start = s.nop(label="internal start")
     forced = s.recv(rank, None, TAG_FORCE, msg="activation", label="forced activation")
@@ -215,13 +238,19 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
     act = build_activation(s, triggers, tag=TAG_ACTIVATION)
     sig = signature(kind, op, quorum, count, dt, algorithm)
     snap = s.compute("partial_snapshot", ["acc", "data", "meta", "state"], deps=act.activated,
-                     label="snapshot", rank=rank, world_size=world_size, op=op, sig=sig)
-    done_data = build_allreduce(s, count, dt, op, algorithm, slot="data", tag_base=_TAG_DATA,
-                                after=[snap])
-    done_meta = build_allreduce(s, 2 * world_size + 2, np.int64, "sum", None, slot="meta",
-                                scratch_prefix="meta_", tag_base=next_tag(s), after=[snap])
-    s.final = s.nop(deps=[done_data, done_meta, *act.sends], label="final")
-    s.meta["partial"] = {"kind": kind, "op": op, "quorum": k, "count": count, "dtype": wire}
+                     label="snapshot", rank=rank, world_size=world_size, op=op, sig=sig,
+                     packed=packed, count=count)
+    if packed:
+        done = [build_allreduce(s, count + m, dt, op, algorithm, slot="data",
+                                tag_base=_TAG_DATA, after=[snap])]
+    else:
+        done = [build_allreduce(s, count, dt, op, algorithm, slot="data", tag_base=_TAG_DATA,
+                                after=[snap]),
+                build_allreduce(s, m, np.int64, "sum", None, slot="meta", scratch_prefix="meta_",
+                                tag_base=next_tag(s), after=[snap])]
+    s.final = s.nop(deps=[*done, *act.sends], label="final")
+    s.meta["partial"] = {"kind": kind, "op": op, "quorum": k, "count": count, "dtype": wire,
+                         "packed": packed}
     return s.commit()
 
 
@@ -234,17 +263,18 @@ def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     data to ``acc`` on the loop. Cost: one copy and one fill of ``count`` elements.
     """
     acc, data, meta, state = inputs
-    rank, p = params["rank"], params["world_size"]
-    data[...] = acc
+    rank, p, n = params["rank"], params["world_size"], params["count"]
+    data[:n] = acc
     acc.fill(identity(params["op"], acc.dtype))
     meta.fill(0)
     meta[rank] = state[COUNT]
     meta[p + rank] = state[FRESH]
     meta[2 * p] = params["sig"]
-    meta[2 * p + 1] = state[FORCED]
+    meta[2 * p + 1] = state[FLUSHING]
+    if params["packed"]:
+        data[n:] = meta  # small integers: exact in the data's dtype (see packs_meta)
     state[COUNT] = 0
     state[FRESH] = 0
-    state[FORCED] = 0
     state[SNAPSHOTS] += 1
 
 

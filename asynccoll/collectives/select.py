@@ -36,17 +36,21 @@ from dataclasses import dataclass
 
 __all__ = [
     "ALLGATHER_ALGORITHMS",
+    "BROADCAST_ALGORITHMS",
     "ALLREDUCE_ALGORITHMS",
     "DEFAULT_COST_MODEL",
     "REDUCE_SCATTER_ALGORITHMS",
     "CostModel",
     "choose_allgather",
+    "choose_broadcast",
     "choose_allreduce",
     "choose_reduce_scatter",
 ]
 
 #: the allreduce algorithms, in the order ties are broken.
 ALLREDUCE_ALGORITHMS: tuple[str, ...] = ("recursive_doubling", "rabenseifner", "ring")
+#: the broadcast algorithms, in the order ties are broken.
+BROADCAST_ALGORITHMS: tuple[str, ...] = ("binomial", "scatter_allgather")
 #: the allgather algorithms, in the order ties are broken.
 ALLGATHER_ALGORITHMS: tuple[str, ...] = ("ring", "bruck")
 #: the reduce-scatter algorithms; recursive halving needs P to be a power of two.
@@ -87,6 +91,22 @@ class CostModel:
             f = (P - 1) / P
             return 2 * (P - 1) * a + 2 * n * f * b + n * f * g
         raise ValueError(f"algorithm must be one of {ALLREDUCE_ALGORITHMS}, got {algorithm!r}")
+
+    def broadcast_cost(self, algorithm: str, world_size: int, nbytes: int) -> float:
+        """Estimated seconds of a broadcast of ``nbytes``: binomial ceil(log2 P)·(alpha +
+        n·beta) (the root sends the whole vector to each of its children); scatter-allgather
+        (ceil(log2 P) + P - 1)·alpha + 2·n·(P-1)/P·beta."""
+        P, n = world_size, float(nbytes)
+        if P < 1:
+            raise ValueError(f"world_size must be >= 1, got {P}")
+        if P == 1 or n == 0:
+            return 0.0
+        lg = (P - 1).bit_length()
+        if algorithm == "binomial":
+            return lg * (self.alpha + n * self.beta)
+        if algorithm == "scatter_allgather":
+            return (lg + P - 1) * self.alpha + 2 * n * (P - 1) / P * self.beta
+        raise ValueError(f"algorithm must be one of {BROADCAST_ALGORITHMS}, got {algorithm!r}")
 
     def allgather_cost(self, algorithm: str, world_size: int, nbytes: int) -> float:
         """Estimated seconds of an allgather of ``nbytes`` per rank: ring
@@ -142,3 +162,13 @@ def choose_reduce_scatter(world_size: int, nbytes: int) -> str:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     return "recursive_halving" if world_size & (world_size - 1) == 0 else "ring"
+
+
+def choose_broadcast(world_size: int, nbytes: int, model: CostModel | None = None) -> str:
+    """The broadcast algorithm: binomial for small messages, scatter-allgather (about 2n bytes
+    on the critical path instead of n·log2 P) for large ones; ties to binomial."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    m = model or DEFAULT_COST_MODEL
+    costs = [m.broadcast_cost(a, world_size, nbytes) for a in BROADCAST_ALGORITHMS]
+    return BROADCAST_ALGORITHMS[costs.index(min(costs))]

@@ -330,7 +330,7 @@ def sum_pieces(pieces: Sequence[SparseVector | np.ndarray], lo: int, hi: int, si
     n = hi - lo
     sparse = [p for p in pieces if isinstance(p, SparseVector)]
     total = sum(p.nnz for p in sparse)
-    if len(sparse) == len(pieces) and total <= delta and total * 16 < n:
+    if len(sparse) == len(pieces) and total <= delta:
         if not sparse:
             return SparseVector(np.empty(0, index_dtype(size)), np.empty(0, dt), size,
                                 check=False)

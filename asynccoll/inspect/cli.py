@@ -71,13 +71,23 @@ def run(args: argparse.Namespace) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"asynccoll inspect: {msg}", file=sys.stderr)
         return 2
+    except ImportError as exc:  # matplotlib for PNG output
+        print(f"asynccoll inspect: {exc.name or exc} is needed for this output; install it "
+              "(pip install 'asynccoll[plot]')", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # the reader went away (`... | head`): silence the flush at exit, as Python's docs advise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 def _kinds() -> int:
-    from .kinds import available_kinds
+    from .kinds import algorithms, available_kinds
 
     for name, help_ in available_kinds().items():
-        print(f"{name:18} {help_}")
+        algos = algorithms(name)
+        print(f"{name:18} {help_}" + (f" [--algorithm {'|'.join(algos)}]" if algos else ""))
     return 0
 
 

@@ -80,6 +80,8 @@ for (const n of D.nodes) {
   const r = el('rect', {x: x - 55, y: y - 11, width: 110, height: 22, rx: 5, fill: n.color,
                         stroke: n.final ? '#000' : '#fff', class: 'op', 'data-key': n.key});
   el('text', {x: x, y: y + 4, 'text-anchor': 'middle'}).textContent = n.label;
+  el('title', {}, r).textContent = n.fields.describe + (n.fields.bytes === null ? '' :
+    ', ' + n.fields.bytes + ' bytes') + ', deps ' + n.fields.deps_class;
   r.addEventListener('click', () => {
     if (selected) selected.classList.remove('sel');
     r.classList.add('sel'); selected = r;

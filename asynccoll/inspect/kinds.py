@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sched import Schedule
+from ..sched import Schedule, SlotSpec
 
-__all__ = ["KindSpec", "available_kinds", "build", "build_all", "call_builder", "get_kind"]
+__all__ = ["KindSpec", "algorithms", "available_kinds", "build", "build_all", "call_builder",
+           "check_args", "get_kind"]
 
 #: the dtype a kind's buffers get when only a size in bytes is given
 DEFAULT_DTYPE = "float32"
@@ -42,13 +43,15 @@ class KindSpec:
     fixed: dict[str, Any] = field(default_factory=dict)
     help: str = ""
     algorithms: tuple[str, ...] = ()
+    algorithms_attr: str = ""
 
 
 # Kinds whose builders other modules provide; listed only once importable. Order = listing order.
 _CANDIDATES: tuple[KindSpec, ...] = (
     KindSpec("allreduce", "asynccoll.collectives.dense", "allreduce",
-             help="dense allreduce (choose with --algorithm)",
-             algorithms=("recursive_doubling", "ring", "rabenseifner")),
+             help="dense allreduce",
+             algorithms=("recursive_doubling", "ring", "rabenseifner"),
+             algorithms_attr="ALLREDUCE_ALGORITHMS"),
     KindSpec("broadcast", "asynccoll.collectives.dense", "broadcast",
              help="binomial broadcast from rank 0"),
     KindSpec("allgather", "asynccoll.collectives.dense", "allgather", help="allgather"),
@@ -68,10 +71,9 @@ _CANDIDATES: tuple[KindSpec, ...] = (
              help="quorum allreduce: a majority (P//2+1) of arrivals starts it"),
     KindSpec("sparse_allreduce", "asynccoll.collectives.sparse_sched", "build_sparse_allreduce",
              {"size": lambda world, count: count},
-             help="sparse allreduce (SparCML; --algorithm ssar_recursive_double, "
-                  "ssar_split_allgather, dsar_split_allgather)",
+             help="sparse allreduce (SparCML)",
              algorithms=("ssar_recursive_double", "ssar_split_allgather",
-                         "dsar_split_allgather")),
+                         "dsar_split_allgather"), algorithms_attr="ALGORITHMS"),
 )
 
 
@@ -123,9 +125,7 @@ def _example_quorum(rank: int, world: int, size_bytes: int, algorithm: str | Non
     return s.commit()
 
 
-def _slot(n: int) -> Any:
-    from ..sched import SlotSpec
-
+def _slot(n: int) -> SlotSpec:
     return SlotSpec(n, DEFAULT_DTYPE)
 
 
@@ -185,6 +185,21 @@ def available_kinds() -> dict[str, str]:
     out = {spec.name: spec.help for spec in _CANDIDATES if _load(spec) is not None}
     out.update({name: help_ for name, (_, help_) in _EXAMPLES.items()})
     return out
+
+
+def algorithms(name: str) -> tuple[str, ...]:
+    """The ``--algorithm`` values of kind ``name`` (empty: it has one): the builder module's
+    own list where it has one (``algorithms_attr``), else the list kept here."""
+    for spec in _CANDIDATES:
+        if spec.name == name:
+            if spec.algorithms_attr:
+                try:
+                    own = getattr(importlib.import_module(spec.module), spec.algorithms_attr)
+                    return tuple(str(a) for a in own)
+                except (ImportError, AttributeError, TypeError):
+                    pass
+            return spec.algorithms
+    return ()
 
 
 def get_kind(name: str) -> Builder:

@@ -237,7 +237,8 @@ def _what(op: Op) -> str:
 
 # -- DOT -------------------------------------------------------------------------------------
 def _q(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A DOT string literal; real newlines become DOT's ``\\n`` line breaks."""
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def render_dot(schedules: Sequence[Schedule], name: str = "schedule") -> str:
@@ -251,7 +252,7 @@ def render_dot(schedules: Sequence[Schedule], name: str = "schedule") -> str:
         lines.append(f"    label={_q(f'rank {s.rank}')}; style=rounded; color=gray50;")
         for i, op in enumerate(s.ops):
             nb = op_bytes(s, op)
-            lab = op_label(op) + f"\\n#{i}"
+            lab = op_label(op) + f"\n#{i}"
             ref = op.buf if op.kind in ("send", "recv") else op.output
             if ref is not None:
                 lab += f" {_ref(ref)}"
@@ -259,7 +260,7 @@ def render_dot(schedules: Sequence[Schedule], name: str = "schedule") -> str:
                 lab += f" {nb}B"
             cls = dep_class(op)
             if cls in ("or", "k-of-n"):
-                lab += f"\\n[{op.k}/{len(op.deps)}]"
+                lab += f"\n[{op.k}/{len(op.deps)}]"
             shape = ", peripheries=2" if i == s.final else ""
             lines.append(f"    r{s.rank}_{i} [label={_q(lab)}, fillcolor={_q(KIND_COLOR[op.kind])}"
                          f"{shape}, tooltip={_q(op.describe())}];")

@@ -239,23 +239,25 @@ def load_file(path: str | os.PathLike[str]) -> RankTrace:
     rt = RankTrace(int(h["rank"]), int(h["world_size"]), p, h)
     for n, rec in it:
         t = rec["type"]
+        if t not in ("schedule", "execution", "pending"):
+            continue  # unknown record types are for newer readers
         sid = rec.get("sched_id")
-        if t in ("schedule", "execution", "pending") and not isinstance(sid, int):
+        if not isinstance(sid, int):
             raise TraceFormatError(f"{p}:{n}: {t} record without an integer sched_id")
-        assert isinstance(sid, int) or t not in ("schedule", "execution", "pending")
         if t == "schedule":
-            rt.schedules[sid] = rec  # type: ignore[index]
+            rt.schedules[sid] = rec
         elif t == "execution":
-            rt.executions.setdefault(sid, []).append(_expand(rec))  # type: ignore[arg-type]
-        elif t == "pending":
+            rt.executions.setdefault(sid, []).append(_expand(rec))
+        else:
             if rec.get("record") is not None:
                 rec["record"] = _expand(rec["record"])
-            rt.pending.setdefault(sid, []).append(rec)  # type: ignore[arg-type]
+            rt.pending.setdefault(sid, []).append(rec)
     return rt
 
 
 def load_dir(directory: str | os.PathLike[str]) -> dict[int, RankTrace]:
-    """Every rank file in ``directory``, by rank. :class:`TraceFormatError` if there is none."""
+    """Every rank file in ``directory``, by rank. :class:`TraceFormatError` if there is none or
+    the files disagree on the world size (leftovers of another run)."""
     d = Path(directory)
     if not d.is_dir():
         raise TraceFormatError(f"trace directory {str(d)!r} does not exist")
@@ -266,4 +268,10 @@ def load_dir(directory: str | os.PathLike[str]) -> dict[int, RankTrace]:
     for f in files:
         rt = load_file(f)
         out[rt.rank] = rt
+    sizes = {rt.world_size for rt in out.values()}
+    if len(sizes) > 1:
+        raise TraceFormatError(
+            f"{str(d)!r} mixes runs of world sizes {sorted(sizes)} (files "
+            + ", ".join(f"{rt.path.name}: P={rt.world_size}" for rt in out.values())
+            + "); trace each run into a fresh directory")
     return out

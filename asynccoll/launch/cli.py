@@ -41,6 +41,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "routes to the store)")
     p.add_argument("--secret-file", default=None,
                    help="file holding the job secret (mode 0600); the same on every node")
+    p.add_argument("--rdzv-timeout", type=float, default=300.0,
+                   help="seconds the launchers of all nodes may take to meet (multi-node)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks")
     p.add_argument("--no-python", action="store_true",
@@ -84,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         rdzv = parse_hostport(args.rdzv, "--rdzv") if args.rdzv else None
         cfg = LaunchConfig(nproc=args.nproc, argv=_argv(args), secret=_secret(args),
                            nnodes=args.nnodes, node_rank=args.node_rank, rdzv=rdzv,
-                           transport=args.transport, host=args.host, grace=args.grace)
+                           transport=args.transport, host=args.host, grace=args.grace,
+                           join_timeout=args.rdzv_timeout)
     except (ValueError, ConfigError) as exc:
         print(f"asynccoll run: error: {exc}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ import secrets
 from typing import Any
 
 from ..errors import AsyncCollError
+from ..transport.base import Transport
 from ..transport.registry import make_transport
 from .env import JobSpec, listen_host
 from .store import StoreClient, StoreServer, StoreTimeoutError
@@ -58,7 +59,7 @@ _generations: dict[tuple[str, int, int], int] = {}
 
 async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: float = 60.0,
                      transport_options: dict[str, Any] | None = None,
-                     generation: int | None = None) -> Any:
+                     generation: int | None = None) -> Transport:
     """Create this rank's transport, connected to every other rank; return it.
 
     ``transport``: the scheme (default ``spec.transport``); ``transport_options``: extra keyword
@@ -68,9 +69,9 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
     :func:`~asynccoll.launch.env.listen_host` at a free port.
 
     Raises :class:`RendezvousTimeoutError` naming the ranks that did not arrive within
-    ``timeout`` seconds, :class:`RendezvousError` on a duplicate rank or a world-size mismatch,
-    :class:`~asynccoll.AuthenticationError` when the store does not share the secret, ``OSError``
-    when the store's address cannot be bound. Nothing is left running on failure.
+    ``timeout`` seconds, :class:`RendezvousError` on a duplicate rank, a world-size mismatch or
+    a store address rank 0 cannot bind, :class:`~asynccoll.AuthenticationError` when the store
+    does not share the secret. Nothing is left running on failure.
     """
     scheme = transport or spec.transport
     if timeout <= 0:
@@ -84,15 +85,15 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
     options = dict(transport_options or {})
     rank, world = spec.rank, spec.world_size
     if world == 1:
-        t = make_transport(scheme, rank, world, secret=transport_secret(spec.secret, b""),
-                           **options)
+        salt = secrets.token_bytes(32)
+        t1 = _make(scheme, rank, world, transport_secret(spec.secret, salt), options)
         try:
-            await t.listen(_listen_address(scheme, listen_host(spec)))
-            await t.connect({}, timeout=left())
+            await t1.listen(_listen_address(scheme, spec, salt))
+            await t1.connect({}, timeout=left())
         except BaseException:
-            await t.close()
+            await t1.close()
             raise
-        return t
+        return t1
     if spec.store is None:
         raise RendezvousError(f"a world of {world} ranks needs a store address")
     host, port = spec.store
@@ -103,10 +104,15 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
     prefix = f"{PREFIX}{generation}/"
     server: StoreServer | None = None
     client: StoreClient | None = None
-    t = None
+    t: Transport | None = None
     try:
         if spec.host_store:
-            server = await StoreServer(host, port, spec.secret).start()
+            try:
+                server = await StoreServer(host, port, spec.secret).start()
+            except OSError as exc:
+                raise RendezvousError(
+                    f"rank {rank} cannot run the store at {host}:{port}: {exc}; choose a free "
+                    "address with ASYNCCOLL_STORE=host:port") from exc
         client = await StoreClient.connect(host, port, spec.secret, timeout=left())
         claims = await client.add(f"{prefix}claim/{rank}", 1)
         if claims > 1:
@@ -116,11 +122,10 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
         if agreed != str(world).encode():
             raise RendezvousError(f"rank {rank} has world size {world} but the job's first "
                                   f"rank has {agreed!r}")
-        salt = await client.compare_set(f"{prefix}salt", None, secrets.token_bytes(32))
-        assert salt is not None
-        t = make_transport(scheme, rank, world, secret=transport_secret(spec.secret, salt),
-                           **options)
-        address = await t.listen(_listen_address(scheme, listen_host(spec)))
+        job_salt = await client.compare_set(f"{prefix}salt", None, secrets.token_bytes(32))
+        assert job_salt is not None
+        t = _make(scheme, rank, world, transport_secret(spec.secret, job_salt), options)
+        address = await t.listen(_listen_address(scheme, spec, job_salt))
         await client.set(f"{prefix}addr/{rank}", address.encode())
         keys = [f"{prefix}addr/{r}" for r in range(world)]
         await _wait(client, keys, left(), "publish its transport address")
@@ -157,5 +162,16 @@ async def _wait(client: StoreClient, keys: list[str], timeout: float, what: str)
             f"ranks {missing} did not {what} within the rendezvous timeout", missing) from exc
 
 
-def _listen_address(scheme: str, host: str) -> str:
+def _make(scheme: str, rank: int, world: int, key: bytes, options: dict[str, Any]) -> Transport:
+    if scheme == "inproc":  # ranks in one process: nothing to authenticate
+        t: Transport = make_transport(scheme, rank, world, **options)
+    else:
+        t = make_transport(scheme, rank, world, secret=key, **options)
+    return t
+
+
+def _listen_address(scheme: str, spec: JobSpec, salt: bytes) -> str:
+    if scheme == "inproc":  # the in-process ranks of one job share a fabric named by its salt
+        return f"inproc://rdzv-{salt.hex()[:16]}/{spec.rank}"
+    host = listen_host(spec)
     return f"{scheme}://[{host}]:0" if ":" in host else f"{scheme}://{host}:0"

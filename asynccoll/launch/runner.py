@@ -8,6 +8,9 @@ they print with ``[rank]``, and watches them:
   after ``grace`` seconds — and the launcher exits with that rank's code (``128 + n`` for a rank
   killed by signal ``n``); the launchers of other nodes learn it through the store key
   ``asynccoll/launch/abort`` and stop their ranks too;
+* the launchers of all nodes meet in the store before any rank starts (within
+  ``join_timeout``), and node 0 keeps the store up until the other nodes' ranks are done
+  (at most ``exit_timeout`` after its own);
 * ``SIGINT`` (Ctrl-C) or ``SIGTERM`` to the launcher is passed on to every rank, escalating to
   ``SIGTERM`` then ``SIGKILL`` after ``grace`` seconds each; the launcher exits ``128 + signal``.
 
@@ -23,15 +26,16 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
-from .store import StoreClient, StoreError, StoreServer
+from .store import StoreClient, StoreError, StoreServer, StoreTimeoutError
 
 __all__ = ["LaunchConfig", "launch", "rank_environment"]
 
 ABORT_KEY = "asynccoll/launch/abort"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,8 @@ class LaunchConfig:
     host: str | None = None
     grace: float = 5.0
     env: Mapping[str, str] = field(default_factory=dict)
-    store_timeout: float = 60.0
+    join_timeout: float = 300.0
+    exit_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if type(self.nproc) is not int or self.nproc < 1:
@@ -69,6 +74,9 @@ class LaunchConfig:
             raise ValueError("argv must name the command to run")
         if self.grace < 0:
             raise ValueError(f"grace must be >= 0, got {self.grace}")
+        if self.join_timeout <= 0 or self.exit_timeout < 0:
+            raise ValueError("join_timeout must be > 0 and exit_timeout >= 0, got "
+                             f"{self.join_timeout} and {self.exit_timeout}")
 
 
 def rank_environment(cfg: LaunchConfig, local_rank: int, store: tuple[str, int],
@@ -185,7 +193,11 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             assert cfg.rdzv is not None
             store = cfg.rdzv
         if cfg.nnodes > 1:
-            client = await _join(cfg, store)
+            client = await _unless_stopped(_join(cfg, store), stop_sig)
+            if client is None:
+                got = stop_sig.result()
+                _say(err, f"got {signal.Signals(got).name} while the nodes met; no rank started")
+                return 128 + got
             abort_task = asyncio.create_task(client.get(ABORT_KEY, timeout=float(1 << 31)))
         for local in range(cfg.nproc):
             rank = cfg.node_rank * cfg.nproc + local
@@ -197,7 +209,10 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             prefix = f"[{rank}] ".encode()
             pumps.append(asyncio.create_task(_pump(p.stdout, prefix, out)))
             pumps.append(asyncio.create_task(_pump(p.stderr, prefix, err)))
-        return await _watch(cfg, ranks, stop_sig, abort_task, client, err)
+        code = await _watch(cfg, ranks, stop_sig, abort_task, client, err)
+        if client is not None and not stop_sig.done():
+            await _unless_stopped(_check_out(cfg, client, err), stop_sig)
+        return code
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
@@ -216,11 +231,25 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             await server.close()
 
 
+async def _unless_stopped(coro: Coroutine[Any, Any, T], stop_sig: asyncio.Future[int]
+                          ) -> T | None:
+    """``await coro``, unless a stop signal comes first: then cancel it and return None."""
+    task = asyncio.ensure_future(coro)
+    both: set[asyncio.Future[Any]] = {task, stop_sig}
+    await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
 async def _join(cfg: LaunchConfig, store: tuple[str, int]) -> StoreClient:
     """Check in with the job's store: it shares our secret, our node rank is not taken twice
     and every node runs the same number of ranks."""
     client = await StoreClient.connect(store[0], store[1], cfg.secret,
-                                       timeout=cfg.store_timeout)
+                                       timeout=cfg.join_timeout)
     try:
         if await client.add(f"asynccoll/launch/node/{cfg.node_rank}", 1) > 1:
             raise StoreError(f"node rank {cfg.node_rank} was started twice")
@@ -229,10 +258,34 @@ async def _join(cfg: LaunchConfig, store: tuple[str, int]) -> StoreClient:
         if agreed != mine:
             raise StoreError(f"this node runs --nnodes {cfg.nnodes} with -n {cfg.nproc}, but "
                              f"the first node to join said {agreed!r} (nnodes x nproc)")
+        keys = [f"asynccoll/launch/node/{k}" for k in range(cfg.nnodes)]
+        try:
+            await client.wait(keys, cfg.join_timeout)
+        except StoreTimeoutError as exc:
+            raise StoreError(f"nodes {_nodes(exc.missing)} did not join within "
+                             f"{cfg.join_timeout} s") from exc
     except BaseException:
         await client.close()
         raise
     return client
+
+
+def _nodes(keys: Sequence[str]) -> list[int]:
+    return sorted(int(k.rsplit("/", 1)[1]) for k in keys)
+
+
+async def _check_out(cfg: LaunchConfig, client: StoreClient, err: BinaryIO) -> None:
+    """The exit barrier: node 0 keeps the store up until every node's ranks are done, since
+    ranks of a job that does not rendezvous may finish at very different times."""
+    with contextlib.suppress(StoreError):
+        await client.set(f"asynccoll/launch/exit/{cfg.node_rank}", b"1", timeout=5.0)
+        if cfg.node_rank == 0:
+            keys = [f"asynccoll/launch/exit/{k}" for k in range(1, cfg.nnodes)]
+            try:
+                await client.wait(keys, cfg.exit_timeout)
+            except StoreTimeoutError as exc:
+                _say(err, f"nodes {_nodes(exc.missing)} still running after "
+                          f"{cfg.exit_timeout} s; closing the store")
 
 
 async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int],

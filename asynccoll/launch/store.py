@@ -80,6 +80,7 @@ class StoreLimits:
     max_total_bytes: int = 256 << 20
     max_clients: int = 4096
     max_wait_keys: int = 65536
+    max_waits_per_client: int = 1024
     #: a client whose unread responses exceed this is disconnected rather than buffered
     max_write_buffer: int = 64 << 20
     handshake_timeout: float = 10.0
@@ -243,6 +244,8 @@ class StoreServer:
                 keys = [self._key(k) for k in (args[0] if op == "wait" else args[:1])]
                 if len(keys) > self.limits.max_wait_keys:
                     raise _Reject(f"wait on {len(keys)} keys exceeds {self.limits.max_wait_keys}")
+                if len(waits) >= self.limits.max_waits_per_client:
+                    raise _Reject(f"more than {self.limits.max_waits_per_client} blocked waits")
                 timeout = float(args[1])
                 t = asyncio.create_task(self._wait(rid, op, keys, timeout, writer))
                 waits.add(t)

@@ -54,7 +54,7 @@ class ParamBucket:
         sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.offsets = [0, *np.cumsum(sizes).tolist()]
         if self._torch:
-            import torch  # noqa: PLC0415
+            import torch
 
             if any(p.device.type != "cpu" for p in items):
                 raise ValueError("torch parameters must live on the CPU (use CuPy arrays for "
@@ -69,7 +69,7 @@ class ParamBucket:
         else:
             xp: Any = np
             if is_cupy(items[0]):
-                import cupy  # noqa: PLC0415
+                import cupy
 
                 xp = cupy
             self.flat = xp.empty(self.offsets[-1], dtype=items[0].dtype)

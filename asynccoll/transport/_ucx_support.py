@@ -264,7 +264,7 @@ async def handshake_connector(progress: Progress, ep: Any, secret: bytes, rank: 
 async def handshake_acceptor(progress: Progress, ep: Any, secret: bytes, rank: int,
                              world_size: int, offer: bytes, deadline: float,
                              admit: Callable[[Link], None]) -> Link:
-    """The accepting side: authenticate a connector of a higher rank, call ``admit(link)``
+    """The accepting side: authenticate a connector of a lower rank, call ``admit(link)``
     (which raises :class:`AuthenticationError` to refuse, say a duplicate), then accept.
     ``admit`` runs before the acceptance leaves, so no frame can arrive before it. Raises
     :class:`AuthenticationError`, ``TimeoutError`` or the ucxx error."""
@@ -275,8 +275,8 @@ async def handshake_acceptor(progress: Progress, ep: Any, secret: bytes, rank: i
     if hello.world_size != world_size or hello.wanted != rank:
         raise AuthenticationError(f"{who} wants rank {hello.wanted} of {hello.world_size}, "
                                   f"this is rank {rank} of {world_size}")
-    if not rank < hello.rank < world_size:
-        raise AuthenticationError(f"{who} may not connect to rank {rank} (higher ranks dial)")
+    if not 0 <= hello.rank < rank:
+        raise AuthenticationError(f"{who} may not connect to rank {rank} (lower ranks dial)")
     nonce_a = auth.new_nonce()
     mac = auth.acceptor_mac(secret, hello.rank, rank, world_size, hello.nonce, nonce_a)
     await stream_io(progress, ep.stream_send,

@@ -44,7 +44,25 @@ class InprocFabric:
         self.rng = random.Random(seed)
         self.endpoints: dict[int, InprocTransport] = {}
         self._last: dict[tuple[int, int, int, int, int], float] = {}
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
         _FABRICS[name] = self
+
+    def join(self, endpoint: InprocTransport) -> None:
+        """Make ``endpoint`` reachable and wake whoever waits for its rank."""
+        if endpoint.rank in self.endpoints:
+            raise ValueError(f"rank {endpoint.rank} already listens on fabric {self.name!r}")
+        self.endpoints[endpoint.rank] = endpoint
+        for fut in self._waiters.pop(endpoint.rank, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    async def reachable(self, rank: int, timeout: float) -> InprocTransport:
+        """The endpoint of ``rank`` once it listens; ``TimeoutError`` after ``timeout`` s."""
+        while rank not in self.endpoints:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(rank, []).append(fut)
+            await asyncio.wait_for(fut, timeout)
+        return self.endpoints[rank]
 
     @classmethod
     def get(cls, name: str) -> InprocFabric:
@@ -98,9 +116,7 @@ class InprocTransport(Transport):
             if scheme != "inproc":
                 raise ValueError(f"InprocTransport cannot listen on {address!r}")
             self._fabric = InprocFabric.get(loc.split("/")[0] or "default")
-        if self.rank in self._fabric.endpoints:
-            raise ValueError(f"rank {self.rank} already listens on fabric {self._fabric.name!r}")
-        self._fabric.endpoints[self.rank] = self
+        self._fabric.join(self)
         self._address = f"inproc://{self._fabric.name}/{self.rank}"
         return self._address
 
@@ -111,11 +127,11 @@ class InprocTransport(Transport):
         deadline = loop.time() + timeout
         for rank, addr in peers.items():
             parse_address(addr)  # rejects a malformed address early
-            while rank not in self._fabric.endpoints:
-                if loop.time() > deadline:
-                    raise PeerLostError(rank, f"no endpoint at {addr} within {timeout} s")
-                await asyncio.sleep(0.001)
-            self._peers[rank] = self._fabric.endpoints[rank]
+            try:
+                self._peers[rank] = await self._fabric.reachable(
+                    rank, max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise PeerLostError(rank, f"no endpoint at {addr} within {timeout} s") from None
 
     def post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()

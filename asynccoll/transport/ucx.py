@@ -33,13 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
-import os
-import socket
 import struct
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -47,6 +44,16 @@ import numpy as np
 from ..buffers import is_cupy
 from ..errors import AuthenticationError, PeerLostError, ProtocolError, TransportClosedError
 from . import auth
+from ._ucx_support import (
+    DeviceView,
+    Link,
+    Progress,
+    handshake_acceptor,
+    handshake_connector,
+    ignore,
+    load,
+    target,
+)
 from .base import (
     Header,
     Limits,
@@ -73,150 +80,8 @@ _BYE_ACK = 4  # flag, no header: the answer to _BYE, sent after every frame befo
 # A header message stays below UCX's rendezvous threshold (ucxx sets 8 KiB) so that it travels
 # in one eager message; payloads that fit travel with it and cost one small copy at the receiver.
 _EAGER_BYTES = 8192
-# after the proofs: the tag base the peer sends to us with, the length of our UCX worker address
-# (0: no shared-memory endpoint offered) and our host's identity
-_TAGS = struct.Struct("<QH16s")
-_WATCHDOG_S = 0.5
 _CLOSE_S = 0.5  # how long close() lets the endpoint closes progress
 _CLOSE_NS = 100_000_000  # how long cancelling in-flight requests may take
-
-_ucx: Any = None  # the lazily imported ucxx modules, see _load()
-
-
-def _load() -> Any:
-    """Import ``ucxx`` on first use; ``ImportError`` naming the ``ucx`` extra when absent."""
-    global _ucx
-    if _ucx is None:
-        try:
-            import ucxx  # noqa: F401  (loads libucx and sets ucxx's UCX defaults)
-            import ucxx._lib.libucxx as lib
-            from ucxx._lib.arr import Array
-            from ucxx.types import Tag
-        except ImportError as exc:
-            raise ImportError(
-                f"the ucx:// transport needs the ucxx package ({exc}); install it with: "
-                "pip install 'asynccoll[ucx]'") from exc
-
-        class _Mods:
-            pass
-
-        mods = _Mods()
-        mods.lib, mods.Array, mods.Tag = lib, Array, Tag  # type: ignore[attr-defined]
-        _ucx = mods
-    return _ucx
-
-
-class _DeviceView:
-    """A byte view of a CuPy array that :class:`Matcher` can slice and fill like a memoryview.
-
-    Held (early) frames are kept in host memory; filling a device view from them copies host to
-    device once.
-    """
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: Any) -> None:
-        self.array = array
-
-    def __len__(self) -> int:
-        return int(self.array.nbytes)
-
-    def __getitem__(self, index: slice) -> _DeviceView:
-        return _DeviceView(self.array[index])
-
-    def __setitem__(self, index: slice, data: Any) -> None:
-        if is_cupy(data):
-            self.array[index] = data
-        else:
-            self.array[index].set(np.frombuffer(data, np.uint8))
-
-    @property
-    def __cuda_array_interface__(self) -> Any:
-        return self.array.__cuda_array_interface__
-
-
-def _target(view: Any) -> Any:
-    """The object UCX reads or writes for a slot view (the CuPy array behind a device view)."""
-    return view.array if isinstance(view, _DeviceView) else view
-
-
-class _Progress:
-    """Drives one UCX worker from an asyncio loop, without threads and without polling.
-
-    ``watch(req, cb)`` calls ``cb(None)`` once ``req`` completes, or ``cb(exc)`` with the UCX
-    error. Costs O(pending requests) per wake-up.
-    """
-
-    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.worker = worker
-        self.loop = loop
-        worker.init_blocking_progress_mode()
-        self.fd: int = worker.epoll_file_descriptor
-        self.pending: list[tuple[Any, Callable[[BaseException | None], None]]] = []
-        self.scheduled = False
-        self.stopped = False
-        loop.add_reader(self.fd, self.run)
-        self.watchdog = loop.call_later(_WATCHDOG_S, self._tick)
-
-    def watch(self, req: Any, cb: Callable[[BaseException | None], None]) -> None:
-        self.pending.append((req, cb))
-        self.kick()
-
-    def kick(self) -> None:
-        """Progress soon (after the current callback): new operations were posted."""
-        if not self.scheduled and not self.stopped:
-            self.scheduled = True
-            self.loop.call_soon(self.run)
-
-    def run(self) -> None:
-        self.scheduled = False
-        if self.stopped:
-            return
-        w = self.worker
-        while True:
-            w.progress()
-            if self.pending:
-                self._reap()
-            # Re-arm only when UCX has nothing left to do; otherwise its wake-up could be lost.
-            if self.stopped or w.arm():
-                return
-
-    def _reap(self) -> None:
-        keep: list[tuple[Any, Callable[[BaseException | None], None]]] = []
-        done: list[tuple[Any, Callable[[BaseException | None], None]]] = []
-        for item in self.pending:
-            (done if item[0].completed else keep).append(item)
-        if not done:
-            return
-        self.pending = keep
-        for req, cb in done:
-            try:
-                req.check_error()
-            except Exception as exc:  # the ucxx error hierarchy, mapped by the callback
-                cb(exc)
-            else:
-                cb(None)
-
-    def _tick(self) -> None:
-        if not self.stopped:
-            self.run()
-            self.watchdog = self.loop.call_later(_WATCHDOG_S, self._tick)
-
-    def fail_all(self, exc: BaseException) -> None:
-        """Give every pending callback ``exc`` and forget the requests."""
-        pending, self.pending = self.pending, []
-        for _req, cb in pending:
-            cb(exc)
-
-    def stop(self, exc: BaseException) -> None:
-        """Stop driving the worker; every pending callback gets ``exc``."""
-        if self.stopped:
-            return
-        self.stopped = True
-        self.watchdog.cancel()
-        self.loop.remove_reader(self.fd)
-        self.fail_all(exc)
-
 
 class _Peer:
     """One authenticated endpoint and the tags of its two directions."""
@@ -238,7 +103,7 @@ class _Peer:
 
     def __init__(self, rank: int, ep: Any, tx: Any, recv_base: int, send_base: int,
                  hbytes: int) -> None:
-        tag = _load().Tag
+        tag = load().Tag
         self.rank = rank
         self.ep = ep  # authenticated, error-handled: receives, and failure detection
         self.tx = tx  # sends: ``ep``, or a shared-memory endpoint to the same peer
@@ -246,24 +111,9 @@ class _Peer:
         self.recv_htag, self.recv_ptag = tag(recv_base), tag(recv_base + 1)
         self.send_htag, self.send_ptag = tag(send_base), tag(send_base + 1)
         self.hbuf = bytearray(hbytes)
-        self.harr = _load().Array(self.hbuf)
+        self.harr = load().Array(self.hbuf)
         self.lost: BaseException | None = None
         self.acked = False
-
-
-@functools.cache
-def _host_id() -> bytes:
-    """16 bytes that differ between hosts (name and boot), equal for ranks on one host."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            boot = f.read()
-    except OSError:
-        boot = b""
-    return hashlib.blake2b(socket.gethostname().encode() + boot, digest_size=16).digest()
-
-
-def _tag_base() -> int:
-    return int.from_bytes(os.urandom(8), "little") & ~1
 
 
 class UcxTransport(Transport):
@@ -282,7 +132,7 @@ class UcxTransport(Transport):
     ``handshake_timeout``: seconds an accepted connection may take to authenticate.
 
     The transport must be used from one event loop; ``listen`` and ``connect`` bind it to the
-    running loop. Connections: the higher rank of each pair connects to the lower one.
+    running loop. Connections: the lower rank of each pair dials the higher one (as tcp://).
     """
 
     scheme = "ucx"
@@ -301,7 +151,7 @@ class UcxTransport(Transport):
             raise TypeError("ucx_options must map str to str")
         if handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout}")
-        _load()
+        load()
         self.progress_mode = mode
         self.shared_memory = bool(shared_memory)
         self._options = dict(ucx_options or {})
@@ -312,7 +162,7 @@ class UcxTransport(Transport):
         self._context: Any = None
         self._worker: Any = None
         self._listener: Any = None
-        self._progress: _Progress | None = None
+        self._progress: Progress | None = None
         self._peers: dict[int, _Peer] = {}
         self._arrived: asyncio.Event | None = None
         self._bye_event = asyncio.Event()
@@ -333,15 +183,15 @@ class UcxTransport(Transport):
             raise TransportClosedError("listen() or connect() first")
         return dict(self._context.config)
 
-    def _start(self) -> _Progress:
+    def _start(self) -> Progress:
         if self._closed:
             raise TransportClosedError("transport closed")
         if self._progress is None:
-            lib = _load().lib
+            lib = load().lib
             self._loop = asyncio.get_running_loop()
             self._context = lib.UCXContext(self._options)
             self._worker = lib.UCXWorker(self._context)
-            self._progress = _Progress(self._worker, self._loop)
+            self._progress = Progress(self._worker, self._loop)
             self._arrived = asyncio.Event()
         elif asyncio.get_running_loop() is not self._loop:
             raise RuntimeError("a UcxTransport must be used from the loop that started it")
@@ -353,26 +203,24 @@ class UcxTransport(Transport):
         UCX listens on every interface of the host; ``host`` is the address published to
         peers.
         """
-        scheme, loc = parse_address(address)
-        host, sep, port_s = loc.rpartition(":")
-        if scheme != "ucx" or not sep or not port_s.isdigit():
-            raise ValueError(f"address must look like ucx://HOST:PORT, got {address!r}")
+        host, port = _split(address, "address")
         if self._listener is not None:
             raise RuntimeError(f"already listening on {self._address}")
         self._start()
-        lib = _load().lib
+        lib = load().lib
         self._listener = lib.UCXListener.create(
-            self._worker, int(port_s), self._on_conn_request, deliver_endpoint=False)
+            self._worker, port, self._on_conn_request, deliver_endpoint=False)
         if host in ("", "0.0.0.0"):
             host = self._listener.ip
+        host = f"[{host}]" if ":" in host else host  # an IPv6 literal
         self._address = f"ucx://{host}:{self._listener.port}"
         return self._address
 
     async def connect(self, peers: Mapping[int, str], timeout: float = 30.0) -> None:
         """Connect to every rank in ``peers`` within ``timeout`` seconds.
 
-        Ranks below this one are dialled (retrying with backoff until the deadline); ranks
-        above connect to us, and this waits for them. Raises :class:`PeerLostError` naming a
+        Ranks above this one are dialled (retrying with backoff until the deadline); ranks
+        below connect to us, and this waits for them. Raises :class:`PeerLostError` naming a
         rank not connected in time and :class:`AuthenticationError` when a peer fails the
         handshake.
         """
@@ -385,9 +233,10 @@ class UcxTransport(Transport):
         for rank, addr in peers.items():
             if not 0 <= rank < self.world_size:
                 raise ValueError(f"peer rank {rank} outside 0..{self.world_size - 1}")
+            _split(addr, f"peer {rank} address")
             if rank == self.rank or rank in self._peers:
                 continue
-            if rank < self.rank:
+            if rank > self.rank:
                 dials.append(self._dial(rank, addr, deadline))
         if dials:
             await asyncio.gather(*dials)
@@ -407,17 +256,17 @@ class UcxTransport(Transport):
                 pass
 
     async def _dial(self, rank: int, address: str, deadline: float) -> None:
-        scheme, loc = parse_address(address)
-        host, _, port_s = loc.rpartition(":")
-        if scheme != "ucx" or not port_s.isdigit():
-            raise ValueError(f"peer {rank} address must look like ucx://HOST:PORT, got {address!r}")
+        host, port = _split(address, f"peer {rank} address")
         loop = asyncio.get_running_loop()
-        lib = _load().lib
+        lib = load().lib
         delay = 0.01
         while True:
-            ep = lib.UCXEndpoint.create(self._worker, host, int(port_s), True)
+            ep = lib.UCXEndpoint.create(self._worker, host, port, True)
             try:
-                await self._handshake_connector(rank, ep, deadline)
+                assert self._progress is not None
+                link = await handshake_connector(self._progress, ep, self._secret, self.rank,
+                                                 rank, self.world_size, self._offer(), deadline)
+                self._add_peer(ep, link)
                 return
             except AuthenticationError:
                 self._drop_ep(ep)
@@ -432,56 +281,6 @@ class UcxTransport(Transport):
                           address, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
-
-    async def _io(self, op: Callable[[Any], Any], buf: bytes | bytearray, deadline: float) -> None:
-        """Run one UCX stream operation on ``buf``; wait for it until ``deadline`` (loop time)."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        arr = _load().Array(buf)
-        req = op(arr)
-
-        def done(exc: BaseException | None) -> None:
-            del keep[:]  # UCX reads or writes ``buf`` until here
-            if fut.done():
-                return
-            if exc is None:
-                fut.set_result(None)
-            else:
-                fut.set_exception(exc)
-
-        keep = [arr, buf]
-        assert self._progress is not None
-        self._progress.watch(req, done)
-        await asyncio.wait_for(fut, max(deadline - asyncio.get_running_loop().time(), 0.001))
-
-    async def _handshake_connector(self, rank: int, ep: Any, deadline: float) -> None:
-        nonce_c = auth.new_nonce()
-        await self._io(ep.stream_send,
-                       auth.make_hello(self.rank, self.world_size, rank, nonce_c), deadline)
-        raw = bytearray(auth.CHALLENGE_SIZE)
-        await self._io(ep.stream_recv, raw, deadline)
-        ch = auth.parse_challenge(bytes(raw))
-        if ch.rank != rank or ch.world_size != self.world_size:
-            raise AuthenticationError(f"expected rank {rank} of {self.world_size}, reached rank "
-                                      f"{ch.rank} of {ch.world_size}")
-        auth.verify(auth.acceptor_mac(self._secret, self.rank, rank, self.world_size, nonce_c,
-                                      ch.nonce), ch.mac, f"rank {rank}")
-        recv_base = _tag_base()
-        proof = auth.connector_mac(self._secret, self.rank, rank, self.world_size, nonce_c,
-                                   ch.nonce)
-        offer = self._offer()
-        await self._io(ep.stream_send, proof + _TAGS.pack(recv_base, len(offer), _host_id()),
-                       deadline)
-        if offer:
-            await self._io(ep.stream_send, offer, deadline)
-        ack = bytearray(auth.ACCEPT_SIZE + _TAGS.size)
-        await self._io(ep.stream_recv, ack, deadline)
-        if bytes(ack[:auth.ACCEPT_SIZE]) != auth.ACCEPT:
-            raise AuthenticationError(f"rank {rank} rejected our proof of the job secret")
-        send_base, n, host = _TAGS.unpack_from(ack, auth.ACCEPT_SIZE)
-        peer_addr = bytearray(n)
-        if n:
-            await self._io(ep.stream_recv, peer_addr, deadline)
-        self._add_peer(rank, ep, recv_base, send_base, self._shm_with(bytes(peer_addr), host))
 
     def _on_conn_request(self, conn_request: Any) -> None:
         # Called by UCX from inside worker progress: create the endpoint now, talk later.
@@ -499,51 +298,19 @@ class UcxTransport(Transport):
 
     async def _accept(self, ep: Any) -> None:
         deadline = asyncio.get_running_loop().time() + self._handshake_timeout
-        peer = "unknown rank"
+
+        def admit(link: Link) -> None:
+            if link.peer in self._peers:
+                raise AuthenticationError(f"duplicate connection from rank {link.peer}")
+            self._add_peer(ep, link)
+
         try:
-            raw = bytearray(auth.HELLO_SIZE)
-            await self._io(ep.stream_recv, raw, deadline)
-            hello = auth.parse_hello(bytes(raw))
-            peer = f"rank {hello.rank}"
-            if hello.world_size != self.world_size or hello.wanted != self.rank:
-                raise AuthenticationError(
-                    f"peer wants rank {hello.wanted} of {hello.world_size}, this is rank "
-                    f"{self.rank} of {self.world_size}")
-            if not self.rank < hello.rank < self.world_size or hello.rank in self._peers:
-                raise AuthenticationError(f"unexpected or duplicate connection from {peer}")
-            nonce_a = auth.new_nonce()
-            mac = auth.acceptor_mac(self._secret, hello.rank, self.rank, self.world_size,
-                                    hello.nonce, nonce_a)
-            await self._io(ep.stream_send,
-                           auth.make_challenge(self.rank, self.world_size, nonce_a, mac), deadline)
-            proof = bytearray(auth.PROOF_SIZE + _TAGS.size)
-            await self._io(ep.stream_recv, proof, deadline)
-            expected = auth.connector_mac(self._secret, hello.rank, self.rank, self.world_size,
-                                          hello.nonce, nonce_a)
-            try:
-                auth.verify(expected, memoryview(proof)[:auth.PROOF_SIZE], peer)
-            except AuthenticationError:
-                await self._io(ep.stream_send, b"\x00" * (auth.ACCEPT_SIZE + _TAGS.size),
-                               deadline)
-                raise
-            send_base, n, host = _TAGS.unpack_from(proof, auth.PROOF_SIZE)
-            peer_addr = bytearray(n)
-            if n:
-                await self._io(ep.stream_recv, peer_addr, deadline)
-            if hello.rank in self._peers:
-                raise AuthenticationError(f"duplicate connection from {peer}")
-            recv_base = _tag_base()
-            offer = self._offer()
-            # Register before the reply leaves, so that no frame can arrive unreceived.
-            self._add_peer(hello.rank, ep, recv_base, send_base,
-                           self._shm_with(bytes(peer_addr), host))
-            await self._io(ep.stream_send, auth.ACCEPT + _TAGS.pack(recv_base, len(offer),
-                                                                     _host_id()), deadline)
-            if offer:
-                await self._io(ep.stream_send, offer, deadline)
+            assert self._progress is not None
+            await handshake_acceptor(self._progress, ep, self._secret, self.rank,
+                                     self.world_size, self._offer(), deadline, admit)
         except (Exception, asyncio.TimeoutError) as exc:
             if not self._closed:
-                log.warning("rank %d: refused connection from %s: %s", self.rank, peer,
+                log.warning("rank %d: refused a connection: %s", self.rank,
                             exc if isinstance(exc, AuthenticationError) else repr(exc))
             if not any(p.ep is ep for p in self._peers.values()):
                 self._drop_ep(ep)
@@ -552,20 +319,15 @@ class UcxTransport(Transport):
         """Our worker address when we offer a shared-memory endpoint, else nothing."""
         return bytes(self._worker.address.tobytes()) if self.shared_memory else b""
 
-    def _shm_with(self, peer_addr: bytes, host: bytes) -> bytes | None:
-        """The peer's worker address when both sides want shared memory on one host."""
-        return peer_addr if self.shared_memory and peer_addr and host == _host_id() else None
-
-    def _add_peer(self, rank: int, ep: Any, recv_base: int, send_base: int,
-                  peer_addr: bytes | None) -> None:
+    def _add_peer(self, ep: Any, link: Link) -> None:
         tx = ep
-        if peer_addr is not None:
-            lib = _load().lib
+        if self.shared_memory and link.peer_address and link.same_host:
+            lib = load().lib
             tx = self._worker.create_endpoint_from_worker_address(
-                lib.UCXAddress.create_from_buffer(peer_addr), False)
-        p = _Peer(rank, ep, tx, recv_base, send_base, self._hbytes)
-        self._peers[rank] = p
-        ep.set_close_callback(self._on_ep_error, (rank,))
+                lib.UCXAddress.create_from_buffer(link.peer_address), False)
+        p = _Peer(link.peer, ep, tx, link.recv_base, link.send_base, self._hbytes)
+        self._peers[link.peer] = p
+        ep.set_close_callback(self._on_ep_error, (link.peer,))
         self._post_header_recv(p)
         if self._arrived is not None:
             self._arrived.set()
@@ -619,8 +381,10 @@ class UcxTransport(Transport):
         else:
             entry = self._order(slot)
             assert self._progress is not None
-            req = p.ep.tag_recv(_load().Array(_target(slot.view)), p.recv_ptag)
-            self._progress.watch(req, functools.partial(self._on_payload, p, slot, entry))
+            # The Array must outlive the request (UCX writes through it): the callback holds it.
+            arr = load().Array(target(slot.view))
+            req = p.ep.tag_recv(arr, p.recv_ptag)
+            self._progress.watch(req, functools.partial(self._on_payload, p, slot, entry, arr))
         self._post_header_recv(p)
 
     def _on_bye(self, p: _Peer, flags: int) -> None:
@@ -635,9 +399,9 @@ class UcxTransport(Transport):
 
     def _send_control(self, p: _Peer, flags: int) -> None:
         msg = _PREFIX.pack(0, flags)
-        arr = _load().Array(msg)
+        arr = load().Array(msg)
         assert self._progress is not None
-        self._progress.watch(p.tx.tag_send(arr, p.send_htag), functools.partial(_ignore, arr))
+        self._progress.watch(p.tx.tag_send(arr, p.send_htag), functools.partial(ignore, arr))
 
     def _order(self, slot: Slot) -> list[Any] | None:
         """Reserve ``slot``'s place among the held frames of its key (None: not to be held).
@@ -677,7 +441,7 @@ class UcxTransport(Transport):
         if not q:
             del self._held_order[key]
 
-    def _on_payload(self, p: _Peer, slot: Slot, entry: list[Any] | None,
+    def _on_payload(self, p: _Peer, slot: Slot, entry: list[Any] | None, _arr: Any,
                     exc: BaseException | None) -> None:
         if exc is None:
             self._complete(slot, entry)
@@ -698,7 +462,7 @@ class UcxTransport(Transport):
                 raise ValueError(f"src must be in 0..{self.world_size - 1}, got {src}")
             if not buf.flags.c_contiguous:
                 raise ValueError("receive buffer must be C-contiguous")
-            view: Any = _DeviceView(buf.reshape(-1).view(np.uint8))
+            view: Any = DeviceView(buf.reshape(-1).view(np.uint8))
             return self.matcher.post(src, sched, execution, tag, view)
         return super().post_recv(src, sched, execution, tag, buf)
 
@@ -739,13 +503,17 @@ class UcxTransport(Transport):
             msg = _PREFIX.pack(len(enc), _INLINE) + enc + bytes(data)
         else:
             msg = _PREFIX.pack(len(enc), 0) + enc
-        arr = _load().Array
+        arr = load().Array
         assert self._progress is not None
-        done = _Send(self, p, fut, 1 if inline or not header.length else 2, (msg, data))
+        two = not inline and header.length > 0
+        # UCX reads through the Arrays (and their buffers) until the requests complete: a
+        # collected Array crashes the process, so the _Send holds them.
+        arrs: tuple[Any, ...] = (arr(msg), arr(data)) if two else (arr(msg),)
+        done = _Send(self, p, fut, len(arrs), (msg, data, arrs))
         p.sends.add(done)
-        self._progress.watch(p.tx.tag_send(arr(msg), p.send_htag), done)
-        if done.left == 2:
-            self._progress.watch(p.tx.tag_send(arr(data), p.send_ptag), done)
+        self._progress.watch(p.tx.tag_send(arrs[0], p.send_htag), done)
+        if two:
+            self._progress.watch(p.tx.tag_send(arrs[1], p.send_ptag), done)
         return fut
 
     def _loopback_any(self, header: Header, payload: Any) -> asyncio.Future[None]:
@@ -760,7 +528,7 @@ class UcxTransport(Transport):
         if header.length:
             src = payload.reshape(-1).view(np.uint8)[: header.length]
             view = slot.view
-            if isinstance(view, _DeviceView):
+            if isinstance(view, DeviceView):
                 view.array[...] = src
             else:
                 view[:] = src.get().data
@@ -799,7 +567,14 @@ class UcxTransport(Transport):
         p.lost = exc
         log.info("rank %d: lost rank %d: %s", self.rank, p.rank, exc)
         self.matcher.fail_peer(p.rank, exc)
-        # Sends on a shared-memory endpoint (no error handling) would never learn of it.
+        # Sends on a shared-memory endpoint (no error handling) would never learn of it; fail
+        # what is still in flight once the completions UCX already has are reaped.
+        assert self._loop is not None
+        self._loop.call_soon(self._fail_sends, p, exc)
+
+    def _fail_sends(self, p: _Peer, exc: BaseException) -> None:
+        if self._progress is not None:
+            self._progress.run()
         sends, p.sends = p.sends, set()
         for snd in sends:
             if not snd.fut.done():
@@ -844,6 +619,8 @@ class UcxTransport(Transport):
                     await asyncio.wait_for(self._bye_event.wait(), deadline - loop.time())
                 except asyncio.TimeoutError:
                     break
+            # What UCX may still read or write stays referenced until its requests are cancelled.
+            inflight = list(prog.pending)
             prog.fail_all(exc)
             for p in self._peers.values():
                 if p.tx is not p.ep:
@@ -858,6 +635,7 @@ class UcxTransport(Transport):
                 await asyncio.sleep(0.002)
             prog.stop(exc)
             self._worker.cancel_inflight_requests(period=_CLOSE_NS, max_attempts=1)
+            inflight.clear()
         self._peers.clear()
         self._dropped = []
         self._progress = None
@@ -893,8 +671,15 @@ class _Send:
             self.keep = ()
 
 
-def _ignore(_keep: Any, _exc: BaseException | None) -> None:
-    """Completion of a control message: nothing to do (``_keep`` holds its buffer till now)."""
+def _split(address: str, what: str) -> tuple[str, int]:
+    """(host, port) of ``ucx://HOST:PORT``; ``ValueError`` naming ``what`` otherwise."""
+    scheme, loc = parse_address(address)
+    host, sep, port = loc.rpartition(":")
+    if scheme != "ucx" or not sep or not host or not port.isdigit():
+        raise ValueError(f"{what} must look like ucx://HOST:PORT, got {address!r}")
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 literal
+        host = host[1:-1]
+    return host, int(port)
 
 
 def _lost(rank: int, reason: str, cause: BaseException) -> PeerLostError:

@@ -12,6 +12,7 @@ import pytest
 from asynccoll.collectives import (
     ALLGATHER_ALGORITHMS,
     ALLREDUCE_ALGORITHMS,
+    BROADCAST_ALGORITHMS,
     allgather,
     allreduce,
     barrier,
@@ -169,13 +170,16 @@ async def test_allreduce_persistent_reexecution(algorithm: str, persistent: bool
 @pytest.mark.parametrize("P", range(1, 10))
 async def test_broadcast_from_every_root(P: int) -> None:
     async with inproc_world(P) as ts:
-        for root, n in itertools.product(range(P), (0, 1, P + 1, 301)):
-            scheds = [broadcast(r, P, n, "float64", root, segment_bytes=256) for r in range(P)]
+        for algorithm, root, n in itertools.product(BROADCAST_ALGORITHMS, range(P),
+                                                    (0, 1, P - 1, P + 1, 301)):
+            scheds = [broadcast(r, P, n, "float64", root, algorithm, segment_bytes=256)
+                      for r in range(P)]
             src = np.arange(n, dtype=np.float64) + 0.5
             bufs = [{"data": src.copy() if r == root else np.full(n, -1.0)} for r in range(P)]
             await run(ts, scheds, bufs)
             for r in range(P):
-                np.testing.assert_array_equal(bufs[r]["data"], src, err_msg=f"root {root}")
+                np.testing.assert_array_equal(bufs[r]["data"], src,
+                                              err_msg=f"{algorithm} root {root} n={n}")
 
 
 @pytest.mark.timeout(60)

@@ -13,6 +13,7 @@ import pytest
 from asynccoll.collectives import (
     ALLGATHER_ALGORITHMS,
     ALLREDUCE_ALGORITHMS,
+    BROADCAST_ALGORITHMS,
     REDUCE_SCATTER_ALGORITHMS,
     CostModel,
     allgather,
@@ -25,6 +26,7 @@ from asynccoll.collectives import (
     build_reduce_scatter,
     choose_allgather,
     choose_allreduce,
+    choose_broadcast,
     choose_reduce_scatter,
     next_tag,
     reduce_scatter,
@@ -53,8 +55,9 @@ def messages(scheds: list[Schedule]) -> tuple[Counter[Msg], Counter[Msg]]:
 def every_collective(P: int, n: int, seg: int) -> dict[str, list[Schedule]]:
     out = {f"allreduce-{a}": [allreduce(r, P, n, "float64", "sum", a, segment_bytes=seg)
                               for r in range(P)] for a in ALLREDUCE_ALGORITHMS}
-    out["broadcast"] = [broadcast(r, P, n, "float64", P // 2, segment_bytes=seg)
-                        for r in range(P)]
+    for a in BROADCAST_ALGORITHMS:
+        out[f"broadcast-{a}"] = [broadcast(r, P, n, "float64", P // 2, a, segment_bytes=seg)
+                                 for r in range(P)]
     for a in ALLGATHER_ALGORITHMS:
         out[f"allgather-{a}"] = [allgather(r, P, n, "float64", a, segment_bytes=seg)
                                  for r in range(P)]
@@ -191,6 +194,8 @@ def test_slot_and_scratch_conflicts_are_rejected() -> None:
     (lambda: build_allreduce(Schedule(0, 2), 10, "f4", after=[3]), "after"),
     (lambda: choose_allreduce(4, -1), "nbytes"),
     (lambda: allgather(0, 4, 10, "f4", "bogus"), "algorithm"),
+    (lambda: broadcast(0, 4, 10, "f4", 0, "bogus"), "algorithm"),
+    (lambda: broadcast(0, 4, 10, "f4", True), "root"),
     (lambda: reduce_scatter(0, 4, 10, "f4", "sum", "bogus"), "algorithm"),
     (lambda: reduce_scatter(0, 6, 10, "f4", "sum", "recursive_halving"), "algorithm"),
     (lambda: CostModel(alpha=-1.0), "alpha"),
@@ -219,6 +224,10 @@ def test_selection_by_size_and_world_size() -> None:
     assert choose_allgather(8, 4096) == "bruck"
     assert choose_allgather(8, 16 << 20) == "ring"
     assert choose_allgather(2, 4) == "ring"  # one step either way; the ring copies nothing
+    # broadcast: the binomial tree for small messages, scatter-allgather for large ones
+    assert choose_broadcast(8, 4096) == "binomial"
+    assert choose_broadcast(8, 16 << 20) == "scatter_allgather"
+    assert choose_broadcast(2, 64 << 20) == "binomial"
     assert choose_reduce_scatter(8, 1 << 20) == "recursive_halving"
     assert choose_reduce_scatter(6, 1 << 20) == "ring"
     # the builder records what it chose

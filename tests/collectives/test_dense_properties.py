@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from asynccoll.collectives import (
     ALLGATHER_ALGORITHMS,
     ALLREDUCE_ALGORITHMS,
+    BROADCAST_ALGORITHMS,
     allgather,
     allreduce,
     block_bounds,
+    broadcast,
     reduce_scatter,
     scratch_buffers,
 )
@@ -76,3 +78,21 @@ def test_allgather_and_reduce_scatter_property(P: int, n: int, seg_elems: int, a
     b = block_bounds(m, P)
     for r in range(P):
         np.testing.assert_array_equal(bufs[r]["data"][b[r]:b[r + 1]], P * full[b[r]:b[r + 1]])
+
+
+@pytest.mark.timeout(60)
+@SETTINGS
+@given(P=st.integers(1, 12), n=st.integers(0, 200), seg_elems=st.integers(1, 50),
+       algorithm=st.sampled_from(BROADCAST_ALGORITHMS), root_frac=st.floats(0, 0.999),
+       seed=st.integers(0, 1000))
+def test_broadcast_property(P: int, n: int, seg_elems: int, algorithm: str, root_frac: float,
+                            seed: int) -> None:
+    root = int(root_frac * P)
+    src = np.arange(n, dtype=np.float32) - 3.5
+    scheds = [broadcast(r, P, n, "float32", root, algorithm, segment_bytes=4 * seg_elems)
+              for r in range(P)]
+    bufs = [{"data": src.copy() if r == root else np.full(n, np.nan, np.float32)}
+            for r in range(P)]
+    asyncio.run(_execute(P, scheds, bufs, seed))
+    for r in range(P):
+        np.testing.assert_array_equal(bufs[r]["data"], src)

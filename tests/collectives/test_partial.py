@@ -16,6 +16,8 @@ from asynccoll.collectives.partial import (
     check_kind,
     identity,
     initiators,
+    meta_len,
+    packs_meta,
 )
 from asynccoll.sched import KERNELS, Schedule
 
@@ -138,7 +140,8 @@ def test_snapshot_kernel() -> None:
     state = np.zeros(STATE_LEN, np.int64)
     state[COUNT], state[FRESH] = 2, 1
     KERNELS["partial_snapshot"](None, [acc, data, meta, state],
-                                {"rank": 1, "world_size": 3, "op": "max", "sig": 9}, [])
+                                {"rank": 1, "world_size": 3, "op": "max", "sig": 9, "count": 3,
+                                 "packed": False}, [])
     assert data.tolist() == [1.0, 2.0, 3.0]
     assert (acc == -np.inf).all()
     assert meta.tolist() == [0, 2, 0, 0, 1, 0, 9, 0]
@@ -154,3 +157,26 @@ def test_bad_arguments() -> None:
         build_partial_allreduce(0, 2, 4, "float32", algorithm="tree")
     with pytest.raises(ValueError, match="quorum"):
         build_partial_allreduce(0, 2, 4, "float32", kind="quorum", quorum=3)
+
+
+def test_packed_snapshot_and_choice() -> None:
+    assert packs_meta("float32", "sum", 16)
+    assert packs_meta("int64", "sum", 1000)
+    assert not packs_meta("float32", "sum", 256)  # P * signature would exceed 2**24
+    assert not packs_meta("float64", "max", 4)
+    assert not packs_meta("int16", "sum", 4)
+    s = build_partial_allreduce(0, 4, 5, "float32")
+    assert s.slots["data"].count == 5 + meta_len(4)
+    assert not any(name.startswith("meta_") for name in s.slots)
+    s = build_partial_allreduce(0, 4, 5, "float32", op="max")
+    assert s.slots["data"].count == 5
+    acc = np.array([1.0, 2.0], np.float32)
+    data = np.zeros(2 + meta_len(2), np.float32)
+    meta = np.zeros(meta_len(2), np.int64)
+    state = np.zeros(STATE_LEN, np.int64)
+    state[COUNT] = 3
+    KERNELS["partial_snapshot"](None, [acc, data, meta, state],
+                                {"rank": 0, "world_size": 2, "op": "sum", "sig": 7, "count": 2,
+                                 "packed": True}, [])
+    assert data.tolist() == [1.0, 2.0, 3, 0, 0, 0, 7, 0]
+    assert acc.tolist() == [0.0, 0.0]

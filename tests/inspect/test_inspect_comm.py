@@ -3,9 +3,9 @@ deliberately hung collective explained by name.
 
 These need the Communicator to trace (``local_world(..., trace=DIR)`` / ``connect(trace=DIR)``,
 writing with :class:`asynccoll.inspect.tracefile.TraceWriter`, recording ``contributors`` in
-``Trace.extra`` and a ``pending`` snapshot on timeout, and registering its executors with
-:func:`asynccoll.inspect.pending.register_executor`). Until ``local_world`` accepts ``trace``
-they skip, saying so.
+``Trace.extra``, and writing a ``pending`` snapshot of a timed-out executor *before* closing
+it). Until ``local_world`` accepts ``trace`` they skip, saying so. Their logic was checked
+against real PartialResults with a tracing stand-in for the Communicator's side.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import pytest
 from test_inspect_trace import validate_trace_events
 
 from asynccoll import CollectiveTimeoutError
-from asynccoll.inspect.pending import explain, explain_executors, live_executors
+from asynccoll.collectives.partial import initiators
+from asynccoll.inspect.pending import explain
 from asynccoll.inspect.perfetto import perfetto_json
 from asynccoll.inspect.summary import summarize
 from asynccoll.inspect.tracefile import load_dir
@@ -58,8 +59,9 @@ async def test_traced_partial_run(tmp_path: Path, kind: str, transport: str) -> 
     for r, rs in results.items():
         for res in rs:
             assert by_round[res.round].contributors == sorted(res.contributors), (r, res.round)
-    if kind == "majority":
-        assert all(len(d.initiators) == 1 for d in summ.executions)
+    seed = handles[0].seed
+    for d in summ.executions:  # recorded (S(e)) or inferred (ranks that started it): within S(e)
+        assert set(d.initiators) <= initiators(kind, d.execution, world, seed), d.execution
     validate_trace_events(json.loads(perfetto_json(traces)))
 
 
@@ -72,8 +74,6 @@ async def test_hung_collective_names_the_missing_rank(tmp_path: Path) -> None:
             comms[0].allreduce(x, timeout=0.5), comms[1].allreduce(x, timeout=0.5),
             return_exceptions=True), 30)
         assert all(isinstance(o, CollectiveTimeoutError) for o in outcomes), outcomes
-        mine = {c.transport for c in comms}
-        live = [ex for ex in live_executors() if ex.transport in mine]
-        assert [e.culprits for e in explain_executors(live)] == [[2]]
+        assert any("rank 2" in str(o) for o in outcomes), outcomes
     exps = explain(load_dir(tmp_path))
     assert [e.culprits for e in exps] == [[2]], "\n".join(map(str, exps))

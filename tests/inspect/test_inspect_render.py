@@ -15,7 +15,7 @@ import pydot
 import pytest
 
 from asynccoll import Schedule
-from asynccoll.inspect.kinds import available_kinds, build, build_all
+from asynccoll.inspect.kinds import algorithms, available_kinds, build, build_all
 from asynccoll.inspect.render import (
     FORMATS,
     dep_class,
@@ -105,6 +105,19 @@ def test_every_kind_every_format(kind: str, world: int) -> None:
         _check([last], fmt, render([last], fmt, kind=kind))
 
 
+ALGOS = [(k, a) for k in KINDS for a in algorithms(k)]
+
+
+@pytest.mark.parametrize(("kind", "algorithm"), ALGOS)
+def test_algorithm_variants(kind: str, algorithm: str) -> None:
+    for world in (3, 8):
+        scheds = build_all(kind, world, SIZE, algorithm)
+        _check(scheds, "json", render(scheds, "json"))
+        _check([scheds[-1]], "dot", render([scheds[-1]], "dot"))
+        if kind == "allreduce":
+            assert match_messages(scheds)[1] == []
+
+
 SYNC = [k for k in KINDS if k in ("allreduce", "broadcast", "allgather", "reduce_scatter",
                                   "barrier", "example-doubling")]
 
@@ -144,6 +157,8 @@ def test_thresholds_drawn_distinctly() -> None:
     dot = render_dot([s, r1])
     assert 'style=dotted, label="3/5"' in dot
     assert 'style=dashed, label="OR"' in dot
+    assert "\\n#" in dot  # DOT line breaks, not escaped backslashes
+    assert "\\\\n" not in dot
     assert re.search(r"r0_\d+ -> r0_\d+ \[style=solid\]", render_dot(
         [build("example-doubling", 0, 4, 64)]))
     text = render([s, r1], "text")

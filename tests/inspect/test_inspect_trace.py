@@ -168,3 +168,6 @@ def test_bad_trace_files(tmp_path: Path) -> None:
     assert load_dir(tmp_path)[0].executions[1][0]["execution"] == 0
     with pytest.raises(ValueError, match=r"rank must be in 0\.\.1"):
         TraceWriter(tmp_path, 2, 2)
+    TraceWriter(tmp_path, 2, 3).close()  # a leftover of a run with P=3
+    with pytest.raises(TraceFormatError, match=r"mixes runs of world sizes \[1, 3\]"):
+        load_dir(tmp_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ async def main(n: int) -> None:
         # all-to-all: every pair, both directions at once
         outs = {q: np.full(n, r * 100 + q, np.int32) for q in range(p) if q != r}
         ins = {q: np.empty(n, np.int32) for q in range(p) if q != r}
-        futs = [t.post_recv(q, 7, 0, 2, ins[q]) for q in ins]
+        futs: list[asyncio.Future[Any]] = [t.post_recv(q, 7, 0, 2, ins[q]) for q in ins]
         futs += [t.post_send(q, header(r, 2, a), a) for q, a in outs.items()]
         await asyncio.wait_for(asyncio.gather(*futs), 20.0)
         for q, a in ins.items():

@@ -4,6 +4,7 @@ hello           print identity lines to stdout and stderr, a last line without n
 fail R CODE     rank R exits with CODE once every rank has started (each touches a file in
                 TEST_SHARED, if set) and 0.3 s passed; the others sleep up to 60 s
 sleep           sleep up to 60 s; print "interrupted" on SIGINT and exit 130
+store           node 1's ranks wait 1 s, then every rank bumps a counter in the job's store
 stubborn        ignore SIGINT and SIGTERM, sleep up to 60 s (only SIGKILL stops it)
 """
 
@@ -49,6 +50,16 @@ if mode == "sleep":
     except KeyboardInterrupt:
         print("interrupted", flush=True)
         sys.exit(130)
+    sys.exit(0)
+if mode == "store":
+    from asynccoll.launch import BlockingStoreClient
+    from asynccoll.launch.env import parse_hostport
+
+    time.sleep(1.0 if os.environ["ASYNCCOLL_NODE_RANK"] == "1" else 0.0)
+    host, port = parse_hostport(os.environ["ASYNCCOLL_STORE"], "ASYNCCOLL_STORE")
+    with BlockingStoreClient(host, port, os.environ["ASYNCCOLL_SECRET"].encode(),
+                             timeout=5.0) as store:
+        print(f"store ok {store.add('count', 1)}")
     sys.exit(0)
 if mode == "stubborn":
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -9,7 +9,9 @@ import random
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from asynccoll.launch import (
     rendezvous,
     resolve,
 )
-from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Kind
+from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Kind, Transport
 
 SECRET = b"k" * 32
 HERE = Path(__file__).parent
@@ -50,16 +52,16 @@ def specs(world: int, port: int, **kw: object) -> list[JobSpec]:
             for r in range(world)]
 
 
-async def ring(ts: list[object]) -> None:
+async def ring(ts: Sequence[Transport]) -> None:
     p = len(ts)
     outs = [np.full(1000, r, np.float32) for r in range(p)]
     ins = [np.empty(1000, np.float32) for _ in range(p)]
-    futs = []
+    futs: list[asyncio.Future[Any]] = []
     for r, t in enumerate(ts):
         h = Header(PROTOCOL_VERSION, int(Kind.DATA), 1, 0, 0, r, dtype_to_wire(outs[r].dtype),
                    outs[r].shape, int(Format.DENSE), outs[r].nbytes)
-        futs.append(t.post_recv((r - 1) % p, 1, 0, 0, ins[r]))  # type: ignore[attr-defined]
-        futs.append(t.post_send((r + 1) % p, h, outs[r]))  # type: ignore[attr-defined]
+        futs.append(t.post_recv((r - 1) % p, 1, 0, 0, ins[r]))
+        futs.append(t.post_send((r + 1) % p, h, outs[r]))
     await asyncio.wait_for(asyncio.gather(*futs), 10.0)
     for r in range(p):
         assert (ins[r] == (r - 1) % p).all()
@@ -102,10 +104,26 @@ async def test_a_job_can_rendezvous_again_after_closing() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_world_of_one_needs_no_store() -> None:
-    t = await rendezvous(resolve(0, 1, environ={}, secret=SECRET), timeout=5.0)
+async def test_in_process_rendezvous_over_inproc() -> None:
+    ss = specs(3, free_port(), transport="inproc")
+    ts = await asyncio.wait_for(
+        asyncio.gather(*(rendezvous(s, timeout=15.0, generation=0) for s in ss)), 20.0)
+    try:
+        assert [t.scheme for t in ts] == ["inproc"] * 3
+        await ring(ts)
+    finally:
+        for t in ts:
+            await t.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_world_of_one_needs_no_store(transport: str) -> None:
+    t = await rendezvous(resolve(0, 1, environ={}, secret=SECRET), transport=transport,
+                         timeout=5.0)
     try:
         assert t.world_size == 1
+        assert t.scheme == transport
     finally:
         await t.close()
 
@@ -136,6 +154,16 @@ async def test_duplicate_rank_and_world_mismatch_are_refused() -> None:
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
+
+
+@pytest.mark.timeout(30)
+async def test_rank0_reports_a_store_address_it_cannot_bind() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        spec = resolve(0, 2, ("127.0.0.1", taken.getsockname()[1]), environ={}, secret=SECRET)
+        with pytest.raises(RendezvousError, match="ASYNCCOLL_STORE"):
+            await rendezvous(spec, timeout=5.0, generation=0)
 
 
 @pytest.mark.timeout(30)

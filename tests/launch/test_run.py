@@ -203,20 +203,57 @@ def test_two_launchers_form_one_job_and_share_a_failure(job: list[Job], tmp_path
 
 
 @pytest.mark.timeout(60)
+def test_node0_keeps_the_store_until_the_other_nodes_are_done(
+        job: list[Job], tmp_path: Path) -> None:
+    port = free_port()
+    common = ["-n", "2", "--nnodes", "2", "--rdzv", f"127.0.0.1:{port}"]
+    secret = {"ASYNCCOLL_SECRET": "a-job-secret-of-enough-length"}
+    a = start(job, tmp_path, [*common, "--node-rank", "0", WORKER, "store"], **secret)
+    b = start(job, tmp_path, [*common, "--node-rank", "1", WORKER, "store"], **secret)
+    ca, oa, ea = a.finish(40)  # node 0's ranks are done long before node 1's use the store
+    cb, ob, eb = b.finish(40)
+    assert (ca, cb) == (0, 0), oa + ea + ob + eb
+    counts = sorted(int(line.rsplit(" ", 1)[1]) for line in (oa + ob).splitlines()
+                    if " store ok " in line)
+    assert counts == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(60)
 def test_a_launcher_with_the_wrong_secret_is_refused(job: list[Job], tmp_path: Path) -> None:
     port = free_port()
     common = ["-n", "1", "--nnodes", "2", "--rdzv", f"127.0.0.1:{port}"]
-    a = start(job, tmp_path, [*common, "--node-rank", "0", WORKER, "sleep"],
-              ASYNCCOLL_SECRET="the-right-secret-0123456789")
-    a.wait_for_ranks(1)
+    a = start(job, tmp_path, [*common, "--node-rank", "0", "--rdzv-timeout", "4", WORKER,
+                              "sleep"], ASYNCCOLL_SECRET="the-right-secret-0123456789")
     b = start(job, tmp_path, [*common, "--node-rank", "1", WORKER, "sleep"],
               ASYNCCOLL_SECRET="the-wrong-secret-0123456789")
     code, _, err = b.finish(30)
     assert code == 1
     assert "refused us" in err
     assert not b.pids()  # no rank was started
+    code, _, err = a.finish(30)  # node 0 gives up waiting for node 1 and starts nothing
+    assert code == 1
+    assert "nodes [1] did not join within 4.0 s" in err
+    assert not a.pids()
+
+
+@pytest.mark.timeout(60)
+def test_sigint_while_waiting_for_other_nodes(job: list[Job], tmp_path: Path) -> None:
+    port = free_port()
+    a = start(job, tmp_path, ["-n", "1", "--nnodes", "2", "--node-rank", "0", "--rdzv",
+                              f"127.0.0.1:{port}", WORKER, "sleep"],
+              ASYNCCOLL_SECRET="the-right-secret-0123456789")
+    deadline = time.monotonic() + 20
+    while True:  # until node 0's store listens, i.e. the launcher waits for node 1
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    t0 = time.monotonic()
     a.proc.send_signal(signal.SIGINT)
-    assert a.finish(30)[0] == 130
+    code, _, err = a.finish(30)
+    assert code == 130
+    assert time.monotonic() - t0 < 5
+    assert "no rank started" in err
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import struct
 
 import msgpack
@@ -10,12 +12,15 @@ import pytest
 
 from asynccoll import AsyncCollError, AuthenticationError
 from asynccoll.launch.store import (
+    _CLIENT_LABEL,
     BlockingStoreClient,
     StoreClient,
     StoreError,
     StoreLimits,
     StoreServer,
     StoreTimeoutError,
+    _mac,
+    _pack,
 )
 
 SECRET = b"s" * 32
@@ -150,6 +155,46 @@ async def test_unauthenticated_requests_are_refused() -> None:
         writer.close()
         async with await _client(server) as c:
             assert not await c.check(["k"])
+
+
+async def _authenticated_raw(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that passed the handshake, for sending hand-made requests."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    (n,) = struct.unpack(">I", await reader.readexactly(4))
+    nonce_s = msgpack.unpackb(await reader.readexactly(n))[2]
+    nonce_c = bytes(32)
+    writer.write(_pack(["auth", nonce_c, _mac(SECRET, _CLIENT_LABEL, nonce_s, nonce_c)]))
+    (n,) = struct.unpack(">I", await reader.readexactly(4))
+    assert msgpack.unpackb(await reader.readexactly(n))[0] == "ok"
+    return reader, writer
+
+
+async def test_malformed_requests_drop_only_their_connection(
+        caplog: pytest.LogCaptureFixture) -> None:
+    rng = random.Random(1234)
+    bad: list[bytes] = [
+        _pack("not a list"), _pack([1]), _pack(["id", "set"]), _pack([1, "nope"]),
+        _pack([1, "set", 5, b"v"]), _pack([1, "set", "k", "str"]), _pack([1, "add", "k", 1.5]),
+        _pack([1, "wait", 5, 1.0]), _pack([1, "get", "k"]), _pack([1, "compare_set", "k", 3, b""]),
+        struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1", struct.pack(">I", 1 << 31),
+    ]
+    bad += [struct.pack(">I", n) + rng.randbytes(n) for n in (rng.randrange(1, 200)
+                                                               for _ in range(40))]
+    async with await _server(max_waits_per_client=4) as server, await _client(server) as good:
+        for frame in bad:
+            reader, writer = await _authenticated_raw(server.port)
+            writer.write(frame)
+            # dropped (EOF), or for random bytes that happen to parse, simply not answered
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(reader.read(), 0.5)
+            writer.close()
+            await good.set("alive", b"1")  # the server and other clients carry on
+        reader, writer = await _authenticated_raw(server.port)
+        writer.write(b"".join(_pack([i, "wait", ["never"], 10.0]) for i in range(5)))
+        assert await asyncio.wait_for(reader.read(), 3.0) == b""  # 5th blocked wait: dropped
+        writer.close()
+        assert await good.get("alive") == b"1"
+    assert any("dropping client" in r.getMessage() for r in caplog.records)
 
 
 async def test_oversized_handshake_and_values_are_rejected() -> None:

@@ -352,3 +352,40 @@ async def test_trace_of_the_running_execution_is_live() -> None:
         ex.close()  # what was recorded stays in the ring
         assert ex.trace.record(0)["ops"][0][3] == 16
         assert ex.trace.record(0)["ops"][1][2] is None
+
+
+async def test_current_after_failure_or_close_does_not_rearm() -> None:
+    async with inproc_world(2) as ts:
+        ex = Executor(ring_shift(0, 2, 2), ts[0], {"x": np.zeros(2), "tmp": np.zeros(2)},
+                      sched_id=1, persistent=True)
+        fut = ex.start()
+        await ts[1].close()
+        with pytest.raises(PeerLostError):
+            await asyncio.wait_for(fut, 1)
+        assert ex.current is fut  # the failed execution, not a fresh one
+        assert ex.pending() == []
+        assert ts[0].matcher.posted_count == 0
+        ex.close()
+        assert ex.current is fut
+    async with inproc_world(1) as (t,):
+        s = Schedule(0, 1)
+        s.nop()
+        never = Executor(s.commit(), t, sched_id=1)
+        never.close()
+        with pytest.raises(TransportClosedError):
+            await never.current
+
+
+async def test_pending_is_empty_once_complete() -> None:
+    async with inproc_world(3) as ts:
+        s = Schedule(0, 3, "or")
+        r1 = s.recv(1, None, msg="activation")
+        r2 = s.recv(2, None, msg="activation")
+        s.final = s.nop(deps=[r1, r2], k=1)
+        ex = Executor(s.commit(), ts[0], sched_id=1)
+        fut = ex.start()
+        assert [i for _, i, _ in ex.pending()] == [0, 1]
+        ts[1].post_send(0, _hdr(src=1), b"")
+        assert await asyncio.wait_for(fut, 1) == 0
+        assert ex.pending() == []  # the receive from rank 2 was retired, not pending
+        assert ts[0].matcher.posted_count == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,6 +59,22 @@ def test_fabric_names_are_unique() -> None:
     assert InprocFabric.get("unique-name-test") is f
 
 
+async def test_connect_waits_for_a_peer_that_listens_later(world: Any) -> None:
+    fabric = InprocFabric("late-joiner")
+    a = InprocTransport(0, 2, fabric=fabric)
+    b = InprocTransport(1, 2, fabric=fabric)
+    await a.listen()
+    connecting = asyncio.ensure_future(a.connect({1: "inproc://late-joiner/1"}, timeout=5))
+    await asyncio.sleep(0.01)
+    assert not connecting.done()
+    await b.listen()
+    await asyncio.wait_for(connecting, 1)  # woken by the listen, not by polling
+    await a.close()
+    await b.close()
+    async with world(2) as (c, d):  # the shared fixture builds connected worlds
+        assert c.address != d.address
+
+
 async def test_connect_times_out_naming_the_peer() -> None:
     t = InprocTransport(0, 2, fabric=InprocFabric("lonely"))
     await t.listen()
@@ -97,20 +114,25 @@ async def test_delays_reorder_across_tags_but_never_within_a_key() -> None:
 
 
 async def test_delays_are_seeded() -> None:
-    async def order(seed: int) -> list[int]:
-        async with inproc_world(2, delay=0.003, seed=seed) as (a, b):
-            got: list[int] = []
-            futs = [b.post_recv(0, 1, 0, tag) for tag in range(12)]
-            for tag, f in enumerate(futs):
-                f.add_done_callback(lambda _f, tag=tag: got.append(tag))
-            for tag in range(12):
-                await a.post_send(1, hdr(0, tag, 0), b"")
-            await asyncio.wait_for(asyncio.gather(*futs), 5)
-            return got
+    loop = asyncio.get_running_loop()
 
-    first = await order(5)
-    assert sorted(first) == list(range(12))
-    assert await order(5) == first  # same seed, same draws
+    def delays(name: str, seed: int) -> list[float]:
+        f = InprocFabric(name, delay=0.003, seed=seed)
+        out = []
+        for tag in range(12):
+            now = loop.time()
+            at = f.due_at(0, 1, hdr(0, tag, 0))
+            assert at is not None
+            out.append(at - now)
+        return out
+
+    first = delays("seeded-a", 5)
+    assert all(0.0 <= d <= 0.0031 for d in first)
+    assert len({round(d, 6) for d in first}) == 12  # drawn, not constant
+    again = delays("seeded-b", 5)
+    assert all(abs(a - b) < 1e-4 for a, b in zip(first, again, strict=True))  # same draws
+    other = delays("seeded-c", 6)
+    assert any(abs(a - b) > 1e-4 for a, b in zip(first, other, strict=True))
 
 
 async def test_link_delay_slows_one_link() -> None:
@@ -121,7 +143,7 @@ async def test_link_delay_slows_one_link() -> None:
         t0 = loop.time()
         await a.post_send(1, hdr(0, length=0), b"")
         await a.post_send(2, hdr(0, length=0), b"")
-        await asyncio.wait_for(fc, 1)
+        assert fc.done()  # no delay: delivered during the send
         assert not fb.done()
         await asyncio.wait_for(fb, 1)
         assert loop.time() - t0 >= 0.045

@@ -1,0 +1,184 @@
+"""Eager-SGD: data-parallel SGD over a partial allreduce (eager-SGD §5, *Taming Unbalanced
+Training Workloads in Deep Learning with Partial Collective Operations*).
+
+Each step sums the gradients with a persistent partial allreduce (``solo``, ``majority``,
+``two_choice`` or ``quorum``) instead of waiting for every rank; ``mode="sync"`` is plain
+synchronous SGD over :meth:`Communicator.allreduce` for comparison. A rank whose gradient
+arrives after the round it was meant for leaves it in the collective's send buffer, and the next
+round carries it (§5: "the stale gradient is then stored in the send buffer"): gradients are
+never dropped and never counted twice.
+
+**Averaging.** ``average="world"`` divides the summed gradient by P (the paper);
+``"contributions"`` by the number of local gradients summed (``PartialResult.count``).
+
+**Replicas.** With ``accumulate=False`` (the paper) a rank that missed rounds applies only the
+latest result, so replicas drift apart; ``sync_every`` re-synchronises them. With
+``accumulate=True`` a rank applies the sum of every round it has not yet applied, so under plain
+SGD (no momentum, no weight decay) every rank applies exactly the same total update and, after
+:meth:`EagerSGD.finish`, all replicas are equal.
+
+**Model synchronisation (collective-safe).** A *sync event* is ``flush`` of the partial
+allreduce (collective: every rank hands in all it holds and applies every result it has not
+applied) followed by a synchronous average of the parameters. Any rank may *trigger* one: after
+``sync_every`` of its own steps since the last event, or when ``max_staleness`` consecutive steps
+of its gradients were not in the results they returned (the staleness bound: the rank is too far
+behind, so the next step is synchronous). A triggering rank simply calls ``flush``; while any
+rank flushes, every result carries ``flushed=True`` (the flag rides in the collective's meta
+data, which every rank reduces identically), and a rank that receives such a result joins the
+event at once. So every rank enters the same sequence of events, each one flush then one
+allreduce, whatever its step count: nobody waits on a collective that another rank skips.
+Spurious extra events (a flag seen just after an event) cost time, never consistency.
+:meth:`EagerSGD.finish` repeats events until every rank has called it; it must be called once by
+every rank after its last step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..comm import Communicator
+from ..results import PartialResult
+from .bucket import ParamBucket
+from .info import StepInfo
+from .updaters import SGD
+
+__all__ = ["EagerSGD"]
+
+MODES = ("solo", "majority", "two_choice", "quorum", "sync")
+
+
+class EagerSGD:
+    """SGD whose gradient sum is a partial allreduce; see the module doc.
+
+    ``params``: one flat array, a list of arrays or PyTorch CPU tensors (fused into one bucket;
+    the originals become views of it). ``lr``, ``momentum``, ``weight_decay``: the local
+    update rule (:class:`~asynccoll.train.updaters.SGD`) applied to the averaged gradient.
+    ``mode``: the partial allreduce kind or ``"sync"``; ``quorum``: k for ``mode="quorum"``.
+    ``accumulate``, ``average``, ``sync_every``, ``max_staleness``: module doc. ``seed``:
+    initiator draws. ``name``: the collective's name (distinct per optimizer, equal on all
+    ranks). ``timeout``: per collective call.
+
+    Raises ``ValueError`` naming a bad argument. Costs per step: one partial allreduce of the
+    parameter size and one vectorised update.
+    """
+
+    _kind_default: str | None = None
+
+    def __init__(self, comm: Communicator, params: Any, lr: float, mode: str = "solo", *,
+                 momentum: float = 0.0, weight_decay: float = 0.0, accumulate: bool = False,
+                 average: str = "world", quorum: int | None = None,
+                 sync_every: int | None = None, max_staleness: int | None = None,
+                 seed: int | None = None, name: str = "eager-sgd",
+                 timeout: float | None = None) -> None:
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"comm must be a Communicator, got {type(comm).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if average not in ("world", "contributions", "quorum"):
+            raise ValueError(f"average must be 'world' or 'contributions', got {average!r}")
+        for arg, v in (("sync_every", sync_every), ("max_staleness", max_staleness)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{arg} must be an int >= 1 or None, got {v!r}")
+        self.comm = comm
+        self.bucket = ParamBucket(params)
+        self.params: Any = self.bucket.flat
+        if self.params.dtype.kind != "f":
+            raise ValueError(f"params must be floating point, got {self.params.dtype}")
+        self.lr = float(lr)
+        self.updater = SGD(self.lr, momentum, weight_decay)
+        self.mode = mode
+        self.average = average
+        self.accumulate = bool(accumulate)
+        self.sync_every = sync_every
+        self.max_staleness = max_staleness
+        self.timeout = timeout
+        self.world_size = comm.size
+        self.steps = 0  #: steps taken by this rank
+        self.syncs = 0  #: sync events this rank took part in
+        self._since_sync = 0
+        self._stale_run = 0
+        self._h = None
+        if mode != "sync":
+            self._h = comm.partial_allreduce(mode, like=self.params, accumulate=self.accumulate,
+                                             quorum=quorum, seed=seed, name=name)
+        n = self.params.size
+        self._sync_buf = np.empty(n + 1, self.params.dtype)
+
+    # -- hooks for the variants --------------------------------------------------------------
+    def _combine(self) -> Any:
+        """The partial allreduce's ``combine`` hook for this step (None: add to the buffer)."""
+        return None
+
+    def _divisor(self, res: PartialResult) -> int:
+        if self.average == "contributions":
+            return res.count
+        return self.world_size
+
+    def _step_lr(self, res: PartialResult) -> float:
+        return self.lr
+
+    # -- the step ----------------------------------------------------------------------------
+    async def step(self, grads: Any) -> StepInfo:
+        """Contribute this step's gradient, apply the update the collective returns.
+
+        ``grads``: shaped like ``params`` (one flat array, or a sequence in parameter order).
+        Returns a :class:`~asynccoll.train.StepInfo`. Raises what the collective raises
+        (``CollectiveTimeoutError``, ``ExecutionError``, ``PeerLostError``).
+        """
+        g = self.bucket.flatten(grads)
+        if self._h is None:
+            total = await self.comm.allreduce(g, timeout=self.timeout)
+            self._apply(total, self.world_size, self.lr)
+            self.steps += 1
+            P = self.world_size
+            return StepInfo(self.steps - 1, True, frozenset(range(P)), P, 0, self.lr,
+                            fresh=frozenset(range(P)))
+        res = await self._h(g, self.timeout, combine=self._combine())
+        self._stale_run = 0 if res.included else self._stale_run + 1
+        lr = self._step_lr(res)
+        self._apply(res.value, self._divisor(res), lr)
+        self.steps += 1
+        self._since_sync += 1
+        stale = self._stale_run
+        synced = False
+        if res.flushed or (self.sync_every is not None and self._since_sync >= self.sync_every) \
+                or (self.max_staleness is not None and stale > self.max_staleness):
+            await self._sync(finished=False)
+            synced = True
+        return StepInfo(res.round, res.included, res.contributors, res.count, stale, lr,
+                        res.missed, synced, res.fresh)
+
+    def _apply(self, value: Any, divisor: int, lr: float) -> None:
+        if divisor <= 0:
+            return  # nothing was contributed (a flush of empty buffers)
+        self.updater.apply(self.params, value.reshape(-1) / divisor, lr)
+
+    async def _sync(self, *, finished: bool) -> bool:
+        """One sync event (module doc); returns whether every rank has finished."""
+        assert self._h is not None
+        res = await self._h.flush(self.timeout)
+        self._apply(res.value, self._divisor(res), self._step_lr(res))
+        n = self.params.size
+        self._sync_buf[:n] = self.params
+        self._sync_buf[n] = 1.0 if finished else 0.0
+        tot = await self.comm.allreduce(self._sync_buf, timeout=self.timeout)
+        np.divide(tot[:n], self.world_size, out=self.params)
+        self._since_sync = 0
+        self._stale_run = 0
+        self.syncs += 1
+        return bool(tot[n] >= self.world_size)
+
+    async def finish(self) -> None:
+        """Collective: drain every contribution and average the parameters, once every rank
+        has called it (ranks still stepping join the events it triggers). Call it once, after
+        the last step, on every rank; afterwards all replicas are equal."""
+        if self._h is None:
+            return
+        while not await self._sync(finished=True):
+            pass
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(mode={self.mode!r}, lr={self.lr}, "
+                f"rank={self.comm.rank}/{self.world_size}, steps={self.steps})")

@@ -1,0 +1,273 @@
+"""Dense float32 sum allreduce: asynccoll over tcp and ucx against Gloo and Open MPI.
+
+    python bench/allreduce.py [--quick] [--out FILE.json] [--plot FILE.png] [--P 2,4,8]
+                              [--impls asynccoll-tcp,asynccoll-ucx,gloo,mpi] [--progress thread]
+
+For each implementation and P (real processes on this host), each message size (4 B, 4 KiB,
+1 MiB, 16 MiB, 64 MiB): warm-up calls, then timed calls, each preceded by a barrier; a call's
+time is the slowest rank's (the collective is done when every rank is done). Rows carry the
+median, min and max over calls (``time_us_*``) and the algorithm bandwidth
+(``size / median time``). asynccoll chooses its algorithm by size and P (``--algorithm`` forces
+one). Peers run when importable (``pip install 'asynccoll[bench]'``); otherwise the script says
+so on stderr. ``--quick`` keeps every case but runs fewer calls. On a 2-core machine P > 2
+oversubscribes the cores: compare ratios within one run, not absolute times across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import (
+    SECRET,
+    free_port,
+    peer_missing,
+    run_mpi,
+    spawn_world,
+    stats,
+    write_json,
+)
+
+SIZES = [4, 4 << 10, 1 << 20, 16 << 20, 64 << 20]
+ALL_IMPLS = ("asynccoll-tcp", "asynccoll-ucx", "gloo", "mpi")
+
+
+def calls_for(size: int, quick: bool) -> tuple[int, int]:
+    """(warm-up calls, timed calls) for a message of ``size`` bytes."""
+    timed = 200 if size <= 4096 else 30 if size <= 1 << 20 else 8 if size <= 16 << 20 else 5
+    if quick:
+        timed = max(3, timed // 6)
+    return (2 if size >= 16 << 20 else 5), timed
+
+
+def _slowest(per_rank: list[list[float]]) -> list[float]:
+    return [float(x) for x in np.max(np.array(per_rank), axis=0)]
+
+
+# -- asynccoll -------------------------------------------------------------------------------
+async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: list[int],
+                          quick: bool, progress: str, algorithm: str | None
+                          ) -> dict[int, list[float]]:
+    import asynccoll
+
+    comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
+                                   transport=transport, timeout=120, progress=progress)
+    out: dict[int, list[float]] = {}
+    async with comm:
+        for size in sizes:
+            x = np.full(size // 4, rank + 1, np.float32)
+            warm, timed = calls_for(size, quick)
+            times = []
+            for i in range(warm + timed):
+                await comm.barrier(timeout=120)
+                t0 = time.perf_counter()
+                y = await comm.allreduce(x, algorithm=algorithm, timeout=300)
+                dt = time.perf_counter() - t0
+                if i >= warm:
+                    times.append(dt)
+            expect = P * (P + 1) / 2
+            if y.size and not (y[0] == expect and y[-1] == expect):
+                raise AssertionError(f"wrong allreduce result {y[0]} != {expect}")
+            out[size] = times
+        await comm.barrier(timeout=60)
+    return out
+
+
+def _asynccoll_child(rank: int, P: int, port: int, transport: str, sizes: list[int],
+                     quick: bool, progress: str, algorithm: str | None, q: Any) -> None:
+    try:
+        os.environ["ASYNCCOLL_SECRET"] = SECRET
+        res = asyncio.run(_asynccoll_rank(rank, P, port, transport, sizes, quick, progress,
+                                          algorithm))
+        q.put((rank, "ok", res))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_asynccoll(transport: str, P: int, sizes: list[int], quick: bool, progress: str,
+                  algorithm: str | None) -> dict[int, list[float]]:
+    out = spawn_world(_asynccoll_child, P,
+                      (free_port(), transport, sizes, quick, progress, algorithm), 1200)
+    return {s: _slowest([o[s] for o in out]) for s in sizes}
+
+
+# -- gloo ------------------------------------------------------------------------------------
+def _gloo_child(rank: int, P: int, port: int, sizes: list[int], quick: bool, q: Any) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          GLOO_SOCKET_IFNAME="lo")
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=P)
+        out: dict[int, list[float]] = {}
+        for size in sizes:
+            t = torch.full((size // 4,), float(rank + 1), dtype=torch.float32)
+            warm, timed = calls_for(size, quick)
+            times = []
+            for i in range(warm + timed):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                dt = time.perf_counter() - t0
+                if i >= warm:
+                    times.append(dt)
+            out[size] = times
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((rank, "ok", out))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_gloo(P: int, sizes: list[int], quick: bool) -> dict[int, list[float]]:
+    out = spawn_world(_gloo_child, P, (free_port(), sizes, quick), 1200)
+    return {s: _slowest([o[s] for o in out]) for s in sizes}
+
+
+# -- mpi -------------------------------------------------------------------------------------
+def mpi_worker(out_path: str, sizes: list[int], quick: bool) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    res: dict[str, list[float]] = {}
+    for size in sizes:
+        x = np.full(size // 4, rank + 1, np.float32)
+        warm, timed = calls_for(size, quick)
+        times = []
+        for i in range(warm + timed):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+            dt = time.perf_counter() - t0
+            if i >= warm:
+                times.append(dt)
+        res[str(size)] = times
+    every = comm.gather(res, root=0)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(every, f)
+
+
+def run_mpi_world(P: int, sizes: list[int], quick: bool) -> dict[int, list[float]]:
+    every = run_mpi(__file__, P, [json.dumps(sizes), "1" if quick else "0"], 1200)
+    return {s: _slowest([o[str(s)] for o in every]) for s in sizes}
+
+
+# -- driver ----------------------------------------------------------------------------------
+def rows_of(impl: str, P: int, res: dict[int, list[float]]) -> list[dict[str, Any]]:
+    rows = []
+    for size, times in res.items():
+        us = [t * 1e6 for t in times]
+        row = {"impl": impl, "P": P, "size": size, "calls": len(us), **stats("time_us", us)}
+        row["algbw_gbps_median"] = size / (row["time_us_median"] * 1e-6) / 1e9
+        rows.append(row)
+    return rows
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """asynccoll's speed relative to each peer: peer time / asynccoll time (> 1: faster)."""
+    t = {(r["impl"], r["P"], r["size"]): r["time_us_median"] for r in rows}
+    out = {}
+    for (impl, P, size), v in t.items():
+        if not impl.startswith("asynccoll"):
+            continue
+        for peer in ("gloo", "mpi"):
+            if (peer, P, size) in t:
+                out[f"{impl}/{peer} P={P} {size}B"] = t[(peer, P, size)] / v
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Ps = sorted({r["P"] for r in rows})
+    fig, axes = plt.subplots(1, len(Ps), figsize=(5 * len(Ps), 4), squeeze=False)
+    for ax, P in zip(axes[0], Ps, strict=True):
+        for impl in ALL_IMPLS:
+            rs = sorted((r for r in rows if r["P"] == P and r["impl"] == impl),
+                        key=lambda r: r["size"])
+            if not rs:
+                continue
+            ax.errorbar([r["size"] for r in rs], [r["time_us_median"] for r in rs],
+                        yerr=[[r["time_us_median"] - r["time_us_min"] for r in rs],
+                              [r["time_us_max"] - r["time_us_median"] for r in rs]],
+                        marker="o", label=impl, capsize=2)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("time per allreduce (µs)")
+        ax.set_title(f"float32 sum allreduce, P = {P}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--mpi-worker"]:
+        mpi_worker(argv[1], json.loads(argv[2]), argv[3] == "1")
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="bench/results/allreduce.json")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--P", default="2,4,8")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--impls", default=",".join(ALL_IMPLS))
+    ap.add_argument("--progress", default="thread", choices=("thread", "inline"))
+    ap.add_argument("--algorithm", default=None)
+    args = ap.parse_args(argv)
+    Ps = [int(p) for p in args.P.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",")]
+    impls = args.impls.split(",")
+    rows: list[dict[str, Any]] = []
+    for impl in impls:
+        need = {"asynccoll-tcp": None, "asynccoll-ucx": "ucx", "gloo": "gloo", "mpi": "mpi"}
+        if impl not in need:
+            ap.error(f"unknown impl {impl!r}; known: {', '.join(ALL_IMPLS)}")
+        why = peer_missing(need[impl]) if need[impl] else None
+        if why:
+            print(f"allreduce: skipping {impl}: {why}", file=sys.stderr)
+            continue
+        for P in Ps:
+            t0 = time.time()
+            if impl.startswith("asynccoll"):
+                res = run_asynccoll(impl.split("-")[1], P, sizes, args.quick, args.progress,
+                                    args.algorithm)
+            elif impl == "gloo":
+                res = run_gloo(P, sizes, args.quick)
+            else:
+                res = run_mpi_world(P, sizes, args.quick)
+            rows += rows_of(impl, P, res)
+            print(f"allreduce: {impl} P={P} done in {time.time() - t0:.1f} s", file=sys.stderr)
+            for r in rows[-len(sizes):]:
+                print(f"  {r['size']:>10} B  {r['time_us_median']:>12.1f} µs", file=sys.stderr)
+    params = {"P": Ps, "sizes": sizes, "impls": impls, "quick": args.quick,
+              "progress": args.progress, "algorithm": args.algorithm, "dtype": "float32",
+              "op": "sum"}
+    write_json(args.out, "allreduce", params, rows)
+    rat = ratios(rows)
+    for k, v in sorted(rat.items()):
+        print(f"ratio {k}: {v:.2f}x", file=sys.stderr)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
