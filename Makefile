@@ -16,7 +16,11 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) -e '.[test,dev,ucx]'
 	touch $@
 
-run: $(VENV)/.base
+$(VENV)/.plot: $(VENV)/.base
+	$(PIP) -e '.[plot]'
+	touch $@
+
+run: $(VENV)/.plot
 	$(PY) -m asynccoll.cli demo
 
 test: $(VENV)/.test

@@ -19,26 +19,33 @@ from .errors import (
 )
 from .results import PartialResult
 from .sched import BufRef, Executor, Op, Schedule, SlotSpec, register_kernel
+from .train import ODSGD, RNA, BackupSGD, EagerSGD, StepInfo, TopKSGD
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AsyncCollError",
     "AuthenticationError",
+    "BackupSGD",
     "BufRef",
     "BusyError",
     "CollectiveTimeoutError",
     "Communicator",
+    "EagerSGD",
     "ExecutionError",
     "Executor",
+    "ODSGD",
     "Op",
     "PartialAllreduce",
     "PartialResult",
     "PeerLostError",
     "ProtocolError",
+    "RNA",
     "Schedule",
     "ScheduleError",
     "SlotSpec",
+    "StepInfo",
+    "TopKSGD",
     "TransportClosedError",
     "TransportError",
     "__version__",

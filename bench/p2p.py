@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES,
                    help="comma-separated sizes in bytes (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=0,
-                   help="alternating rounds per implementation (default: 2 quick, 3 full)")
+                   help="alternating rounds per implementation (default: 1 quick, 3 full)")
     args = p.parse_args(argv)
     cfg = Config(sizes=args.sizes, loop=args.loop, quick=args.quick)
     impls = []
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[dict[str, Any]] = []
     # rounds alternate the implementations, so that load from elsewhere on a shared machine
     # spreads over all of them rather than skewing one
-    rounds = args.rounds or (2 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 3)
     failed: set[str] = set()
     for rnd in range(rounds):
         for impl in impls:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -32,8 +33,12 @@ def data(P: int, shape: tuple[int, ...], dtype: str) -> list[np.ndarray]:
     return [rng.integers(-4, 5, shape).astype(dtype) for _ in range(P)]
 
 
+TRANSPORTS = ["inproc", "tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (asynccoll[ucx])"))]
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 async def test_sync_collectives(transport: str, P: int) -> None:
     async with local_world(P, transport) as comms:

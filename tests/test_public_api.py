@@ -27,6 +27,13 @@ EXPECTED = {
     "__version__",
     "connect",
     "register_kernel",
+    # training-loop API (asynccoll.train)
+    "BackupSGD",
+    "EagerSGD",
+    "ODSGD",
+    "RNA",
+    "StepInfo",
+    "TopKSGD",
 }
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..buffers import dtype_to_wire
 from ..sched import Payload, register_kernel
+from ..transport.base import Format
 from . import quantize as qsgd
 from .sparse import (
     SparseVector,
@@ -105,18 +106,18 @@ def _k_piece(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     x = read_stream(inputs[0], n, dt)
     wire = dtype_to_wire(dt)
     if isinstance(x, np.ndarray):
-        return Payload(x[lo:hi], wire, (hi - lo,), 0)
+        return Payload(x[lo:hi], wire, (hi - lo,), int(Format.DENSE))
     a, b = (int(v) for v in np.searchsorted(x.indices, (lo, hi)))
     m = b - a
     if m > _range_delta(delta, n, lo, hi):
         d = np.zeros(hi - lo, dt)
         d[x.indices[a:b] - lo] = x.values[a:b]
-        return Payload(d, wire, (hi - lo,), 0)
+        return Payload(d, wire, (hi - lo,), int(Format.DENSE))
     c = x.indices.itemsize
     region = inputs[1][a * (c + dt.itemsize): b * (c + dt.itemsize)]
     region[: m * c].view(x.indices.dtype)[:] = x.indices[a:b]
     region[m * c:].view(dt)[:] = x.values[a:b]
-    return Payload(region, wire, (n, m), 1)
+    return Payload(region, wire, (n, m), int(Format.SPARSE))
 
 
 def _pieces(inputs: Sequence[Any], params: Mapping[str, Any], msgs: Sequence[Any]

@@ -1,22 +1,26 @@
 """The activation broadcast of partial collectives (eager-SGD §4.1.1) as schedule ops.
 
-Any rank may start an execution; the others must learn of it and join. Each rank floods an empty
-ACTIVATION message to its **hypercube neighbours** ``r ^ 2**i`` (those ``< P``) once it is
-activated, and is activated by its own trigger or by the first activation message from any
-neighbour (an OR dependency). Every op is consumable, so each send fires at most once per
-execution however many ranks initiate it and however many messages arrive.
+Any rank may start an execution; the others must learn of it and join. As in the paper, the
+activation runs over the union of the binomial trees rooted at every rank of a hypercube: a rank
+that starts sends an empty ACTIVATION message along every dimension; a rank reached along
+dimension k forwards along the dimensions below k only. From one initiator that is a binomial
+tree: every rank is reached exactly once, ``ceil(log2 P)`` hops deep, with P - 1 messages. Every
+op is consumable and every dependency is an OR, so with several initiators each send still
+fires at most once per execution and the ranks reached are the union of their trees.
 
-Why this graph: it reaches every rank for every ``P >= 1``. Clearing the top bit of ``r > 0``
-gives a neighbour ``r' < r < P``, so every rank has a path to rank 0 and the neighbour graph is
-connected; a flood over a connected graph reaches everyone. (A union of binomial trees that
-sends only "down" from the initiator, as the original library did, leaves ranks unreached when P
-is not a power of two.) For ``P = 2**m`` it is the union of the P binomial trees of the paper;
-from a single initiator the activation reaches the farthest rank in ``ceil(log2 P)`` hops.
+**Any P.** The binomial trees need a complete hypercube, and with P not a power of two the
+missing nodes cut ranks off (the original library fails for P = 3, 5, 6). Here the hypercube has
+``Q = 2**ceil(log2 P)`` nodes and each missing node ``v >= P`` is *hosted* by the real rank
+``v - Q/2`` (its neighbour along the top dimension, always < P): the host posts the virtual
+node's receives and performs its sends, with tags that say whether source and destination are
+virtual (:data:`TAGS_USED` tags from ``tag``). The edge between host and hosted node is internal:
+the hosted node counts as reached when its host starts. Every tree of the complete hypercube is
+then present, so the activation reaches every rank from every initiator set, for every P >= 1
+(tested for P = 1..17 and all initiator sets). An activated virtual node activates its host.
 
-Cost per execution and rank: ``floor(log2 P) + 1`` receives posted when the execution is armed
-(fewer for ranks whose neighbours fall outside P) and as many empty sends after activation.
-Activation messages that arrive after the rank was activated are absorbed by their consumed
-receives, or dropped by the matcher once the execution finished.
+Cost per execution and rank: at most ``2 * ceil(log2 P)`` receives posted when the execution is
+armed (one set for the rank, one for the node it hosts), and from a single initiator at most two
+messages received and ``2 * ceil(log2 P)`` sent; fewer than 2P messages in all.
 """
 
 from __future__ import annotations
@@ -25,8 +29,13 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..sched import Schedule
+from .dense import build_barrier
 
-__all__ = ["Activation", "activation_broadcast", "build_activation", "hypercube_neighbours"]
+__all__ = ["TAGS_USED", "Activation", "activation_broadcast", "build_activation",
+           "hypercube_neighbours", "hosted_node"]
+
+#: the number of tags the activation uses from its ``tag`` (real/virtual source x destination).
+TAGS_USED = 4
 
 
 def hypercube_neighbours(rank: int, world_size: int) -> list[int]:
@@ -37,10 +46,7 @@ def hypercube_neighbours(rank: int, world_size: int) -> list[int]:
     >>> hypercube_neighbours(2, 3)
     [0]
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+    _check(rank, world_size)
     out: list[int] = []
     bit = 1
     while bit < world_size:
@@ -49,6 +55,18 @@ def hypercube_neighbours(rank: int, world_size: int) -> list[int]:
             out.append(peer)
         bit <<= 1
     return out
+
+
+def hosted_node(rank: int, world_size: int) -> int | None:
+    """The missing hypercube node ``rank + Q/2`` that ``rank`` hosts, or ``None``.
+
+    >>> [hosted_node(r, 5) for r in range(5)]
+    [None, 5, 6, 7, None]
+    """
+    _check(rank, world_size)
+    half = _half(world_size)
+    v = rank + half
+    return v if half and rank < half and v >= world_size else None
 
 
 class Activation(NamedTuple):
@@ -62,35 +80,77 @@ class Activation(NamedTuple):
 def build_activation(s: Schedule, triggers: Sequence[int], *, tag: int = 0) -> Activation:
     """Append the activation broadcast to ``s``; return its ops.
 
-    ``triggers``: ops of ``s`` whose completion activates this rank from inside (an internal
-    start, a quorum of arrivals, ...). The returned ``activated`` no-op fires once, on the first
-    of the triggers or activation receives to complete (threshold 1); hang the collective's ops
-    on it. The receives are sources (posted when the execution is armed, so a message can
-    activate the rank from outside) and use ``tag`` with ``msg="activation"``; the sends depend
-    on ``activated``. Raises ``ValueError`` when there is no trigger and no neighbour (nothing
-    could ever activate the rank) or ``tag`` is negative.
+    ``triggers``: ops of ``s`` whose completion starts the activation from this rank (an
+    internal start, a quorum of arrivals, a forced activation, ...). The returned ``activated``
+    no-op fires once, on the first trigger or activation receive to complete (threshold 1); hang
+    the collective's ops on it. The receives are sources (posted when the execution is armed, so
+    a message can activate the rank from outside); the sends are OR-dependent on the triggers
+    and on the receives of higher dimensions. Uses tags ``tag .. tag + TAGS_USED - 1``.
+    Raises ``ValueError`` when ``triggers`` is empty or ``tag`` is negative.
     """
     if tag < 0:
         raise ValueError(f"tag must be >= 0, got {tag}")
-    peers = hypercube_neighbours(s.rank, s.world_size)
-    if not triggers and not peers:
-        raise ValueError("triggers must not be empty for a world of one rank")
-    recvs = tuple(s.recv(p, None, tag, msg="activation", label="activation in")
-                  for p in peers)
-    activated = s.nop(deps=[*triggers, *recvs], k=1, label="activated")
-    sends = tuple(s.send(p, None, tag, deps=activated, msg="activation",
-                         label="activation out") for p in peers)
-    return Activation(activated, recvs, sends)
+    if not triggers:
+        raise ValueError("triggers must not be empty: nothing could start the activation")
+    P, r = s.world_size, s.rank
+    dims = (P - 1).bit_length()
+    half = _half(P)
+
+    def host(u: int) -> int:
+        return u if u < P else u - half
+
+    def tag_of(src: int, dst: int) -> int:
+        return tag + 2 * (src >= P) + (dst >= P)
+
+    v = hosted_node(r, P)
+    nodes = [r] if v is None else [r, v]
+    recv: dict[tuple[int, int], int] = {}  # (node, dimension) -> receive op
+    for u in nodes:
+        for i in range(dims):
+            w = u ^ (1 << i)
+            if host(w) != r:  # the host <-> hosted edge is internal
+                recv[u, i] = s.recv(host(w), None, tag_of(w, u), msg="activation",
+                                    label="activation in" if u == r else
+                                    f"activation in (for node {u})")
+    activated = s.nop(deps=[*triggers, *recv.values()], k=1, label="activated")
+    sends: list[int] = []
+    for u in nodes:
+        for j in range(dims):
+            w = u ^ (1 << j)
+            if host(w) == r:
+                continue
+            # Along j once started, or once reached along a higher dimension; the hosted node
+            # is "reached along the top dimension" when its host starts.
+            deps = [*triggers, *(recv[u, i] for i in range(j + 1, dims) if (u, i) in recv)]
+            sends.append(s.send(host(w), None, tag_of(u, w), deps=deps, k=1, msg="activation",
+                                label="activation out" if u == r else
+                                f"activation out (for node {u})"))
+    return Activation(activated, tuple(recv.values()), tuple(sends))
 
 
 def activation_broadcast(rank: int, world_size: int, *, tag: int = 0) -> Schedule:
-    """A committed schedule that is only the activation broadcast (for tests and inspection).
+    """A committed schedule: the activation broadcast, then a barrier (for tests and inspection).
 
-    Its single start source is the internal trigger; an execution completes when the rank is
-    activated and its activation sends have completed.
+    Its single start source is the internal trigger. The activation sends are not waited for (a
+    rank reached from outside forwards along lower dimensions only, so some never fire); the
+    barrier stands for the collective a partial schedule runs after activation: no rank
+    completes, and so retires its receives, before every rank has been activated.
     """
     s = Schedule(rank, world_size, name="activation")
     start = s.nop(label="internal start")
     act = build_activation(s, [start], tag=tag)
-    s.final = s.nop(deps=[act.activated, *act.sends], label="final")
+    s.final = build_barrier(s, tag_base=tag + TAGS_USED, after=[act.activated])
     return s.commit()
+
+
+def _check(rank: int, world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+
+
+def _half(world_size: int) -> int:
+    """Q/2 for the hypercube of Q = 2**ceil(log2 P) nodes (0 when P == 1)."""
+    dims = (world_size - 1).bit_length()
+    return (1 << dims) >> 1

@@ -2,15 +2,16 @@
 
 One rank's schedule, executed again and again by a persistent executor::
 
-    internal start (nop) ──┐                       ┌─> activation sends to neighbours
-    [quorum: k of {start,  ├─> activated (OR) ─────┤
-      arrivals from all}]  │        ^              └─> snapshot ─┬─> allreduce(data, op) ──┐
-    forced (self-message) ─┘        │                            └─> allreduce(meta, sum) ─┴─> final
-                    activation receives from neighbours
+    internal start (nop) ──┬──────────────────────────> activation sends (binomial trees)
+    [quorum: k of {start,  │                                 ^
+      arrivals from all}]  ├─> activated (OR) ─> snapshot ─> allreduce(data [+ meta]) ─> final
+    forced (self-message) ─┘        ^
+                    activation receives (hypercube dimensions)
 
 * **Activation** (:mod:`.activation`): the rank is activated by its internal start, by a forced
   activation (a message the runtime sends to itself, used by ``flush``), or by the first
-  activation message of a hypercube neighbour; every activated rank floods the activation on.
+  activation message; the messages follow the union of the binomial trees rooted at the
+  initiators (P - 1 messages from one initiator), made complete for any P.
 * **Initiator set S(e)**: which ranks call :meth:`Executor.start` for execution ``e`` is decided
   by the runtime with :func:`initiators`, a pure function of ``(kind, e, P, seed)`` that every
   rank evaluates identically (stateless per execution, so ranks never need to agree on a
@@ -40,8 +41,9 @@ One rank's schedule, executed again and again by a persistent executor::
 * The data allreduce is :func:`~asynccoll.collectives.dense.build_allreduce` (algorithm chosen
   by size and P, or ``algorithm=``), in place on ``data``.
 
-The ``final`` op waits for both allreduces and the activation sends, never for the internal
-start or the arrival sends: an execution activated from outside completes without them.
+The ``final`` op waits for the allreduce(s) only, never for the internal start, the arrival
+sends or the activation sends (a rank reached from outside forwards along lower dimensions only,
+so some of its sends never fire): an execution activated from outside completes without them.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import numpy as np
 from ..buffers import dtype_to_wire
 from ..sched import Schedule, SlotSpec, register_kernel
 from ..sched.kernels import KERNELS
-from .activation import build_activation
+from .activation import TAGS_USED, build_activation
 from .dense import REDUCE_OPS, build_allreduce, next_tag
 
 __all__ = [
@@ -84,9 +86,10 @@ KINDS: tuple[str, ...] = ("solo", "majority", "two_choice", "quorum")
 COUNT, FRESH, SNAPSHOTS, FLUSHING = 0, 1, 2, 3
 STATE_LEN = 4
 
-#: tags: activation flood, quorum arrivals, forced (self) activation; data from ``_TAG_DATA``.
-TAG_ACTIVATION, TAG_ARRIVAL, TAG_FORCE = 0, 1, 2
-_TAG_DATA = 3
+#: tags: quorum arrivals, forced (self) activation, the activation broadcast (it uses
+#: ``TAGS_USED`` tags from ``TAG_ACTIVATION``); the data allreduce from ``_TAG_DATA``.
+TAG_ARRIVAL, TAG_FORCE, TAG_ACTIVATION = 0, 1, 2
+_TAG_DATA = TAG_ACTIVATION + TAGS_USED
 
 
 def check_kind(kind: str, world_size: int, quorum: int | None) -> int | None:
@@ -248,7 +251,7 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
                                 after=[snap]),
                 build_allreduce(s, m, np.int64, "sum", None, slot="meta", scratch_prefix="meta_",
                                 tag_base=next_tag(s), after=[snap])]
-    s.final = s.nop(deps=[*done, *act.sends], label="final")
+    s.final = s.nop(deps=done, label="final")
     s.meta["partial"] = {"kind": kind, "op": op, "quorum": k, "count": count, "dtype": wire,
                          "packed": packed}
     return s.commit()

@@ -25,6 +25,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from ..buffers import is_cupy
 from ..errors import ProtocolError
 from ..sched import Payload
 from ..transport.base import Format, Message
@@ -127,8 +128,15 @@ class SparseVector:
         return self.nnz / self.size if self.size else 0.0
 
     def to_dense(self, out: np.ndarray | None = None) -> np.ndarray:
-        """The dense array (``out`` when given: filled, of length ``size``)."""
+        """The dense array (``out`` when given: filled, of length ``size``); CuPy when the
+        values are CuPy arrays."""
         if out is None:
+            if is_cupy(self.values):
+                import cupy
+
+                dev: np.ndarray = cupy.zeros(self.size, self.values.dtype)
+                dev[self.indices] = self.values
+                return dev
             out = np.zeros(self.size, self.values.dtype)
         else:
             if out.shape != (self.size,):

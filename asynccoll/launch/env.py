@@ -27,6 +27,7 @@ Key files readable by group or others are refused.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import secrets
@@ -190,15 +191,23 @@ def _create_key_file(path: str) -> None:
     """Create ``path`` with a fresh random key, atomically: concurrent ranks agree on one."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+    key = secrets.token_hex(32).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, secrets.token_hex(32).encode())
+        os.write(fd, key)
     finally:
         os.close(fd)
     try:
         os.link(tmp, path)  # fails if another rank won the race; then we read its key
     except FileExistsError:
         pass
+    except OSError:  # a file system without hard links: exclusive create, written at once
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, key)
+            finally:
+                os.close(fd)
     finally:
         os.unlink(tmp)
 
@@ -244,10 +253,13 @@ def resolve(rank: int | None = None, world_size: int | None = None,
     if scheme not in _TRANSPORTS:
         raise ConfigError("transport" if transport else "ASYNCCOLL_TRANSPORT",
                           f"unknown transport {scheme!r}; known: {list(_TRANSPORTS)}")
-    local_rank = _first_int(environ, ("ASYNCCOLL_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID"),
-                            source, minimum=0)
-    local_world = _first_int(environ, ("ASYNCCOLL_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                       "SLURM_NTASKS_PER_NODE"), source, minimum=1)
+    lr_var, local_rank = _first_int(environ, ("ASYNCCOLL_LOCAL_RANK", "LOCAL_RANK",
+                                              "SLURM_LOCALID"), source, minimum=0)
+    lw_var, local_world = _first_int(environ, ("ASYNCCOLL_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                               "SLURM_NTASKS_PER_NODE"), source, minimum=1)
+    if local_rank is not None and local_world is not None and local_rank >= local_world:
+        raise ConfigError(lr_var, f"local rank {local_rank} is outside the {local_world} ranks "
+                                  f"of this host ({lw_var}={local_world})")
     if w == 1 and local_rank is None:
         local_rank, local_world = 0, 1
     if host is None:
@@ -267,16 +279,16 @@ _SOURCE_OF = {"ASYNCCOLL_LOCAL_RANK": "asynccoll", "ASYNCCOLL_LOCAL_WORLD_SIZE":
 
 
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], source: str, *,
-               minimum: int) -> int | None:
-    """The first of ``names`` that is set, preferring the variable of ``source``."""
+               minimum: int) -> tuple[str, int | None]:
+    """(name, value) of the first of ``names`` that is set, preferring ``source``'s variable."""
     ordered = sorted(names, key=lambda n: _SOURCE_OF[n] != source)
     for name in ordered:
         if name == "SLURM_NTASKS_PER_NODE" and "(" in environ.get(name, ""):
             continue  # heterogeneous layout like "2(x3),1": no single local world size
         v = _int(environ, name, minimum=minimum)
         if v is not None:
-            return v
-    return None
+            return name, v
+    return names[0], None
 
 
 def interface_address(ifname: str, what: str = "ifname") -> str:

@@ -37,6 +37,7 @@ _NOP, _SEND, _RECV, _COMPUTE = 0, 1, 2, 3
 _KIND_CODE = {"nop": _NOP, "send": _SEND, "recv": _RECV, "compute": _COMPUTE}
 _NAN = float("nan")
 _DENSE = int(Format.DENSE)
+_NO_MSGS: tuple[Message, ...] = ()
 _MSG_KIND = {"data": int(Kind.DATA), "activation": int(Kind.ACTIVATION)}
 
 
@@ -385,7 +386,8 @@ class Executor:
     def _run_kernel(self, i: int, e: int) -> None:
         op = self.schedule.ops[i]
         out, ins, nbytes = self._views[i]
-        msgs = [self._msgs[r] for r in op.recvs if r in self._msgs]
+        recvs = op.recvs
+        msgs = [self._msgs[r] for r in recvs if r in self._msgs] if recvs else _NO_MSGS
         kernel = self._kernels[i]
         assert kernel is not None
         if nbytes > self.offload_bytes and isinstance(out, np.ndarray):

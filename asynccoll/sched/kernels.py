@@ -63,9 +63,16 @@ def _ufunc(out: Any, name: str) -> Any:
 
 
 def _reduce_with(name: str) -> Kernel:
+    # Resolved once: on a small buffer the choice of ufunc would cost more than the reduction.
+    host_fn = REDUCE_OPS[name]
+    bool_fn = np.logical_or if name in ("sum", "max") else np.logical_and
+
     def kernel(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
                msgs: Sequence[Any]) -> None:
-        fn = _ufunc(out, name)
+        if type(out) is np.ndarray:
+            fn = bool_fn if out.dtype.kind == "b" else host_fn
+        else:
+            fn = _ufunc(out, name)
         if len(inputs) == 1:
             fn(out, inputs[0], out=out)
             return

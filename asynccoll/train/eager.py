@@ -20,13 +20,14 @@ SGD (no momentum, no weight decay) every rank applies exactly the same total upd
 **Model synchronisation (collective-safe).** A *sync event* is ``flush`` of the partial
 allreduce (collective: every rank hands in all it holds and applies every result it has not
 applied) followed by a synchronous average of the parameters. Any rank may *trigger* one: after
-``sync_every`` of its own steps since the last event, or when ``max_staleness`` consecutive steps
-of its gradients were not in the results they returned (the staleness bound: the rank is too far
-behind, so the next step is synchronous). A triggering rank simply calls ``flush``; while any
-rank flushes, every result carries ``flushed=True`` (the flag rides in the collective's meta
-data, which every rank reduces identically), and a rank that receives such a result joins the
-event at once. So every rank enters the same sequence of events, each one flush then one
-allreduce, whatever its step count: nobody waits on a collective that another rank skips.
+``sync_every`` of its own steps since the last event, or when more than ``max_staleness``
+consecutive steps of its gradients were not in the results they returned (the staleness bound:
+the rank is too far behind, so it forces a synchronous step). A triggering rank simply calls
+``flush``; while any rank flushes, every result carries ``flushed=True`` (the flag rides in
+the collective's meta data, which every rank reduces identically), and a rank that receives
+such a result joins the event at once. So every rank enters the same sequence of events, each
+one flush then one allreduce, whatever its step count: nobody waits on a collective that
+another rank skips.
 Spurious extra events (a flag seen just after an event) cost time, never consistency.
 :meth:`EagerSGD.finish` repeats events until every rank has called it; it must be called once by
 every rank after its last step.
@@ -97,6 +98,8 @@ class EagerSGD:
         self.world_size = comm.size
         self.steps = 0  #: steps taken by this rank
         self.syncs = 0  #: sync events this rank took part in
+        #: local gradients (of all ranks) summed into the updates this rank applied
+        self.applied = 0
         self._since_sync = 0
         self._stale_run = 0
         self._h = None
@@ -104,7 +107,10 @@ class EagerSGD:
             self._h = comm.partial_allreduce(mode, like=self.params, accumulate=self.accumulate,
                                              quorum=quorum, seed=seed, name=name)
         n = self.params.size
-        self._sync_buf = np.empty(n + 1, self.params.dtype)
+        self._sync_buf = np.empty(n + 2, self.params.dtype)
+        # Where a list of gradients is fused (the collective copies it, so it can be reused).
+        self._gbuf = np.empty(n, self.params.dtype) if isinstance(self.params, np.ndarray) \
+            and not isinstance(params, np.ndarray) else None
 
     # -- hooks for the variants --------------------------------------------------------------
     def _combine(self) -> Any:
@@ -127,16 +133,18 @@ class EagerSGD:
         Returns a :class:`~asynccoll.train.StepInfo`. Raises what the collective raises
         (``CollectiveTimeoutError``, ``ExecutionError``, ``PeerLostError``).
         """
-        g = self.bucket.flatten(grads)
+        g = self.bucket.flatten(grads, self._gbuf)
         if self._h is None:
             total = await self.comm.allreduce(g, timeout=self.timeout)
             self._apply(total, self.world_size, self.lr)
             self.steps += 1
+            self.applied += self.world_size
             P = self.world_size
             return StepInfo(self.steps - 1, True, frozenset(range(P)), P, 0, self.lr,
                             fresh=frozenset(range(P)))
         res = await self._h(g, self.timeout, combine=self._combine())
         self._stale_run = 0 if res.included else self._stale_run + 1
+        self.applied += res.count
         lr = self._step_lr(res)
         self._apply(res.value, self._divisor(res), lr)
         self.steps += 1
@@ -155,28 +163,37 @@ class EagerSGD:
             return  # nothing was contributed (a flush of empty buffers)
         self.updater.apply(self.params, value.reshape(-1) / divisor, lr)
 
-    async def _sync(self, *, finished: bool) -> bool:
-        """One sync event (module doc); returns whether every rank has finished."""
+    async def _sync(self, *, finished: bool, average: bool = True) -> bool:
+        """One sync event (module doc); returns whether every rank has finished.
+
+        The parameter allreduce also carries two flags, so that every rank learns the same
+        answers: how many ranks have finished, and whether any asked not to average.
+        """
         assert self._h is not None
         res = await self._h.flush(self.timeout)
+        self.applied += res.count
         self._apply(res.value, self._divisor(res), self._step_lr(res))
         n = self.params.size
         self._sync_buf[:n] = self.params
         self._sync_buf[n] = 1.0 if finished else 0.0
+        self._sync_buf[n + 1] = 0.0 if average else 1.0
         tot = await self.comm.allreduce(self._sync_buf, timeout=self.timeout)
-        np.divide(tot[:n], self.world_size, out=self.params)
+        if tot[n + 1] == 0:
+            np.divide(tot[:n], self.world_size, out=self.params)
         self._since_sync = 0
         self._stale_run = 0
         self.syncs += 1
         return bool(tot[n] >= self.world_size)
 
-    async def finish(self) -> None:
-        """Collective: drain every contribution and average the parameters, once every rank
-        has called it (ranks still stepping join the events it triggers). Call it once, after
-        the last step, on every rank; afterwards all replicas are equal."""
+    async def finish(self, average: bool = True) -> None:
+        """Collective: drain every contribution and (``average``) average the parameters,
+        repeated until every rank has called it (ranks still stepping join the events it
+        triggers). Call it once, after the last step, on every rank. Afterwards no gradient is
+        left in flight and, with ``average``, all replicas are equal (if any rank passes
+        ``average=False``, no rank averages in that event)."""
         if self._h is None:
             return
-        while not await self._sync(finished=True):
+        while not await self._sync(finished=True, average=average):
             pass
 
     def __repr__(self) -> str:

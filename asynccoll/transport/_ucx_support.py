@@ -12,6 +12,7 @@ import hashlib
 import os
 import socket
 import struct
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,9 +21,10 @@ import numpy as np
 from ..buffers import is_cupy
 from ..errors import AuthenticationError
 from . import auth
+from .base import Slot
 
-__all__ = ["DeviceView", "Link", "Progress", "handshake_acceptor", "handshake_connector",
-           "host_id", "load", "stream_io", "target"]
+__all__ = ["DeviceView", "HeldOrder", "Link", "Progress", "handshake_acceptor",
+           "handshake_connector", "host_id", "ignore", "load", "stream_io", "tag_base", "target"]
 
 WATCHDOG_S = 0.5
 # after the proofs: the tag base the peer sends to us with, the length of the sender's UCX
@@ -101,7 +103,7 @@ class Progress:
     new operations are posted (:meth:`kick`), the worker is progressed until it can be re-armed
     and finished requests are reaped. ``watch(req, cb)`` calls ``cb(None)`` once ``req``
     completes, or ``cb(exc)`` with the UCX error. Costs O(pending requests) per wake-up; an
-    idle worker costs a watchdog wake-up every :data:`WATCHDOG_S` seconds (UCX documents that a
+    idle worker costs a watchdog wake-up every :data:`WATCHDOG_S` seconds (ucxx documents that a
     wake-up can be missed).
     """
 
@@ -174,6 +176,51 @@ class Progress:
         self.watchdog.cancel()
         self.loop.remove_reader(self.fd)
         self.fail_all(exc)
+
+
+class HeldOrder:
+    """Hands finished frames to ``complete`` so that held frames of one key queue in arrival
+    order, although their payloads may finish out of order (a small inline frame overtakes a
+    large one still streaming). Frames bound to a posted receive need no order and pass at once.
+    """
+
+    def __init__(self, complete: Callable[[Slot], None]) -> None:
+        self._complete = complete
+        self._queues: dict[tuple[int, int, int, int], deque[list[Any]]] = {}
+
+    def reserve(self, slot: Slot) -> list[Any] | None:
+        """Take ``slot``'s place in its key's queue before its payload streams in."""
+        if slot.posted is not None or slot.discard:
+            return None
+        entry: list[Any] = [slot, False]
+        self._queues.setdefault(_key(slot), deque()).append(entry)
+        return entry
+
+    def done(self, slot: Slot, entry: list[Any] | None, lost: bool = False) -> None:
+        """``slot``'s payload is complete (or ``lost``: drop it without blocking the queue)."""
+        key = _key(slot)
+        q = self._queues.get(key)
+        if entry is None:
+            if q is None or slot.posted is not None or slot.discard:
+                self._complete(slot)
+                return
+            entry = [slot, True]
+            q.append(entry)
+        entry[1] = True
+        if lost:
+            entry[0] = None
+        assert q is not None
+        while q and q[0][1]:
+            ready = q.popleft()[0]
+            if ready is not None:
+                self._complete(ready)
+        if not q:
+            del self._queues[key]
+
+
+def _key(slot: Slot) -> tuple[int, int, int, int]:
+    h = slot.header
+    return (h.src, h.sched, h.execution, h.tag)
 
 
 def ignore(_keep: Any, _exc: BaseException | None) -> None:

@@ -280,10 +280,12 @@ class Matcher:
 
     @property
     def posted_count(self) -> int:
-        return sum(len(q) for q in self._posted.values())
+        """Receives posted and still waiting for their message (O(posted) to compute)."""
+        return sum(1 for q in self._posted.values() for p in q if not p.fut.done())
 
     @property
     def held_count(self) -> int:
+        """Early messages held until their receive is posted."""
         return self._held_count
 
     # -- the transport's side ----------------------------------------------------------------

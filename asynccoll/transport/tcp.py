@@ -24,6 +24,7 @@ from typing import Any
 from ..errors import (
     AuthenticationError,
     PeerLostError,
+    ProtocolError,
     TransportClosedError,
     TransportError,
 )
@@ -255,7 +256,7 @@ class TcpTransport(Transport):
         exc = lost(conn.peer, str(cause) or type(cause).__name__, cause)
         self._lost[conn.peer] = exc
         self.stats.peers_lost += 1
-        if conn.error is None:
+        if not isinstance(conn.error, ProtocolError):  # a rejected frame was logged already
             log.warning("tcp rank %d: lost rank %d: %s", self.rank, conn.peer, exc.reason)
         self.matcher.fail_peer(conn.peer, exc)
         return exc

@@ -445,10 +445,10 @@ class TcpConnection(asyncio.BufferedProtocol):
         if self._state == _DEAD or self.error is not None:
             return
         self.error = exc
-        if self.authed:
-            self.owner._rejected(self, str(exc))
-        else:
+        if not self.authed:
             self.owner._refused(self, str(exc))
+        elif isinstance(exc, ProtocolError):
+            self.owner._rejected(self, str(exc))
         self._state = _DEAD
         if self.tr is not None:
             self.tr.abort()

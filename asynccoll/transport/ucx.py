@@ -11,22 +11,28 @@ Design (the reasons are measured; see ``docs/transports.md``):
   wake-up file descriptor is registered with the loop; on an event, or after new operations are
   posted, the worker is progressed until it can be re-armed, and then the finished requests
   are reaped. Nothing polls or spins; an idle transport costs no CPU but a watchdog timer that
-  fires every half second (UCX documents that a wake-up can be missed). ``ucxx``'s own
+  fires every half second (ucxx documents that a wake-up can be missed). ``ucxx``'s own
   ``thread`` mode was 5-6x slower on two cores and its request waits spin on the loop, which is
   why this module drives the worker itself.
-* **Wire format**: per ordered pair of ranks one UCX endpoint, authenticated by the job-secret
-  handshake of :mod:`asynccoll.transport.auth` over the endpoint's stream channel, in which each
-  side also chooses the two 64-bit tags its peer sends to it with. A frame is a tag message with
-  a 3-byte prefix (header length, flags) and the msgpack header, followed, unless the payload is
-  small enough to ride inline in that same message, by the payload as a second tag message. UCX
-  matches messages of one sender and tag in order, and every rank has one receive of headers
-  posted per peer at a time, so frames with one key arrive in order. Payloads land straight in
-  the destination (device memory for CuPy destinations); payloads of unknown length get a
-  buffer sized by the header.
+* **Wire format**: per pair of ranks one UCX endpoint (the lower rank dials), authenticated by
+  the job-secret handshake of :mod:`asynccoll.transport.auth` over the endpoint's stream
+  channel, in which each side also chooses the two 64-bit tags its peer sends to it with. A
+  frame is a tag message with a 3-byte prefix (header length, flags) and the msgpack header,
+  followed, unless the payload is small enough to ride inline in that same message, by the
+  payload as a second tag message (tag messages beat active messages here: an active message
+  lands in a buffer UCX allocates, one more copy for large payloads). UCX matches messages of
+  one sender and tag in order, and every rank keeps one receive of headers posted per peer, so
+  frames with one key arrive in order. Payloads land straight in the destination (device
+  memory for CuPy destinations); payloads of unknown length get a buffer sized by the header.
+* **Shared memory** (opt-in, ``shared_memory=True``): endpoints with error handling never use
+  UCX's shared-memory transports, so between ranks on one host frames go over a second
+  endpoint, made from the peer's worker address without error handling, while the first one
+  keeps watching for peer failure.
 * **Failures**: UCX endpoint errors (peer gone, connection reset, cancelled requests) become
   :class:`PeerLostError` for that rank, with the UCX exception chained, and fail every pending
   operation that needs the rank. A peer that fails the handshake, sends a malformed frame or
-  exceeds the limits is disconnected with a logged reason.
+  exceeds the limits is disconnected with a logged reason. :meth:`UcxTransport.close` says
+  goodbye first, so that frames already sent are read and peers learn of an orderly close.
 """
 
 from __future__ import annotations
@@ -35,17 +41,23 @@ import asyncio
 import functools
 import logging
 import struct
-from collections import deque
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 
 from ..buffers import is_cupy
-from ..errors import AuthenticationError, PeerLostError, ProtocolError, TransportClosedError
+from ..errors import (
+    AuthenticationError,
+    PeerLostError,
+    ProtocolError,
+    TransportClosedError,
+    TransportError,
+)
 from . import auth
 from ._ucx_support import (
     DeviceView,
+    HeldOrder,
     Link,
     Progress,
     handshake_acceptor,
@@ -127,7 +139,7 @@ class UcxTransport(Transport):
     second endpoint made from the peer's UCX worker address without endpoint error handling, on
     which UCX picks shared memory (sysv/posix, and cma for large messages) instead of TCP; the
     authenticated, error-handled endpoint stays open to detect a failed peer. Off by default:
-    UCX documents that a transport error on an endpoint without error handling may abort the
+    ucxx documents that an error on an endpoint without error handling may terminate the
     process, so a peer dying mid-transfer is a risk the job must accept.
     ``handshake_timeout``: seconds an accepted connection may take to authenticate.
 
@@ -168,7 +180,7 @@ class UcxTransport(Transport):
         self._bye_event = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._dropped: list[Any] = []
-        self._held_order: dict[tuple[int, int, int, int], deque[list[Any]]] = {}
+        self._order = HeldOrder(self.matcher.complete)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- setup -------------------------------------------------------------------------------
@@ -201,15 +213,19 @@ class UcxTransport(Transport):
         """Accept connections on ``host:port`` (port 0: any free one); return the address.
 
         UCX listens on every interface of the host; ``host`` is the address published to
-        peers.
+        peers. Raises ``ValueError`` for an address that is not ``ucx://HOST:PORT`` and
+        :class:`TransportError` when UCX cannot listen (the port is taken, say).
         """
         host, port = _split(address, "address")
         if self._listener is not None:
             raise RuntimeError(f"already listening on {self._address}")
         self._start()
         lib = load().lib
-        self._listener = lib.UCXListener.create(
-            self._worker, port, self._on_conn_request, deliver_endpoint=False)
+        try:
+            self._listener = lib.UCXListener.create(
+                self._worker, port, self._on_conn_request, deliver_endpoint=False)
+        except Exception as exc:  # ucxx's errors (port in use, no device) are not OSErrors
+            raise TransportError(f"cannot listen on {address}: {exc}") from exc
         if host in ("", "0.0.0.0"):
             host = self._listener.ip
         host = f"[{host}]" if ":" in host else host  # an IPv6 literal
@@ -261,8 +277,9 @@ class UcxTransport(Transport):
         lib = load().lib
         delay = 0.01
         while True:
-            ep = lib.UCXEndpoint.create(self._worker, host, port, True)
+            ep = None
             try:
+                ep = lib.UCXEndpoint.create(self._worker, host, port, True)
                 assert self._progress is not None
                 link = await handshake_connector(self._progress, ep, self._secret, self.rank,
                                                  rank, self.world_size, self._offer(), deadline)
@@ -272,7 +289,8 @@ class UcxTransport(Transport):
                 self._drop_ep(ep)
                 raise
             except (Exception, asyncio.TimeoutError) as exc:
-                self._drop_ep(ep)
+                if ep is not None:
+                    self._drop_ep(ep)
                 if self._closed:
                     raise TransportClosedError("transport closed while connecting") from exc
                 if loop.time() + delay >= deadline:
@@ -377,9 +395,9 @@ class UcxTransport(Transport):
         if flags & _INLINE or not h.length:
             if h.length:
                 slot.view[:] = raw[start:start + h.length]
-            self._complete(slot, None)
+            self._order.done(slot, None)
         else:
-            entry = self._order(slot)
+            entry = self._order.reserve(slot)
             assert self._progress is not None
             # The Array must outlive the request (UCX writes through it): the callback holds it.
             arr = load().Array(target(slot.view))
@@ -403,52 +421,13 @@ class UcxTransport(Transport):
         assert self._progress is not None
         self._progress.watch(p.tx.tag_send(arr, p.send_htag), functools.partial(ignore, arr))
 
-    def _order(self, slot: Slot) -> list[Any] | None:
-        """Reserve ``slot``'s place among the held frames of its key (None: not to be held).
-
-        Payloads of one key may finish out of order (a small inline frame overtakes a large
-        one still streaming); held frames must still queue in arrival order.
-        """
-        if slot.posted is not None or slot.discard:
-            return None
-        h = slot.header
-        key = (h.src, h.sched, h.execution, h.tag)
-        entry: list[Any] = [slot, False]
-        q = self._held_order.get(key)
-        if q is None:
-            self._held_order[key] = deque((entry,))
-        else:
-            q.append(entry)
-        return entry
-
-    def _complete(self, slot: Slot, entry: list[Any] | None) -> None:
-        if entry is None:
-            h = slot.header
-            key = (h.src, h.sched, h.execution, h.tag)
-            if slot.posted is not None or slot.discard or key not in self._held_order:
-                self.matcher.complete(slot)
-                return
-            entry = [slot, True]
-            self._held_order[key].append(entry)
-        entry[1] = True
-        h = slot.header
-        key = (h.src, h.sched, h.execution, h.tag)
-        q = self._held_order[key]
-        while q and q[0][1]:
-            done = q.popleft()[0]
-            if done is not None:
-                self.matcher.complete(done)
-        if not q:
-            del self._held_order[key]
-
     def _on_payload(self, p: _Peer, slot: Slot, entry: list[Any] | None, _arr: Any,
                     exc: BaseException | None) -> None:
         if exc is None:
-            self._complete(slot, entry)
+            self._order.done(slot, entry)
             return
         if entry is not None:
-            entry[0] = None  # the frame is lost; do not let it block those behind it
-            self._complete(slot, entry)
+            self._order.done(slot, entry, lost=True)
         err = self._map(p.rank, "payload receive failed", exc)
         if slot.posted is not None and not slot.posted.fut.done():
             slot.posted.fut.set_exception(err)
@@ -473,6 +452,10 @@ class UcxTransport(Transport):
         Payloads up to about 8 KiB are copied into the header message; larger ones (and CuPy
         arrays, sent from device memory) go as a second message straight from ``payload``.
         """
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"dst must be in 0..{self.world_size - 1}, got {dst}")
+        if header.src != self.rank:
+            raise ValueError(f"header.src is {header.src}, but this is rank {self.rank}")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         if self._closed:
@@ -500,7 +483,7 @@ class UcxTransport(Transport):
         size = _PREFIX.size + len(enc)
         inline = not device and size + header.length <= _EAGER_BYTES
         if inline:
-            msg = _PREFIX.pack(len(enc), _INLINE) + enc + bytes(data)
+            msg = b"".join((_PREFIX.pack(len(enc), _INLINE), enc, data))
         else:
             msg = _PREFIX.pack(len(enc), 0) + enc
         arr = load().Array
@@ -622,14 +605,14 @@ class UcxTransport(Transport):
             # What UCX may still read or write stays referenced until its requests are cancelled.
             inflight = list(prog.pending)
             prog.fail_all(exc)
+            shm = [p.tx for p in self._peers.values() if p.tx is not p.ep]
             for p in self._peers.values():
-                if p.tx is not p.ep:
-                    self._drop_ep(p.tx)
                 self._drop_ep(p.ep)
-            eps = [e for e in self._dropped if not any(e is p.tx is not p.ep
-                                                          for p in self._peers.values())]
+            for ep in shm:
+                self._drop_ep(ep)
             # Progress the closes for a moment so that peers learn of them now rather than
-            # from a keep-alive timeout.
+            # from a keep-alive timeout (endpoints without error handling may never report).
+            eps = [e for e in self._dropped if not any(e is t for t in shm)]
             while any(ep.alive for ep in eps) and loop.time() < deadline:
                 prog.kick()
                 await asyncio.sleep(0.002)

@@ -132,7 +132,7 @@ def test_sparse_allreduce_over_tcp(P: int) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [2, 3, 4])
 def test_sparse_allreduce_over_ucx(P: int) -> None:
     if importlib.util.find_spec("ucxx") is None:
         pytest.skip("ucxx is not installed (pip install 'asynccoll[ucx]')")

@@ -15,13 +15,17 @@ from asynccoll.collectives.sparse import SparseVector, default_delta, from_dense
 from asynccoll.collectives.sparse_sched import (
     ALGORITHMS,
     SparseAllreduce,
+    append_sparse_allreduce,
     build_sparse_allreduce,
     choose_algorithm,
+    load_stream,
     partition,
+    read_result,
     sparse_allreduce,
+    sparse_tags,
 )
 from asynccoll.errors import ExecutionError
-from asynccoll.sched import Schedule
+from asynccoll.sched import Executor, Schedule, SlotSpec, register_kernel
 from asynccoll.testing import inproc_world
 
 PS = [1, 2, 3, 5, 6, 8]
@@ -363,3 +367,69 @@ async def test_mismatched_sizes_across_ranks_fail_clearly() -> None:
             return_exceptions=True)
     assert all(isinstance(r, ExecutionError) for r in results), results
     assert "dense piece" in str(results[0])
+
+
+@pytest.mark.timeout(60)
+async def test_cupy_input_gives_cupy_result() -> None:
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception as exc:  # CUDA driver missing
+        pytest.skip(f"no usable CUDA device: {exc}")
+    P, N = 3, 100
+    xs = make_case("random", P, N, seed=4)
+    want = np.sum(xs, axis=0)
+    async with inproc_world(P) as ts:
+        for algorithm in ALGORITHMS:
+            res = await allreduce_all(ts, [cupy.asarray(x) for x in xs], algorithm=algorithm)
+            for r in res:
+                dense = r.to_dense() if isinstance(r, SparseVector) else r
+                assert type(dense).__module__.startswith("cupy")
+                assert np.array_equal(cupy.asnumpy(dense), want)
+
+
+def _load_kernel(out: Any, inputs: Any, params: Any, msgs: Any) -> None:
+    load_stream(out, inputs[0], int(params["n"]), np.float32, float(params["delta"]))
+
+
+register_kernel("test.sparse_load", _load_kernel, replace=True)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+async def test_appended_after_a_snapshot_op(algorithm: str) -> None:
+    """The appending form composes: a kernel fills the input stream (as a partial collective's
+    snapshot would), the sparse allreduce waits for it, under a slot prefix and a tag base."""
+    P, N = 3, 150
+    xs = make_case("random", P, N, seed=8)
+    delta = default_delta(N, np.float32)
+    async with inproc_world(P) as ts:
+        exs, bufs_all, results = [], [], []
+        for r, t in enumerate(ts):
+            s = Schedule(r, P, "composed")
+            s.declare("x", SlotSpec(N, "<f4"))
+            s.nop(label="unrelated op")
+            pre = "sp_"
+            src = pre + ("s0" if algorithm == "ssar_recursive_double" else "in")
+            load = s.compute("test.sparse_load", ["x"], src, n=N, delta=float(delta))
+            done, src_slot, res = append_sparse_allreduce(
+                s, N, np.float32, algorithm=algorithm, prefix=pre, tag_base=100, after=[load])
+            assert src_slot == src
+            s.final = done
+            s.commit()
+            assert all(o.tag == 0 or 100 <= o.tag < 100 + sparse_tags(P) for o in s.ops
+                       if o.kind in ("send", "recv"))
+            bufs = {k: np.empty(v.count or 0, np.dtype(v.dtype or "u1"))
+                    for k, v in s.slots.items()}
+            bufs["x"][:] = xs[r]
+            exs.append(Executor(s, t, bufs, sched_id=77))
+            bufs_all.append(bufs)
+            results.append(res)
+        await asyncio.wait_for(asyncio.gather(*[ex.start() for ex in exs]), 10)
+        want = np.sum(xs, axis=0)
+        outs = [read_result(b[res], N, np.float32) for b, res in zip(bufs_all, results,
+                                                                      strict=True)]
+        for o in outs:
+            check_canonical(o, want)
+        same_bits(outs)

@@ -110,6 +110,8 @@ def test_a_lone_process_needs_nothing(tmp_path: Path) -> None:
     ({"ASYNCCOLL_TRANSPORT": "carrier-pigeon"}, "ASYNCCOLL_TRANSPORT", "unknown transport"),
     ({"ASYNCCOLL_SECRET": "short"}, "ASYNCCOLL_SECRET", "at least 16"),
     ({"ASYNCCOLL_LOCAL_RANK": "z"}, "ASYNCCOLL_LOCAL_RANK", "integer"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "5", "LOCAL_RANK": "2",
+      "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK", "outside the 2 ranks of this host"),
     ({"ASYNCCOLL_IFNAME": "no-such-if0"}, "ASYNCCOLL_IFNAME", "no network interface"),
 ])
 def test_errors_name_their_variable(environ: dict[str, str], variable: str, match: str) -> None:

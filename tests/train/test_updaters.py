@@ -82,7 +82,8 @@ def test_bucket_flat_array_is_used_without_copy():
     b.flat[:] = 3
     assert w[0] == 3
     g = np.ones(5)
-    assert b.flatten(g) is not None and np.shares_memory(b.flatten(g), g)
+    assert b.flatten(g) is not None
+    assert np.shares_memory(b.flatten(g), g)
 
 
 def test_bucket_rejects_mixed_dtypes():

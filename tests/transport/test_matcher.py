@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asynccoll import ExecutionError, PeerLostError, ProtocolError, TransportClosedError
 from asynccoll.transport import (
@@ -310,3 +313,91 @@ def test_decode_honours_limits() -> None:
         decode_header(encode_header(GOOD), 4, Limits(max_ndim=1))
     with pytest.raises(ProtocolError, match=r"payload length 24 outside 0\.\.16"):
         decode_header(encode_header(GOOD), 4, Limits(max_payload_bytes=16))
+
+
+# -- the matcher against a model, on random interleavings -------------------------------------
+
+_keys = st.tuples(st.sampled_from([1, 2]), st.sampled_from([7, 8]), st.integers(0, 2),
+                  st.integers(0, 1))
+_steps = st.lists(st.one_of(
+    st.tuples(st.just("post"), _keys),
+    st.tuples(st.just("arrive"), _keys, st.sampled_from([Kind.DATA, Kind.ACTIVATION])),
+    st.tuples(st.just("finish"), st.sampled_from([7, 8]), st.integers(0, 2)),
+    st.tuples(st.just("cancel"), st.integers(0, 30)),
+), max_size=60)
+
+
+@settings(max_examples=200)
+@given(_steps)
+def test_matcher_agrees_with_a_model(steps: list[tuple[Any, ...]]) -> None:
+    """Receives get the messages of their key in arrival order, the earliest receive first;
+    finished executions retire receives and make later messages late; counters agree."""
+
+    async def run() -> None:
+        m = Matcher(0)
+        posted: dict[tuple[int, ...], list[int]] = {}  # key -> receive ids waiting, in order
+        held: dict[tuple[int, ...], list[tuple[int, Kind]]] = {}  # key -> payload ids
+        finished: dict[int, int] = {}
+        futs: list[asyncio.Future[Any]] = []
+        expect: list[int | str | None] = []  # per receive: payload id, "cancelled" or None
+        dropped = errors = 0
+        payload = 0
+
+        def late(kind: Kind) -> None:
+            nonlocal dropped, errors
+            if kind == Kind.ACTIVATION:
+                dropped += 1
+            else:
+                errors += 1
+
+        for step in steps:
+            if step[0] == "post":
+                key = step[1]
+                if key[2] < finished.get(key[1], 0):
+                    continue  # an executor never posts for a finished execution
+                futs.append(m.post(*key))
+                if held.get(key):
+                    expect.append(held[key].pop(0)[0])
+                else:
+                    posted.setdefault(key, []).append(len(futs) - 1)
+                    expect.append(None)
+            elif step[0] == "arrive":
+                key, kind = step[1], step[2]
+                src, sched, execution, tag = key
+                payload += 1
+                arrive(m, hdr(src, sched, execution, tag, 4, kind), payload.to_bytes(4, "little"))
+                if posted.get(key):
+                    expect[posted[key].pop(0)] = payload
+                elif execution < finished.get(sched, 0):
+                    late(kind)
+                else:
+                    held.setdefault(key, []).append((payload, kind))
+            elif step[0] == "finish":
+                sched, e = step[1], step[2]
+                m.finish(sched, e)
+                finished[sched] = max(finished.get(sched, 0), e + 1)
+                for key in [k for k in posted if k[1] == sched and k[2] <= e]:
+                    for rid in posted.pop(key):
+                        expect[rid] = "cancelled"
+                for key in [k for k in held if k[1] == sched and k[2] <= e]:
+                    for _, kind in held.pop(key):
+                        late(kind)
+            elif step[1] < len(futs) and expect[step[1]] is None:  # the owner cancels
+                futs[step[1]].cancel()
+                expect[step[1]] = "cancelled"
+                for q in posted.values():
+                    if step[1] in q:
+                        q.remove(step[1])
+            for fut, want in zip(futs, expect, strict=True):
+                if want is None:
+                    assert not fut.done()
+                elif want == "cancelled":
+                    assert fut.cancelled()
+                else:
+                    assert int.from_bytes(fut.result().payload, "little") == want
+            assert m.posted_count == sum(len(q) for q in posted.values())
+            assert m.held_count == sum(len(q) for q in held.values())
+            assert m.dropped == dropped
+            assert len(m.errors) == min(errors, 64)
+
+    asyncio.run(run())

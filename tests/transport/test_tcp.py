@@ -185,6 +185,7 @@ async def test_silent_client_is_dropped_after_the_handshake_timeout() -> None:
 async def test_connection_rules() -> None:
     """Only lower ranks dial in; a rank already connected cannot be claimed again."""
     ts = await world(3)
+    assert [t.stats.connections for t in ts] == [2, 2, 2]  # one per pair, all dialled at once
     addr = ts[1].address
     with pytest.raises(asyncio.IncompleteReadError):  # rank 2 may not dial rank 1
         await asyncio.wait_for(raw_handshake(addr, 2, 3, 1), 5)
@@ -248,6 +249,26 @@ async def test_send_arguments_are_checked() -> None:
         ts[0].post_send(1, header(0, 1, x), x[:2])
     for t in ts:
         await t.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_small_message_overtakes_a_large_one_on_the_wire(loop_kind: str) -> None:
+    async def body() -> None:
+        ts = await world(2)
+        big, small = np.ones(64 << 20, np.uint8), np.full(8, 7, np.uint8)
+        r_big = ts[1].post_recv(0, SCHED, 0, 1, np.empty_like(big))
+        r_small = ts[1].post_recv(0, SCHED, 0, 2, np.empty_like(small))
+        ts[0].post_send(1, header(0, 1, big), big)
+        ts[0].post_send(1, header(0, 2, small), small)
+        await asyncio.wait_for(r_small, 10)
+        assert not r_big.done(), "the small message waited for all 64 MiB of the large one"
+        m = await asyncio.wait_for(r_big, 10)
+        assert np.frombuffer(m.payload, np.uint8).min() == 1
+        for t in ts:
+            await t.close()
+
+    run_on(loop_kind, body())
 
 
 # -- limits and bad frames ---------------------------------------------------------------------

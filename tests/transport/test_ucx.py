@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from asynccoll.buffers import dtype_to_wire
-from asynccoll.errors import AuthenticationError, PeerLostError, ProtocolError
+from asynccoll.errors import AuthenticationError, PeerLostError, ProtocolError, TransportError
 from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Kind, Limits, encode_header
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
@@ -115,6 +115,11 @@ async def test_bad_addresses_are_rejected() -> None:
                 await t.listen(bad)
         with pytest.raises(ValueError, match="ucx://HOST:PORT"):
             await t.connect({0: "ucx://127.0.0.1"}, timeout=1)
+        with socket.socket() as taken:
+            taken.bind(("0.0.0.0", 0))
+            taken.listen()
+            with pytest.raises(TransportError, match="cannot listen"):
+                await t.listen(f"ucx://127.0.0.1:{taken.getsockname()[1]}")
     finally:
         await t.close()
 
@@ -224,6 +229,25 @@ async def test_inline_and_streamed_frames_keep_their_order_per_key() -> None:
             assert bytes(m.payload) == x.tobytes()
     finally:
         await close_all(ts)
+
+
+@pytest.mark.timeout(30)
+def test_runs_on_uvloop() -> None:
+    uvloop = pytest.importorskip("uvloop", reason="uvloop is not installed")
+
+    async def body() -> None:
+        ts = await world(2)
+        try:
+            for n in (5, 100_000, 4 << 20):
+                x = np.arange(n, dtype=np.uint8)
+                r = ts[0].post_recv(1, SCHED, 0, n % 9, None)
+                await ts[1].post_send(0, header(1, n % 9, x), x)
+                assert bytes((await asyncio.wait_for(r, 5)).payload) == x.tobytes()
+        finally:
+            await close_all(ts)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(body())
 
 
 @pytest.mark.timeout(30)

@@ -1,0 +1,63 @@
+"""Synchronous SGD with backup workers (*Revisiting Distributed Synchronous SGD*, §3,
+Algorithms 3/4), decentralised over a quorum allreduce.
+
+Each step is a ``quorum`` partial allreduce with ``k = P - b``: the round starts once ``P - b``
+ranks have handed in this step's gradient, and the ``b`` slowest are the backups. A gradient
+that arrives after its round started is **dropped** (the paper's workers discard gradients of a
+finished step), through the partial allreduce's ``combine`` hook, instead of being carried into
+the next round as eager-SGD does. The late rank applies the round's result and goes on with the
+next step. Rounds are accumulated (``accumulate=True``), so a rank that fell behind by more than
+one round still applies every update and plain-SGD replicas stay equal.
+
+**Averaging**: by ``P - b`` (the paper: ``average="quorum"``) or by the number of gradients
+actually summed (``average="contributions"``). The quorum is a k-of-P trigger, not a cut: a
+rank that hands in its gradient in the instant between the k-th arrival and the activation
+reaching it is still summed, so a round can hold more than ``P - b`` gradients when ranks are
+nearly tied; with ``b`` clear stragglers it holds exactly ``P - b``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..comm import Communicator
+from ..results import PartialResult
+from .eager import EagerSGD
+
+__all__ = ["BackupSGD"]
+
+
+def _drop_late(acc: Any, x: Any, n: int, late: bool) -> int:
+    if late:
+        return n  # late for its round: dropped
+    acc[...] = x  # only this step's gradient; anything older is dropped too
+    return 1
+
+
+class BackupSGD(EagerSGD):
+    """Synchronous SGD with ``backups`` backup workers (module doc). Other arguments as
+    :class:`EagerSGD`. Raises ``ValueError`` naming ``backups`` unless ``0 <= backups < P``."""
+
+    def __init__(self, comm: Communicator, params: Any, lr: float, backups: int = 1, *,
+                 momentum: float = 0.0, weight_decay: float = 0.0, average: str = "quorum",
+                 sync_every: int | None = None, seed: int | None = None,
+                 name: str = "backup-sgd", timeout: float | None = None) -> None:
+        P = comm.size
+        if isinstance(backups, bool) or not isinstance(backups, int) or not 0 <= backups < P:
+            raise ValueError(f"backups must be an int in 0..{P - 1}, got {backups!r}")
+        if average not in ("quorum", "contributions"):
+            raise ValueError(f"average must be 'quorum' or 'contributions', got {average!r}")
+        super().__init__(comm, params, lr, "quorum", momentum=momentum,
+                         weight_decay=weight_decay, accumulate=True, average=average,
+                         quorum=P - backups, sync_every=sync_every, seed=seed, name=name,
+                         timeout=timeout)
+        self.backups = backups
+
+    def _combine(self) -> Any:
+        return _drop_late
+
+    def _divisor(self, res: PartialResult) -> int:
+        if self.average == "contributions":
+            return res.count
+        # accumulate=True folds missed rounds in: each of them averaged by P - b.
+        return self.world_size - self.backups
