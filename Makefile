@@ -32,7 +32,7 @@ lint: $(VENV)/.test
 
 bench-quick: $(VENV)/.test
 	mkdir -p bench/results
-	$(PY) bench/sched_overhead.py --quick --out bench/results/sched_overhead.json
+	$(PY) bench/sched_overhead.py --quick --out bench/results/quick/sched_overhead.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

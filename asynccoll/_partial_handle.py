@@ -77,8 +77,10 @@ class PartialAllreduce:
 
     def __init__(self, engine: ProgressEngine, transport: Transport, *, kind: str, like: Any,
                  op: str, accumulate: bool, quorum: int | None, seed: int, name: str,
-                 algorithm: str | None = None, timeout: float | None = None) -> None:
+                 algorithm: str | None = None, timeout: float | None = None,
+                 trace: Any = None) -> None:
         self._engine = engine
+        self._writer = trace  # an asynccoll.inspect TraceWriter, or None
         self._transport = transport
         self.kind = kind
         self.name = name
@@ -122,8 +124,15 @@ class PartialAllreduce:
         self._busy = False
         self._closed = False
         self._flushing_seen = 0  # ranks flushing in the latest completed execution
+        sink = None if trace is None else trace.add_schedule(
+            sched, self.sched_id, collective=f"{kind}_allreduce", kind=kind, handle=name,
+            quorum=quorum, seed=seed)
         self._ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=True,
-                            on_complete=self._on_complete)
+                            on_complete=self._on_complete, trace_sink=sink)
+        if trace is not None:
+            from .inspect.pending import register_executor  # tracing only: inspect is above
+
+            register_executor(self._ex, trace)
 
     # -- public, from any loop ---------------------------------------------------------------
     async def __call__(self, x: Any, timeout: float | None = None, *,
@@ -185,7 +194,7 @@ class PartialAllreduce:
         if self._closed:
             raise TransportClosedError(f"partial allreduce {self.name!r} is closed")
         # A failed persistent executor does not re-arm; its error ends the handle.
-        err = getattr(self._ex, "_error", None)
+        err = self._ex.error
         if err is not None:
             raise err
 
@@ -253,6 +262,8 @@ class PartialAllreduce:
             await asyncio.wait_for(asyncio.shield(fut), t)
         except asyncio.TimeoutError:
             pend = self._ex.pending()
+            if self._writer is not None:
+                self._writer.write_pending(self._ex, reason=f"timeout after {t} s")
             who = sorted(initiators(self.kind, e, self.world_size, self.seed))
             raise CollectiveTimeoutError(
                 f"rank {self.rank}: {self.kind} allreduce {self.name!r} execution {e} not "
@@ -284,8 +295,21 @@ class PartialAllreduce:
             self._vmeta[...] = self._meta
         self._round = e
         self._flushing_seen = int(self._meta[2 * self.world_size + 1])
+        if self._writer is not None:
+            self._trace_extra(e)
         if e == self._wait_round:
             self._wait_result = self._take(self._wait_included, 0)
+
+    def _trace_extra(self, e: int) -> None:
+        P = self.world_size
+        m = self._meta
+        extra = self._ex.trace.extra[e % self._ex.trace.capacity]
+        extra["contributors"] = np.flatnonzero(m[:P]).tolist()
+        extra["fresh"] = np.flatnonzero(m[P:2 * P]).tolist()
+        extra["count"] = int(m[:P].sum())
+        extra["flushed"] = bool(m[2 * P + 1])
+        if self.kind != "quorum" and not extra["flushed"]:
+            extra["initiators"] = sorted(initiators(self.kind, e, P, self.seed))
 
     def _take(self, included: bool, missed: int) -> PartialResult:
         value, self._value = self._value, None

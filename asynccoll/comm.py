@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -72,12 +73,15 @@ class Communicator:
 
     ``progress``: the engine whose loop the transport lives on (default: inline on the running
     loop). ``timeout``: the default of every collective's ``timeout`` (``None``: wait forever).
-    ``close_transport``: whether :meth:`close` closes the transport. Constructing a
-    Communicator costs no I/O.
+    ``close_transport``: whether :meth:`close` closes the transport. ``trace``: a directory to
+    write this rank's execution trace to (``rank-R.jsonl``, read by ``asynccoll inspect``);
+    it costs about a JSON line per execution. Constructing a Communicator costs no I/O (but
+    opening the trace file).
     """
 
     def __init__(self, transport: Transport, *, progress: ProgressEngine | None = None,
-                 timeout: float | None = None, close_transport: bool = True) -> None:
+                 timeout: float | None = None, close_transport: bool = True,
+                 trace: str | None = None) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a Transport, got {type(transport).__name__}")
         if timeout is not None and not timeout > 0:
@@ -93,6 +97,12 @@ class Communicator:
         self._auto_count = 0
         self._closed = False
         self.blocking = _Blocking(self)
+        self._writer: Any = None
+        if trace is not None:
+            # Tracing is optional and lives above comm; imported only when asked for.
+            from .inspect.tracefile import TraceWriter
+
+            self._writer = TraceWriter(trace, transport.rank, transport.world_size)
 
     # -- identity and lifecycle --------------------------------------------------------------
     @property
@@ -143,6 +153,8 @@ class Communicator:
         self._dense.clear()
         if self._close_transport:
             await self.transport.close()
+        if self._writer is not None:
+            self._writer.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -234,7 +246,14 @@ class Communicator:
                 small = isinstance(data, np.ndarray) and data.nbytes <= _SMALL
                 own = data.copy() if small else None
                 bufs["data"] = data if own is None else own
-            entry = _Dense(Executor(sched, self.transport, bufs, sched_id=sid), scratch, own)
+            sink = None if self._writer is None else self._writer.add_schedule(
+                sched, sid, collective=key[0])
+            ex = Executor(sched, self.transport, bufs, sched_id=sid, trace_sink=sink)
+            if self._writer is not None:
+                from .inspect.pending import register_executor
+
+                register_executor(ex, self._writer)
+            entry = _Dense(ex, scratch, own)
             self._dense[key] = entry
         t = self.timeout if timeout is None else timeout
         async with entry.lock:
@@ -249,9 +268,11 @@ class Communicator:
                 await ex.wait(t)
                 if own is not None:
                     data[...] = own
-            except BaseException:
+            except BaseException as exc:
                 # A failed, timed-out or cancelled execution leaves the executor mid-way: drop
                 # it (its receives retired); the next call of this key starts a fresh one.
+                if self._writer is not None:
+                    self._writer.write_pending(ex, reason=repr(exc))
                 ex.close()
                 if self._dense.get(key) is entry:
                     del self._dense[key]
@@ -299,7 +320,7 @@ class Communicator:
         h = self._engine.call(lambda: PartialAllreduce(
             self._engine, self.transport, kind=kind, like=like, op=op,
             accumulate=bool(accumulate), quorum=quorum, seed=s, name=name,
-            algorithm=algorithm, timeout=t))
+            algorithm=algorithm, timeout=t, trace=self._writer))
         self._handles[name] = h
         return h
 
@@ -389,14 +410,16 @@ async def connect(rank: int | None = None, world_size: int | None = None,
                   store: str | tuple[str, int] | None = None, transport: str | None = None,
                   *, progress: str = "thread", timeout: float = 60.0,
                   secret: bytes | str | None = None,
-                  collective_timeout: float | None = None) -> Communicator:
+                  collective_timeout: float | None = None,
+                  trace: str | None = None) -> Communicator:
     """Join the job and return this rank's :class:`Communicator`.
 
     Missing arguments come from the environment (``asynccoll run``, torchrun or SLURM variables;
     see :func:`asynccoll.launch.env.resolve`). ``transport``: ``tcp`` (default), ``ucx`` or
     ``inproc``. ``progress``: ``"thread"`` (a progress thread; uvloop there unless UCX) or
     ``"inline"`` (the caller's loop). ``timeout``: seconds for the rendezvous;
-    ``collective_timeout``: the default timeout of every collective. Raises
+    ``collective_timeout``: the default timeout of every collective. ``trace``: a directory
+    for this rank's execution trace (default: ``ASYNCCOLL_TRACE`` if set). Raises
     :class:`~asynccoll.launch.env.ConfigError` naming a bad setting, ``RendezvousError`` /
     ``RendezvousTimeoutError`` when the ranks cannot assemble.
     """
@@ -413,7 +436,9 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     except BaseException:
         engine.close()
         raise
-    return Communicator(t, progress=engine, timeout=collective_timeout)
+    if trace is None:
+        trace = os.environ.get("ASYNCCOLL_TRACE") or None
+    return Communicator(t, progress=engine, timeout=collective_timeout, trace=trace)
 
 
 def _check_x(x: Any) -> None:

@@ -135,6 +135,7 @@ async def _train(comm: Any, cfg: DemoConfig, mode: str, ratio: float, index: int
     wall = t_end - t0
     return {"mode": mode, "delay_ratio": ratio, "P": comm.size, "rounds": last + 1,
             "local_steps": local, "wall_s": wall, "steps_per_s": (last + 1) / wall,
+            "local_steps_per_s": local / wall,
             "final_val_mse": float(r @ r) / len(r),
             "mean_contributors": float(np.mean(contributors)) if contributors else 0.0,
             "curve": curve}
@@ -189,10 +190,10 @@ class _Sink(io.BytesIO):
 def run_experiment(cfg: DemoConfig, *, show: bool = True) -> list[dict[str, Any]]:
     """Launch ``cfg.ranks`` processes, run every (delay, mode) pair; return rank 0's rows.
 
-    Rows: mode, delay_ratio, P, rounds, local_steps, wall_s, steps_per_s, final_val_mse,
-    mean_contributors, curve ([seconds, round, validation MSE] per step of rank 0). Raises
-    ``RuntimeError`` when a rank fails (its output has been shown). Every rank process is
-    stopped before this returns.
+    Rows: mode, delay_ratio, P, rounds, local_steps, wall_s, steps_per_s (rounds per second),
+    local_steps_per_s (rank 0's own steps per second), final_val_mse, mean_contributors, curve
+    ([seconds, round, validation MSE] per step of rank 0). Raises ``RuntimeError`` when a rank
+    fails (its output has been shown). Every rank process is stopped before this returns.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 

@@ -1,10 +1,13 @@
 """Point-to-point latency and bandwidth between two processes on this host.
 
     python bench/p2p.py [--quick] [--out FILE.json] [--plot FILE.png] [--loop uvloop|asyncio]
+                        [--impl NAME ...] [--sizes 8,65536,...] [--rounds N]
 
 For each implementation and payload size: one-way latency (ping-pong round trip / 2) and
 streaming bandwidth (a burst of messages, then a 1-byte acknowledgement), medians with min/max
-over repetitions after a warm-up. Implementations (rows' ``impl``) live in :data:`IMPLS`:
+over repetitions after a warm-up, pooled over rounds that alternate the implementations (so
+that load from elsewhere on a shared machine spreads over all of them). The JSON's ``ratios``
+holds asynccoll against the raw peers. Implementations (rows' ``impl``) live in :data:`IMPLS`:
 
 * ``asynccoll-tcp``: :class:`asynccoll.transport.tcp.TcpTransport`;
 * ``asyncio-raw``: the same loop's plain socket calls (``sock_sendall`` / ``sock_recv_into``

@@ -140,19 +140,13 @@ class TraceWriter:
 def live_record(ex: Executor) -> dict[str, Any] | None:
     """The trace record of ``ex``'s current execution so far; ``None`` if it is not armed.
 
-    The executor keeps a running execution's op times in lists and copies them into its trace
-    ring only when the execution ends, so they are read from there.
+    :meth:`Trace.record <asynccoll.sched.Trace.record>` reads a running execution's live
+    columns, so this is the record as it stands when called.
     """
     try:
-        rec = ex.trace.record(ex.execution)
+        return ex.trace.record(ex.execution)
     except KeyError:
         return None  # never armed here: this rank has not joined the execution
-    # TODO(engine): replace with a public Executor method returning the running record.
-    cols = [getattr(ex, name, None) for name in ("_t_posted", "_t_fired", "_t_done", "_nbytes")]
-    if all(c is not None for c in cols) and ex.completed < ex.execution:
-        rec["ops"] = [[_num(a), _num(b), _num(c), int(n)]
-                      for a, b, c, n in zip(*cols, strict=True)]  # type: ignore[call-overload]
-    return rec
 
 
 def _num(x: float) -> float | None:

@@ -233,6 +233,11 @@ class Executor:
                 f"{self.schedule.name or 'schedule'} not complete after {timeout} s; waiting on: "
                 + "; ".join(d for _, _, d in self.pending()), self.pending()) from None
 
+    @property
+    def error(self) -> BaseException | None:
+        """The error that failed this executor, or None; every later start() raises it."""
+        return self._error
+
     def test(self) -> bool:
         """True when the current execution (:attr:`current`; for a persistent executor, the one
         armed after the last completion) has completed or failed; never arms one."""

@@ -226,12 +226,9 @@ class Matcher:
         if self._closed is not None:
             fut.set_exception(self._closed)
             return fut
-        if src in self._lost:
-            fut.set_exception(self._lost[src])
-            return fut
         key = (src, sched, execution, tag)
         held = self._held.get(key)
-        if held:
+        if held:  # checked before the lost-peer rule: a peer that sent, then closed, delivered
             header, data = held.popleft()
             if not held:
                 del self._held[key]
@@ -239,6 +236,9 @@ class Matcher:
             self._held_bytes -= len(data)
             self._held_count -= 1
             self._fill(fut, header, buf, data)
+            return fut
+        if src in self._lost:
+            fut.set_exception(self._lost[src])
             return fut
         p = _Posted(key, buf, fut)
         q = self._posted.get(key)

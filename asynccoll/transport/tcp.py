@@ -253,7 +253,10 @@ class TcpTransport(Transport):
             return cause if isinstance(cause, TransportClosedError) else TransportClosedError(
                 "transport closed")
         del self._conns[conn.peer]
-        exc = lost(conn.peer, str(cause) or type(cause).__name__, cause)
+        if isinstance(cause, PeerLostError) and cause.rank == conn.peer:
+            exc = cause  # already says why (a failed write, a cancelled send)
+        else:
+            exc = lost(conn.peer, str(cause) or type(cause).__name__, cause)
         self._lost[conn.peer] = exc
         self.stats.peers_lost += 1
         if not isinstance(conn.error, ProtocolError):  # a rejected frame was logged already

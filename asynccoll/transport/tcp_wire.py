@@ -382,7 +382,12 @@ class TcpConnection(asyncio.BufferedProtocol):
             assert tr is not None
             msgid = self._next_id
             self._next_id = (msgid + 1) & 0xFFFFFFFF
-            tr.write(_RECORD.pack(len(head), msgid, len(view)) + head + view)
+            try:
+                tr.write(_RECORD.pack(len(head), msgid, len(view)) + head + view)
+            except (RuntimeError, OSError) as exc:
+                self._written.append(_Out(fut, head, view))
+                self._broken(exc)
+                return
             if self._paused:
                 self._written.append(_Out(fut, head, view))
             else:
@@ -393,6 +398,18 @@ class TcpConnection(asyncio.BufferedProtocol):
             self._pump()
 
     def _pump(self) -> None:
+        try:
+            self._pump_writes()
+        except (RuntimeError, OSError) as exc:
+            self._broken(exc)
+
+    def _broken(self, exc: BaseException) -> None:
+        # a write raised: the transport closed under us (uvloop raises where asyncio drops)
+        err = PeerLostError(self.peer, f"write failed: {exc}")
+        err.__cause__ = exc
+        self.abort(err)
+
+    def _pump_writes(self) -> None:
         tr = self.tr
         assert tr is not None
         queue, active = self._queue, self._active
@@ -405,6 +422,7 @@ class TcpConnection(asyncio.BufferedProtocol):
                     continue
                 out.msgid = self._next_id
                 self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+                self._written.append(out)  # so that a failing write below fails it too
                 n = min(out.length, CHUNK)
                 rec = _RECORD.pack(len(out.head), out.msgid, n) + out.head
                 if n <= SMALL:
@@ -413,9 +431,12 @@ class TcpConnection(asyncio.BufferedProtocol):
                     tr.write(rec)
                     tr.write(out.view[:n])
                 out.pos = n
+                if out.pos < out.length:
+                    self._written.pop()
+                    active.append(out)
             else:
                 self._turn = True
-                out = active.popleft()
+                out = active[0]
                 if out.fut.done():
                     # cancelled half-sent: the stream cannot be resynchronised
                     self.abort(PeerLostError(self.peer, "a send was cancelled half-way"))
@@ -424,10 +445,11 @@ class TcpConnection(asyncio.BufferedProtocol):
                 tr.write(_RECORD.pack(0, out.msgid, n))
                 tr.write(out.view[out.pos: out.pos + n])
                 out.pos += n
-            if out.pos < out.length:
-                active.append(out)
-            else:
-                self._written.append(out)
+                active.popleft()
+                if out.pos < out.length:
+                    active.append(out)
+                else:
+                    self._written.append(out)
         if not self._paused:
             self._confirm()
 

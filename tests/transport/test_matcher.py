@@ -401,3 +401,17 @@ def test_matcher_agrees_with_a_model(steps: list[tuple[Any, ...]]) -> None:
             assert len(m.errors) == min(errors, 64)
 
     asyncio.run(run())
+
+
+async def test_held_message_of_a_lost_peer_is_still_delivered():
+    """A peer that sent and then closed delivered its message: the receive must get it."""
+    m = Matcher(0)
+    h = Header(1, 0, 7, 0, 3, 1, "|u1", (2,), 0, 2)
+    slot = m.begin(h)
+    slot.view[:] = b"ok"
+    m.complete(slot)
+    m.fail_peer(1, PeerLostError(1, "closed"))
+    msg = await asyncio.wait_for(m.post(1, 7, 0, 3, memoryview(bytearray(2))), 1)
+    assert bytes(msg.payload) == b"ok"
+    with pytest.raises(PeerLostError):
+        await asyncio.wait_for(m.post(1, 7, 0, 4), 1)

@@ -17,6 +17,8 @@ import sys
 import textwrap
 import time
 import traceback
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -288,6 +290,22 @@ async def test_schedules_run_over_ucx() -> None:
             assert bufs[r]["x"][0] == r + 1.0 + (r - 1) % P + 1.0
     finally:
         await close_all(ts)
+
+
+@pytest.mark.timeout(120)
+async def test_shared_memory_mode_passes_the_conformance_suite() -> None:
+    from asynccoll.testing import check_transport
+
+    @asynccontextmanager
+    async def shm_pair() -> AsyncIterator[tuple[Any, Any]]:
+        ts = await world(2, secrets=[os.urandom(32)] * 2, shared_memory=True)
+        try:
+            assert ts[0]._peers[1].tx is not ts[0]._peers[1].ep
+            yield ts[0], ts[1]
+        finally:
+            await close_all(ts)
+
+    await check_transport(shm_pair, timeout=60)
 
 
 # -- which UCX transport carries the data ----------------------------------------------------
