@@ -4,6 +4,8 @@ The public API is re-exported here; everything else is an implementation detail.
 """
 
 from ._partial_handle import PartialAllreduce
+from .collectives.feedback import ErrorFeedback
+from .collectives.sparse import SparseVector
 from .comm import Communicator, connect
 from .errors import (
     AsyncCollError,
@@ -32,6 +34,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "Communicator",
     "EagerSGD",
+    "ErrorFeedback",
     "ExecutionError",
     "Executor",
     "ODSGD",
@@ -44,6 +47,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SlotSpec",
+    "SparseVector",
     "StepInfo",
     "TopKSGD",
     "TransportClosedError",

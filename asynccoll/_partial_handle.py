@@ -51,7 +51,7 @@ from .collectives.partial import (
 )
 from .errors import BusyError, CollectiveTimeoutError, ExecutionError, TransportClosedError
 from .results import PartialResult
-from .sched import Executor
+from .sched import Executor, Schedule
 from .transport.base import PROTOCOL_VERSION, Format, Header, Kind, Transport
 
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]
@@ -91,29 +91,10 @@ class PartialAllreduce:
         self.timeout = timeout
         self.rank = transport.rank
         self.world_size = transport.world_size
-        self.shape: tuple[int, ...] = tuple(like.shape)
-        self.dtype = np.dtype(like.dtype)
-        count = int(like.size)
         P = self.world_size
-        sched = build_partial_allreduce(self.rank, P, count, self.dtype, kind=kind, op=op,
-                                        quorum=quorum, algorithm=algorithm)
+        sched, bufs = self._setup(like, algorithm)
         self.schedule = sched
-        flat_like = like.reshape(-1)
-        self._acc = empty_like(flat_like)
-        self._acc.fill(identity(op, self.dtype))
-        self._packed = packs_meta(self.dtype, op, P)
-        m = meta_len(P)
-        self._work = empty_like(flat_like, count + (m if self._packed else 0))
-        self._data = self._work[:count]  # the result part of the work buffer
-        self._meta = np.zeros(m, np.int64)
-        self._sig = signature(kind, op, quorum, count, self.dtype, algorithm)
-        self._state = np.zeros(STATE_LEN, np.int64)
         self.sched_id = stable_id(name, 0)
-        bufs = {"acc": self._acc, "data": self._work, "meta": self._meta, "state": self._state}
-        bufs.update(scratch_buffers(sched))
-        if is_cupy(flat_like):  # the data's scratch on the device, meta's on the host
-            bufs.update({k: v for k, v in scratch_buffers(sched, flat_like).items()
-                         if not k.startswith("meta_")})
         self._given = -1
         self._round = -1  # the latest completed execution whose result is kept
         self._value: Any = None  # latest result (or the sum since given), not yet handed out
@@ -133,6 +114,32 @@ class PartialAllreduce:
             from .inspect.pending import register_executor  # tracing only: inspect is above
 
             register_executor(self._ex, trace)
+
+    def _setup(self, like: Any, algorithm: str | None) -> tuple[Schedule, dict[str, Any]]:
+        """Build the schedule and its buffers for ``like`` (a subclass's hook: the sparse
+        handle builds its own); set ``shape``, ``dtype`` and the buffers the runtime uses."""
+        self.shape: tuple[int, ...] = tuple(like.shape)
+        self.dtype = np.dtype(like.dtype)
+        count = int(like.size)
+        P, op = self.world_size, self.op
+        sched = build_partial_allreduce(self.rank, P, count, self.dtype, kind=self.kind, op=op,
+                                        quorum=self.quorum, algorithm=algorithm)
+        flat_like = like.reshape(-1)
+        self._acc = empty_like(flat_like)
+        self._acc.fill(identity(op, self.dtype))
+        self._packed = packs_meta(self.dtype, op, P)
+        m = meta_len(P)
+        self._work = empty_like(flat_like, count + (m if self._packed else 0))
+        self._data = self._work[:count]  # the result part of the work buffer
+        self._meta = np.zeros(m, np.int64)
+        self._sig = signature(self.kind, op, self.quorum, count, self.dtype, algorithm)
+        self._state = np.zeros(STATE_LEN, np.int64)
+        bufs = {"acc": self._acc, "data": self._work, "meta": self._meta, "state": self._state}
+        bufs.update(scratch_buffers(sched))
+        if is_cupy(flat_like):  # the data's scratch on the device, meta's on the host
+            bufs.update({k: v for k, v in scratch_buffers(sched, flat_like).items()
+                         if not k.startswith("meta_")})
+        return sched, bufs
 
     # -- public, from any loop ---------------------------------------------------------------
     async def __call__(self, x: Any, timeout: float | None = None, *,
@@ -284,6 +291,16 @@ class PartialAllreduce:
                 f"(kind, op, quorum, shape, dtype or algorithm differ; this rank has "
                 f"{self.kind}, op={self.op}, quorum={self.quorum}, shape={self.shape}, "
                 f"dtype={self.dtype})")
+        self._keep()
+        self._round = e
+        self._flushing_seen = int(self._meta[2 * self.world_size + 1])
+        if self._writer is not None:
+            self._trace_extra(e)
+        if e == self._wait_round:
+            self._wait_result = self._take(self._wait_included, 0)
+
+    def _keep(self) -> None:
+        """Keep the result just completed (and its meta) for the next call to hand out."""
         if self._value is None:
             self._value = self._data.copy()
             self._vmeta[...] = self._meta
@@ -293,12 +310,10 @@ class PartialAllreduce:
         else:
             self._value[...] = self._data  # never handed out, so nobody sees it change
             self._vmeta[...] = self._meta
-        self._round = e
-        self._flushing_seen = int(self._meta[2 * self.world_size + 1])
-        if self._writer is not None:
-            self._trace_extra(e)
-        if e == self._wait_round:
-            self._wait_result = self._take(self._wait_included, 0)
+
+    def _present(self, value: Any) -> Any:
+        """The kept value as a result's ``value`` (shaped like ``like``)."""
+        return value.reshape(self.shape)
 
     def _trace_extra(self, e: int) -> None:
         P = self.world_size
@@ -315,7 +330,7 @@ class PartialAllreduce:
         value, self._value = self._value, None
         assert value is not None
         self._given = self._round
-        return PartialResult.from_meta(value.reshape(self.shape), self._round, included,
+        return PartialResult.from_meta(self._present(value), self._round, included,
                                        self._vmeta, self.world_size, missed)
 
     def _force(self, e: int) -> None:

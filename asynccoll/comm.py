@@ -39,10 +39,13 @@ import numpy as np
 
 from ._partial_handle import PartialAllreduce, stable_id
 from ._progress import ProgressEngine
+from ._sparse_comm import SparseOps, as_host, to_device
+from ._sparse_partial import SparsePartialAllreduce
 from .buffers import check_array
 from .collectives import dense
 from .collectives.dense import REDUCE_OPS, block_bounds, scratch_buffers
 from .collectives.partial import check_kind
+from .collectives.sparse import SparseVector
 from .errors import TransportClosedError
 from .results import PartialResult
 from .sched import Executor, Schedule
@@ -92,6 +95,7 @@ class Communicator:
         self._close_transport = close_transport
         self._dense: dict[tuple[Any, ...], _Dense] = {}
         self._next_id = itertools.count(1)
+        self._sparse = SparseOps(transport, lambda: next(self._next_id))
         self._handles: dict[str, PartialAllreduce] = {}
         self._shortcuts: dict[tuple[Any, ...], PartialAllreduce] = {}
         self._auto_count = 0
@@ -151,6 +155,7 @@ class Communicator:
         for d in self._dense.values():
             d.ex.close()
         self._dense.clear()
+        self._sparse.close()
         if self._close_transport:
             await self.transport.close()
         if self._writer is not None:
@@ -278,11 +283,51 @@ class Communicator:
                     del self._dense[key]
                 raise
 
+    async def sparse_allreduce(self, x: Any, density: float | None = None,
+                               algorithm: str | None = None, quantize: int | None = None,
+                               timeout: float | None = None, *, delta: float | None = None,
+                               bucket: int = 512, seed: int = 0) -> Any:
+        """Sum sparse (or sparsified dense) ``x`` over all ranks (SparCML; docs/sparse.md).
+
+        ``x``: a :class:`~asynccoll.SparseVector`, or an array whose nonzeros are this rank's
+        contribution (CuPy is staged through host memory; the result comes back as CuPy).
+        ``density``: the expected fraction of nonzeros per rank, the same on every rank, to
+        choose the algorithm; ``algorithm`` (``ssar_recursive_double``,
+        ``ssar_split_allgather``, ``dsar_split_allgather``) overrides it. ``quantize``: 2, 4
+        or 8 QSGD bits for the dense stage (implies ``dsar_split_allgather``; ``bucket``
+        entries per scale, ``seed`` for the rounding). ``delta``: the switch point to dense.
+
+        Returns a new :class:`~asynccoll.SparseVector` (sorted unique indices, no exact zeros)
+        while the sum fits the sparse form, else a new dense array (shaped like ``x`` when
+        ``x`` is an array; DSAR always returns it dense); every rank gets the same type and
+        bitwise the same values. Call it in the same order on every rank, like the other
+        collectives: the schedule of each distinct (size, dtype, algorithm, quantize, delta,
+        bucket, seed) is built once and reused. Raises ``TypeError``/``ValueError`` naming
+        ``x``, ``density``, ``algorithm``, ``quantize`` or ``delta``,
+        :class:`~asynccoll.CollectiveTimeoutError` after ``timeout`` seconds (default: the
+        communicator's), ``ExecutionError`` when ranks disagree on the vector.
+        """
+        self._check_open()
+        host, device = as_host(x)
+        if isinstance(host, np.ndarray) and not host.flags.c_contiguous:
+            raise ValueError(f"x must be C-contiguous (got strides {host.strides})")
+        dt = host.values.dtype if isinstance(host, SparseVector) else host.dtype
+        alg = self._sparse.resolve(int(host.size), np.dtype(dt), density, algorithm, quantize,
+                                   delta)
+        t = self.timeout if timeout is None else timeout
+        res = await self._run(self._sparse.run(host, algorithm=alg, quantize=quantize,
+                                               delta=delta, bucket=bucket, seed=seed,
+                                               timeout=t))
+        if isinstance(res, np.ndarray) and not isinstance(x, SparseVector):
+            res = res.reshape(x.shape)
+        return to_device(res) if device else res
+
     # -- partial collectives -----------------------------------------------------------------
     def partial_allreduce(self, kind: str, like: Any, op: str = "sum", accumulate: bool = False,
                           quorum: int | None = None, seed: int | None = None,
                           name: str | None = None, algorithm: str | None = None,
-                          timeout: float | None = None) -> PartialAllreduce:
+                          timeout: float | None = None, *, density: float | None = None,
+                          delta: float | None = None) -> PartialAllreduce:
         """A persistent partial allreduce handle ``h``: ``await h(x) -> PartialResult``.
 
         ``kind``: ``solo`` (any rank's call starts an execution), ``majority`` (one drawn rank
@@ -294,12 +339,25 @@ class Communicator:
         name). ``name``: identifies the handle across ranks (default: the order of creation).
         ``timeout``: default per call.
 
+        **Sparse contributions**: with ``like`` a :class:`~asynccoll.SparseVector`, calls take
+        SparseVectors (or dense arrays) of its size and dtype, stale data accumulates sparse
+        until it passes ``delta``, and each result's ``value`` is a SparseVector or a dense
+        1-D array as the sum's density dictates (docs/partial.md). ``op`` must be ``sum``;
+        ``algorithm`` names a sparse algorithm, or is chosen from ``density`` (the expected
+        per-rank fraction of nonzeros, the same on every rank) and P. ``density`` and
+        ``delta`` apply to sparse handles only.
+
         Raises ``ValueError`` naming ``kind``, ``quorum``, ``op``, ``algorithm``, ``name`` (in
         use) or ``like``. Builds and arms the schedule at once (so other ranks' activations
         are answered from now on); costs O(P log P) Python work.
         """
         self._check_open()
-        check_array(like, "like")
+        sparse = isinstance(like, SparseVector)
+        if not sparse:
+            check_array(like, "like")
+            if density is not None or delta is not None:
+                raise ValueError("density and delta apply to sparse handles only (like must "
+                                 "be a SparseVector)")
         check_kind(kind, self.size, quorum)
         _check_op(op)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
@@ -317,16 +375,27 @@ class Communicator:
                              "communicator")
         s = stable_id(name, 2) if seed is None else int(seed)
         t = self.timeout if timeout is None else timeout
-        h = self._engine.call(lambda: PartialAllreduce(
-            self._engine, self.transport, kind=kind, like=like, op=op,
-            accumulate=bool(accumulate), quorum=quorum, seed=s, name=name,
-            algorithm=algorithm, timeout=t, trace=self._writer))
+        h: PartialAllreduce
+        if sparse:
+            h = self._engine.call(lambda: SparsePartialAllreduce(
+                self._engine, self.transport, kind=kind, like=like, op=op,
+                accumulate=bool(accumulate), quorum=quorum, seed=s, name=name,
+                algorithm=algorithm, timeout=t, trace=self._writer, density=density,
+                delta=delta))
+        else:
+            h = self._engine.call(lambda: PartialAllreduce(
+                self._engine, self.transport, kind=kind, like=like, op=op,
+                accumulate=bool(accumulate), quorum=quorum, seed=s, name=name,
+                algorithm=algorithm, timeout=t, trace=self._writer))
         self._handles[name] = h
         return h
 
     def _shortcut(self, kind: str, x: Any, quorum: int | None = None) -> PartialAllreduce:
-        check_array(x, "x")
-        key = (kind, tuple(x.shape), np.dtype(x.dtype).str, quorum)
+        if isinstance(x, SparseVector):
+            key: tuple[Any, ...] = (kind, "sparse", x.size, x.values.dtype.str, quorum)
+        else:
+            check_array(x, "x")
+            key = (kind, tuple(x.shape), np.dtype(x.dtype).str, quorum)
         h = self._shortcuts.get(key)
         if h is None:
             h = self.partial_allreduce(kind, x, quorum=quorum)
@@ -380,6 +449,13 @@ class _Blocking:
 
     def barrier(self, timeout: float | None = None) -> None:
         self._do(self._comm.barrier(timeout))
+
+    def sparse_allreduce(self, x: Any, density: float | None = None,
+                         algorithm: str | None = None, quantize: int | None = None,
+                         timeout: float | None = None, *, delta: float | None = None,
+                         bucket: int = 512, seed: int = 0) -> Any:
+        return self._do(self._comm.sparse_allreduce(x, density, algorithm, quantize, timeout,
+                                                    delta=delta, bucket=bucket, seed=seed))
 
     def solo_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
         return self._do(self._comm.solo_allreduce(x, timeout))

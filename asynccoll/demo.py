@@ -269,11 +269,17 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> bool:
 def environment() -> dict[str, Any]:
     """Versions and machine facts for result files."""
     import platform
+    from importlib import metadata
 
     from . import __version__
 
+    try:
+        uvloop = metadata.version("uvloop")
+    except metadata.PackageNotFoundError:
+        uvloop = None
     return {"python": platform.python_version(), "numpy": np.__version__,
-            "asynccoll": __version__, "cpus": os.cpu_count(), "platform": platform.platform()}
+            "asynccoll": __version__, "cpus": os.cpu_count(), "platform": platform.platform(),
+            "transport versions": {"tcp": "asyncio" + (f" + uvloop {uvloop}" if uvloop else "")}}
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -27,6 +27,9 @@ EXPECTED = {
     "__version__",
     "connect",
     "register_kernel",
+    # sparse allreduce (asynccoll.collectives.sparse, .feedback)
+    "ErrorFeedback",
+    "SparseVector",
     # training-loop API (asynccoll.train)
     "BackupSGD",
     "EagerSGD",

@@ -69,7 +69,9 @@ __all__ = [
     "STATE_LEN",
     "TAG_ACTIVATION",
     "TAG_ARRIVAL",
+    "TAG_DATA",
     "TAG_FORCE",
+    "append_activation_front",
     "build_partial_allreduce",
     "check_kind",
     "identity",
@@ -77,6 +79,7 @@ __all__ = [
     "meta_len",
     "packs_meta",
     "signature",
+    "write_meta",
 ]
 
 #: the partial allreduce kinds, by the name of their initiator set.
@@ -87,9 +90,9 @@ COUNT, FRESH, SNAPSHOTS, FLUSHING = 0, 1, 2, 3
 STATE_LEN = 4
 
 #: tags: quorum arrivals, forced (self) activation, the activation broadcast (it uses
-#: ``TAGS_USED`` tags from ``TAG_ACTIVATION``); the data allreduce from ``_TAG_DATA``.
+#: ``TAGS_USED`` tags from ``TAG_ACTIVATION``); the data allreduce from ``TAG_DATA``.
 TAG_ARRIVAL, TAG_FORCE, TAG_ACTIVATION = 0, 1, 2
-_TAG_DATA = TAG_ACTIVATION + TAGS_USED
+TAG_DATA = TAG_ACTIVATION + TAGS_USED
 
 
 def check_kind(kind: str, world_size: int, quorum: int | None) -> int | None:
@@ -202,6 +205,46 @@ def signature(kind: str, op: str, quorum: int | None, count: int, dtype: Any,
     return int.from_bytes(digest, "little") & 0xFFFF
 
 
+def append_activation_front(s: Schedule, quorum: int | None) -> int:
+    """Append what activates an execution (module doc) to ``s``; return the ``activated`` op.
+
+    The internal start (op 0 when ``s`` is empty: the runtime's :meth:`Executor.start`), the
+    forced activation (a self-message on :data:`TAG_FORCE`), the quorum's arrivals when
+    ``quorum`` is given (:data:`TAG_ARRIVAL`), and the activation broadcast from
+    :data:`TAG_ACTIVATION`; the data collective starts from :data:`TAG_DATA`. Shared by the
+    dense and the sparse partial allreduce.
+    """
+    rank, world_size = s.rank, s.world_size
+    start = s.nop(label="internal start")
+    forced = s.recv(rank, None, TAG_FORCE, msg="activation", label="forced activation")
+    triggers = [forced]
+    if quorum is None:
+        triggers.append(start)
+    else:
+        others = [q for q in range(world_size) if q != rank]
+        arrivals = [s.recv(q, None, TAG_ARRIVAL, msg="activation", label="arrival in")
+                    for q in others]
+        for q in others:
+            s.send(q, None, TAG_ARRIVAL, deps=start, msg="activation", label="arrival out")
+        triggers.append(s.nop(deps=[start, *arrivals], k=quorum,
+                              label=f"quorum {quorum} of {world_size}"))
+    return build_activation(s, triggers, tag=TAG_ACTIVATION).activated
+
+
+def write_meta(meta: Any, state: Any, params: Mapping[str, Any]) -> None:
+    """Fill ``meta`` from ``state`` at a snapshot (module doc) and reset the per-execution
+    state: ``params`` holds ``rank``, ``world_size`` and ``sig``."""
+    rank, p = params["rank"], params["world_size"]
+    meta.fill(0)
+    meta[rank] = state[COUNT]
+    meta[p + rank] = state[FRESH]
+    meta[2 * p] = params["sig"]
+    meta[2 * p + 1] = state[FLUSHING]
+    state[COUNT] = 0
+    state[FRESH] = 0
+    state[SNAPSHOTS] += 1
+
+
 def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, *,
                             kind: str = "solo", op: str = "sum", quorum: int | None = None,
                             algorithm: str | None = None) -> Schedule:
@@ -226,28 +269,16 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
     s.declare("data", SlotSpec(count + (m if packed else 0), wire))
     s.declare("meta", SlotSpec(m, "<i8"))
     s.declare("state", SlotSpec(STATE_LEN, "<i8"))
-    start = s.nop(label="internal start")
-    forced = s.recv(rank, None, TAG_FORCE, msg="activation", label="forced activation")
-    triggers = [forced]
-    if k is None:
-        triggers.append(start)
-    else:
-        others = [q for q in range(world_size) if q != rank]
-        arrivals = [s.recv(q, None, TAG_ARRIVAL, msg="activation", label="arrival in")
-                    for q in others]
-        for q in others:
-            s.send(q, None, TAG_ARRIVAL, deps=start, msg="activation", label="arrival out")
-        triggers.append(s.nop(deps=[start, *arrivals], k=k, label=f"quorum {k} of {world_size}"))
-    act = build_activation(s, triggers, tag=TAG_ACTIVATION)
+    activated = append_activation_front(s, k)
     sig = signature(kind, op, quorum, count, dt, algorithm)
-    snap = s.compute("partial_snapshot", ["acc", "data", "meta", "state"], deps=act.activated,
+    snap = s.compute("partial_snapshot", ["acc", "data", "meta", "state"], deps=activated,
                      label="snapshot", rank=rank, world_size=world_size, op=op, sig=sig,
                      packed=packed, count=count)
     if packed:
         done = [build_allreduce(s, count + m, dt, op, algorithm, slot="data",
-                                tag_base=_TAG_DATA, after=[snap])]
+                                tag_base=TAG_DATA, after=[snap])]
     else:
-        done = [build_allreduce(s, count, dt, op, algorithm, slot="data", tag_base=_TAG_DATA,
+        done = [build_allreduce(s, count, dt, op, algorithm, slot="data", tag_base=TAG_DATA,
                                 after=[snap]),
                 build_allreduce(s, m, np.int64, "sum", None, slot="meta", scratch_prefix="meta_",
                                 tag_base=next_tag(s), after=[snap])]
@@ -266,19 +297,12 @@ def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     data to ``acc`` on the loop. Cost: one copy and one fill of ``count`` elements.
     """
     acc, data, meta, state = inputs
-    rank, p, n = params["rank"], params["world_size"], params["count"]
+    n = params["count"]
     data[:n] = acc
     acc.fill(identity(params["op"], acc.dtype))
-    meta.fill(0)
-    meta[rank] = state[COUNT]
-    meta[p + rank] = state[FRESH]
-    meta[2 * p] = params["sig"]
-    meta[2 * p + 1] = state[FLUSHING]
+    write_meta(meta, state, params)
     if params["packed"]:
         data[n:] = meta  # small integers: exact in the data's dtype (see packs_meta)
-    state[COUNT] = 0
-    state[FRESH] = 0
-    state[SNAPSHOTS] += 1
 
 
 if "partial_snapshot" not in KERNELS:

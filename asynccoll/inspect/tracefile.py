@@ -149,10 +149,6 @@ def live_record(ex: Executor) -> dict[str, Any] | None:
         return None  # never armed here: this rank has not joined the execution
 
 
-def _num(x: float) -> float | None:
-    return None if x != x else float(x)  # NaN: not yet
-
-
 def _compact(rec: dict[str, Any]) -> dict[str, Any]:
     """``ops`` (absolute seconds) -> ``ops_us`` (integer µs after ``armed``, -1: not yet):
     a third of the bytes and half the encoding time of the floats."""

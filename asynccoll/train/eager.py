@@ -146,7 +146,8 @@ class EagerSGD:
         self._stale_run = 0 if res.included else self._stale_run + 1
         self.applied += res.count
         lr = self._step_lr(res)
-        self._apply(res.value, self._divisor(res), lr)
+        if res.count:
+            self._apply(res.value, self._divisor(res), lr)
         self.steps += 1
         self._since_sync += 1
         stale = self._stale_run
@@ -159,8 +160,6 @@ class EagerSGD:
                         res.missed, synced, res.fresh)
 
     def _apply(self, value: Any, divisor: int, lr: float) -> None:
-        if divisor <= 0:
-            return  # nothing was contributed (a flush of empty buffers)
         self.updater.apply(self.params, value.reshape(-1) / divisor, lr)
 
     async def _sync(self, *, finished: bool, average: bool = True) -> bool:
@@ -172,7 +171,8 @@ class EagerSGD:
         assert self._h is not None
         res = await self._h.flush(self.timeout)
         self.applied += res.count
-        self._apply(res.value, self._divisor(res), self._step_lr(res))
+        if res.count:  # an empty round must not add a weight-decay or momentum step
+            self._apply(res.value, self._divisor(res), self._step_lr(res))
         n = self.params.size
         self._sync_buf[:n] = self.params
         self._sync_buf[n] = 1.0 if finished else 0.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ class TcpTransport(Transport):
         self._pending: set[TcpConnection] = set()
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._lost: dict[int, PeerLostError] = {}
+        self._streaming_bytes = 0  # unsolicited payloads being received (see tcp_wire)
         self._closed = False
 
     @property
@@ -103,7 +105,12 @@ class TcpTransport(Transport):
         host, port = _host_port(address)
         loop = asyncio.get_running_loop()
         try:
-            self._server = await loop.create_server(lambda: TcpConnection(self, None), host, port)
+            # bind one socket: a name with several addresses (localhost: ::1 and 127.0.0.1)
+            # would get a different free port on each, and only one can be published
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                           flags=socket.AI_PASSIVE)
+            self._server = await loop.create_server(lambda: TcpConnection(self, None),
+                                                    str(infos[0][4][0]), port)
         except OSError as exc:
             raise TransportError(f"cannot listen on {address}: {exc}") from exc
         bound = self._server.sockets[0].getsockname()[1]

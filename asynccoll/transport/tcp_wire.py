@@ -71,12 +71,13 @@ class _Out:
 class _In:
     """One partly received message."""
 
-    __slots__ = ("msgid", "pos", "slot")
+    __slots__ = ("held", "msgid", "pos", "slot")
 
     def __init__(self, slot: Slot, msgid: int) -> None:
         self.slot = slot
         self.msgid = msgid
         self.pos = 0
+        self.held = 0  # bytes allocated to hold it (no receive was posted for it)
 
 
 class TcpConnection(asyncio.BufferedProtocol):
@@ -285,11 +286,21 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._check_header(h)
         if len(self._inflight) >= _MAX_INFLIGHT:
             raise ProtocolError(f"more than {_MAX_INFLIGHT} messages partly received")
-        cur = _In(self.owner.matcher.begin(h), self._msgid)
+        o = self.owner
+        cur = _In(o.matcher.begin(h), self._msgid)
         if not h.length:
-            self.owner.matcher.complete(cur.slot)
+            o.matcher.complete(cur.slot)
             self._state, self._need = _HEAD, _RECORD.size
             return
+        if cur.slot.posted is None and not cur.slot.discard:
+            # the matcher bounds what it holds once complete; bound what streams in too, or
+            # a peer could start many large unsolicited messages at once
+            cur.held = h.length
+            o._streaming_bytes += h.length
+            if o._streaming_bytes > o.limits.max_held_bytes:
+                o._streaming_bytes -= h.length
+                raise ProtocolError(
+                    f"unsolicited messages streaming in exceed {o.limits.max_held_bytes} bytes")
         self._inflight[self._msgid] = cur
         if self._nbytes:
             self._start_payload(cur)
@@ -310,6 +321,7 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._state, self._need = _HEAD, _RECORD.size
         if cur.pos == cur.slot.header.length:
             del self._inflight[cur.msgid]
+            self.owner._streaming_bytes -= cur.held
             self.owner.matcher.complete(cur.slot)
 
     def _on_handshake(self, st: int, chunk: memoryview) -> None:
@@ -488,6 +500,7 @@ class TcpConnection(asyncio.BufferedProtocol):
 
     def _fail_all(self, exc: BaseException) -> None:
         for cur in self._inflight.values():
+            self.owner._streaming_bytes -= cur.held
             if cur.slot.posted is not None:
                 _fail_quietly(cur.slot.posted.fut, exc)
         self._inflight.clear()

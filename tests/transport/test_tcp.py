@@ -130,6 +130,20 @@ async def test_bad_addresses() -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_listening_on_a_host_name_publishes_a_dialable_address() -> None:
+    ts = [TcpTransport(r, 2, secret=SECRET) for r in range(2)]
+    addrs = [await t.listen("tcp://localhost:0") for t in ts]
+    assert all(a.startswith("tcp://localhost:") for a in addrs)
+    assert ts[1]._server is not None
+    assert len(ts[1]._server.sockets) == 1  # one port for the one published address
+    await asyncio.gather(ts[0].connect({1: addrs[1]}, timeout=5),
+                         ts[1].connect({0: addrs[0]}, timeout=5))
+    assert ts[0].peers == [1]
+    for t in ts:
+        await t.close()
+
+
+@pytest.mark.timeout(30)
 async def test_wrong_secret_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     a = TcpTransport(0, 2, secret=SECRET)
     b = TcpTransport(1, 2, secret=b"x" * 32)
@@ -342,7 +356,7 @@ async def test_pending_sends_fail_when_the_peer_goes() -> None:
     big = np.zeros(64 << 20, np.uint8)
     sends = [ts[0].post_send(1, header(0, i, big), big) for i in range(4)]
     await ts[1].close()
-    done, pending = await asyncio.wait(sends, timeout=2)
+    _, pending = await asyncio.wait(sends, timeout=2)
     assert not pending, "sends to a closed peer still pending after 2 s"
     errors = [f.exception() for f in sends if f.exception() is not None]
     assert errors, "256 MiB reached a peer that closed at once"
@@ -365,6 +379,24 @@ async def test_cancelling_a_send_before_it_starts_drops_it() -> None:
     assert ts[1].matcher.held_count == 0  # tag 2 never arrived
     for t in ts:
         await t.close()
+
+
+@pytest.mark.timeout(30)
+async def test_unsolicited_messages_streaming_in_are_bounded() -> None:
+    """A peer that starts many large messages nobody asked for is cut off before they are
+    allocated beyond ``Limits.max_held_bytes``."""
+    t = TcpTransport(1, 2, secret=SECRET, limits=Limits(max_held_bytes=1 << 20))
+    addr = await t.listen("tcp://127.0.0.1:0")
+    r, w = await raw_handshake(addr, 0, 2, 1)
+    n = 600 << 10
+    for msgid in range(2):  # each starts with 10 of its 600 KiB bytes
+        hdr = encode_header(Header(PROTOCOL_VERSION, 0, SCHED, 0, msgid, 0, "|u1", (n,), 0, n))
+        w.write(np.array([len(hdr), msgid, 10], "<u4").tobytes() + hdr + bytes(10))
+    assert await closed_by_peer(r)
+    assert "unsolicited messages streaming in exceed 1048576" in t.stats.reasons[-1]
+    assert t._streaming_bytes == 0
+    w.close()
+    await t.close()
 
 
 @pytest.mark.timeout(30)

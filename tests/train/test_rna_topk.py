@@ -1,0 +1,56 @@
+"""RNA's staleness-weighted accumulation and lr scaling; top-k SGD with QSGD."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _train_problem import P, Problem, one_random_rank, run_ranks
+
+from asynccoll.testing import local_world
+from asynccoll.train import RNA, TopKSGD
+
+
+async def test_rna_weights_waiting_gradients_linearly_and_bounds_staleness() -> None:
+    async with local_world(1, progress="inline") as comms:
+        opt = RNA(comms[0], np.zeros(3), 0.1, staleness_bound=2)
+        acc = np.zeros(3)
+        gs = [np.full(3, v) for v in (1.0, 10.0, 100.0, 1000.0)]
+        n = 0
+        for k, g in enumerate(gs[:3]):  # steps 0, 1, 2 wait in the buffer together
+            opt.steps = k
+            n = opt._combine()(acc, g, n, False)
+        # weights t - (k - tau) + 1 = 1, 2, 3 for steps 0, 1, 2
+        np.testing.assert_allclose(acc, (1 * 1 + 2 * 10 + 3 * 100) / 6)
+        assert n == 1
+        opt.steps = 3  # step 0 is now 3 > staleness_bound old: the stale data is overwritten
+        n = opt._combine()(acc, gs[3], n, False)
+        np.testing.assert_array_equal(acc, gs[3])
+        opt.steps = 4  # a snapshot took the buffer (n == 0): start afresh
+        opt._combine()(acc, gs[0], 0, False)
+        np.testing.assert_array_equal(acc, gs[0])
+
+
+@pytest.mark.timeout(60)
+async def test_rna_scales_lr_by_contributors() -> None:
+    prob = Problem(8)
+    lr = 0.1
+    async with local_world(P, "inproc", timeout=20) as comms:
+        out = await run_ranks(comms, lambda c, w: RNA(c, w, lr), prob, 40,
+                              delay=one_random_rank(3, 0.01))
+    infos = [i for _, _, infos in out for i in infos if not i.synced]
+    assert all(i.lr == pytest.approx(lr * len(i.contributors) / P) for i in infos)
+    assert any(len(i.contributors) < P for i in infos), "no round without a straggler"
+    assert all(i.count == len(i.contributors) for i in infos)  # one weighted mean per rank
+    assert prob.excess(out[0][1]) < 0.05
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bits", [4, 8])
+async def test_topk_sgd_with_qsgd_converges(bits: int) -> None:
+    prob = Problem(9)
+    make = lambda c, w: TopKSGD(c, w, 0.1, k=4, quantize=bits, qbucket=4)  # noqa: E731
+    async with local_world(P, "inproc", timeout=20) as comms:
+        out = await run_ranks(comms, make, prob, 80)
+    for _, w, _ in out:
+        np.testing.assert_array_equal(w, out[0][1])
+    assert prob.excess(out[0][1]) < 0.05
