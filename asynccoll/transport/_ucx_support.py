@@ -101,8 +101,10 @@ class Progress:
 
     The worker's wake-up descriptor is registered with the loop; on an event, and soon after
     new operations are posted (:meth:`kick`), the worker is progressed until it can be re-armed
-    and finished requests are reaped. ``watch(req, cb)`` calls ``cb(None)`` once ``req``
-    completes, or ``cb(exc)`` with the UCX error. Costs O(pending requests) per wake-up; an
+    (yielding to the loop every few rounds while UCX stays busy, so that other workers on the
+    loop can drain what this one waits for) and finished requests are reaped.
+    ``watch(req, cb)`` calls ``cb(None)`` once ``req`` completes, or ``cb(exc)`` with the UCX
+    error. Costs O(pending requests) per wake-up; an
     idle worker costs a watchdog wake-up every :data:`WATCHDOG_S` seconds (ucxx documents that a
     wake-up can be missed).
     """
@@ -133,13 +135,16 @@ class Progress:
         if self.stopped:
             return
         w = self.worker
-        while True:
+        for _ in range(4):
             w.progress()
             if self.pending:
                 self._reap()
             # Re-arm only when UCX has nothing left to do; otherwise its wake-up could be lost.
             if self.stopped or w.arm():
                 return
+        # UCX is still busy (waiting for room in a shared-memory queue, say, that another
+        # worker of this loop must drain): let the loop's other callbacks run, then go on.
+        self.kick()
 
     def _reap(self) -> None:
         keep: list[tuple[Any, Callback]] = []

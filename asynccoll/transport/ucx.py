@@ -9,11 +9,12 @@ Design (the reasons are measured; see ``docs/transports.md``):
   process-wide state, so several transports (ranks) can share a process, as tests do.
 * **Event-driven progress on the caller's event loop** (UCX "blocking" mode): the worker's
   wake-up file descriptor is registered with the loop; on an event, or after new operations are
-  posted, the worker is progressed until it can be re-armed, and then the finished requests
-  are reaped. Nothing polls or spins; an idle transport costs no CPU but a watchdog timer that
-  fires every half second (ucxx documents that a wake-up can be missed). ``ucxx``'s own
-  ``thread`` mode was 5-6x slower on two cores and its request waits spin on the loop, which is
-  why this module drives the worker itself.
+  posted, the worker is progressed until it can be re-armed (yielding to the loop every few
+  rounds while UCX stays busy), and the finished requests are reaped. Nothing polls or spins;
+  an idle transport costs no CPU but a watchdog timer that fires every half second (ucxx
+  documents that a wake-up can be missed). ``ucxx``'s own ``thread`` mode was 5-6x slower on
+  two cores and its request waits spin on the loop, which is why this module drives the worker
+  itself.
 * **Wire format**: per pair of ranks one UCX endpoint (the lower rank dials), authenticated by
   the job-secret handshake of :mod:`asynccoll.transport.auth` over the endpoint's stream
   channel, in which each side also chooses the two 64-bit tags its peer sends to it with. A
