@@ -43,6 +43,9 @@ def load() -> Any:
     """
     global _ucx
     if _ucx is None:
+        # ucxx sets UCX_MEMTYPE_CACHE, which UCX >= 1.19 no longer knows: without this every
+        # context creation prints two warnings about it. A user's own setting wins.
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         try:
             import ucxx  # noqa: F401  (loads libucx and sets ucxx's UCX defaults)
             import ucxx._lib.libucxx as lib

@@ -1,0 +1,306 @@
+"""Receive matching, shared by every transport so that inproc, tcp and ucx behave the same.
+
+Frames are matched to receives by ``(source, schedule id, execution, tag)``; a receive may be
+posted before or after its message arrives. A concrete transport only moves bytes: it asks the
+:class:`Matcher` where a payload goes (:meth:`Matcher.begin`), writes it there, and says so
+(:meth:`Matcher.complete`). Re-exported by :mod:`asynccoll.transport.base`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any
+
+from ..errors import ExecutionError, ProtocolError, TransportClosedError
+from .frames import Header, Kind, Limits, Message
+
+__all__ = ["Matcher", "Slot"]
+
+log = logging.getLogger("asynccoll.transport")
+
+Key = tuple[int, int, int, int]  # (src, sched, execution, tag)
+
+
+class _Posted:
+    __slots__ = ("buf", "fut", "key")
+
+    def __init__(self, key: Key, buf: memoryview | None, fut: asyncio.Future[Message]) -> None:
+        self.key = key
+        self.buf = buf
+        self.fut = fut
+
+
+class Slot:
+    """Where one inbound payload goes; returned by :meth:`Matcher.begin`."""
+
+    __slots__ = ("discard", "header", "posted", "view")
+
+    def __init__(self, header: Header, view: memoryview, posted: _Posted | None,
+                 discard: bool = False) -> None:
+        self.header = header
+        self.view = view
+        self.posted = posted
+        self.discard = discard  # the payload is read and thrown away
+
+
+_SCRATCH = memoryview(bytearray(1 << 16))
+
+
+class Matcher:
+    """Matches inbound frames to posted receives for one rank.
+
+    Guarantees:
+
+    * frames with the same key are delivered in the order they began arriving;
+    * a frame whose receive is posted lands directly in the receive's buffer (no copy);
+      an early frame is held (bounded by :class:`Limits`) and copied once when its receive posts;
+    * once :meth:`finish` marks execution *e* of a schedule done, its unmatched receives are
+      retired (their futures cancelled), later ACTIVATION frames for executions ``<= e`` are
+      dropped and later DATA frames for them are recorded in :attr:`errors` and discarded.
+    """
+
+    def __init__(self, rank: int, limits: Limits = Limits()) -> None:
+        self.rank = rank
+        self.limits = limits
+        self._posted: dict[Key, deque[_Posted]] = {}
+        self._held: dict[Key, deque[tuple[Header, memoryview]]] = {}
+        # sched -> keys present in _posted or _held, so that finish() costs O(that schedule's
+        # keys), not O(every schedule's), when many persistent schedules share one transport
+        self._keys: dict[int, set[Key]] = {}
+        self._held_bytes = 0
+        self._held_count = 0
+        self._finished: dict[int, int] = {}  # sched -> first execution not finished
+        self._lost: dict[int, BaseException] = {}
+        self._closed: BaseException | None = None
+        self.dropped = 0
+        self.errors: deque[ExecutionError] = deque(maxlen=64)
+
+    # -- the engine's side -------------------------------------------------------------------
+    def post(self, src: int, sched: int, execution: int, tag: int,
+             buf: memoryview | None = None) -> asyncio.Future[Message]:
+        """Post a receive; the future resolves to the :class:`Message` (payload = view of buf).
+
+        ``buf=None`` receives a payload of any length into a fresh buffer.
+        """
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        if self._closed is not None:
+            fut.set_exception(self._closed)
+            return fut
+        key = (src, sched, execution, tag)
+        held = self._held.get(key)
+        if held:  # checked before the lost-peer rule: a peer that sent, then closed, delivered
+            header, data = held.popleft()
+            if not held:
+                del self._held[key]
+                self._unindex(key)
+            self._held_bytes -= len(data)
+            self._held_count -= 1
+            self._fill(fut, header, buf, data)
+            return fut
+        if src in self._lost:
+            fut.set_exception(self._lost[src])
+            return fut
+        p = _Posted(key, buf, fut)
+        q = self._posted.get(key)
+        if q is None:
+            self._posted[key] = deque((p,))
+            self._index(key)
+        else:
+            q.append(p)
+        return fut
+
+    def finish(self, sched: int, execution: int) -> int:
+        """Mark executions ``<= execution`` of ``sched`` finished; retire their receives.
+
+        Returns the number of receives retired.
+        """
+        self._finished[sched] = max(self._finished.get(sched, 0), execution + 1)
+        retired = 0
+        keys = self._keys.get(sched)
+        if not keys:
+            return 0
+        for key in [k for k in keys if k[2] <= execution]:
+            keys.discard(key)
+            for p in self._posted.pop(key, ()):
+                if not p.fut.done():
+                    p.fut.cancel()
+                retired += 1
+            for h, data in self._held.pop(key, ()):
+                self._held_bytes -= len(data)
+                self._held_count -= 1
+                self._late(h)
+        if not keys:
+            del self._keys[sched]
+        return retired
+
+    def forget(self, sched: int) -> None:
+        """Drop all state of a schedule (on close of its executor)."""
+        self.finish(sched, (1 << 63) - 2)
+        self._finished.pop(sched, None)
+
+    @property
+    def posted_count(self) -> int:
+        """Receives posted and still waiting for their message (O(posted) to compute)."""
+        return sum(1 for q in self._posted.values() for p in q if not p.fut.done())
+
+    @property
+    def held_count(self) -> int:
+        """Early messages held until their receive is posted."""
+        return self._held_count
+
+    # -- the transport's side ----------------------------------------------------------------
+    def begin(self, header: Header) -> Slot:
+        """Choose where the payload of an inbound frame goes.
+
+        Raises :class:`ProtocolError` when holding it would exceed the limits; the transport
+        then closes the connection.
+        """
+        key = (header.src, header.sched, header.execution, header.tag)
+        q = self._posted.get(key)
+        if q and q[0].fut.done():
+            q = self._drop_cancelled(key, q)
+        if q:
+            p = q.popleft()
+            if not q:
+                del self._posted[key]
+                self._unindex(key)
+            if p.buf is None:
+                return Slot(header, memoryview(bytearray(header.length)), p)
+            if header.length > len(p.buf):
+                exc = ProtocolError(
+                    f"message of {header.length} bytes from rank {header.src} overflows the "
+                    f"posted receive of {len(p.buf)} bytes (tag {header.tag})")
+                if not p.fut.done():
+                    p.fut.set_exception(exc)
+                return Slot(header, _scratch(header.length), None, discard=True)
+            return Slot(header, p.buf[: header.length], p)
+        if header.execution < self._finished.get(header.sched, 0) and header.kind != Kind.CONTROL:
+            self._late(header)
+            return Slot(header, _scratch(header.length), None, discard=True)
+        if (self._held_count >= self.limits.max_held_messages
+                or self._held_bytes + header.length > self.limits.max_held_bytes):
+            raise ProtocolError(
+                f"too many early messages held ({self._held_count} messages, "
+                f"{self._held_bytes} bytes); limit {self.limits.max_held_messages} / "
+                f"{self.limits.max_held_bytes}")
+        return Slot(header, memoryview(bytearray(header.length)), None)
+
+    def complete(self, slot: Slot) -> None:
+        """The payload of ``slot`` has been written in full."""
+        h = slot.header
+        if slot.posted is not None:
+            if not slot.posted.fut.done():
+                slot.posted.fut.set_result(Message(h, slot.view))
+            return
+        if slot.discard:
+            return
+        if h.execution < self._finished.get(h.sched, 0) and h.kind != Kind.CONTROL:
+            self._late(h)  # its execution finished while the payload streamed in
+            return
+        key = (h.src, h.sched, h.execution, h.tag)
+        q = self._posted.get(key)
+        if q and q[0].fut.done():
+            q = self._drop_cancelled(key, q)
+        if q:  # a receive was posted while the payload streamed in
+            p = q.popleft()
+            if not q:
+                del self._posted[key]
+                self._unindex(key)
+            self._fill(p.fut, h, p.buf, slot.view)
+            return
+        held = self._held.get(key)
+        if held is None:
+            self._held[key] = deque(((h, slot.view),))
+            self._index(key)
+        else:
+            held.append((h, slot.view))
+        self._held_bytes += h.length
+        self._held_count += 1
+
+    def fail_peer(self, rank: int, exc: BaseException) -> None:
+        """Fail every receive posted for ``rank`` and every later one with ``exc``."""
+        self._lost[rank] = exc
+        for key in [k for k in self._posted if k[0] == rank]:
+            for p in self._posted.pop(key):
+                _fail_quietly(p.fut, exc)
+            self._unindex(key)
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Fail every posted receive; later posts fail at once."""
+        self._closed = exc or TransportClosedError("transport closed")
+        for q in self._posted.values():
+            for p in q:
+                _fail_quietly(p.fut, self._closed)
+        self._posted.clear()
+        self._held.clear()
+        self._keys.clear()
+        self._held_bytes = self._held_count = 0
+
+    # -- internals ---------------------------------------------------------------------------
+    def _index(self, key: Key) -> None:
+        keys = self._keys.get(key[1])
+        if keys is None:
+            self._keys[key[1]] = {key}
+        else:
+            keys.add(key)
+
+    def _drop_cancelled(self, key: Key, q: deque[_Posted]) -> deque[_Posted] | None:
+        """Drop receives their owner cancelled from the head of ``q``: not destinations now."""
+        while q and q[0].fut.done():
+            q.popleft()
+        if q:
+            return q
+        del self._posted[key]
+        self._unindex(key)
+        return None
+
+    def _unindex(self, key: Key) -> None:
+        if key in self._posted or key in self._held:
+            return
+        keys = self._keys.get(key[1])
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._keys[key[1]]
+
+    def _late(self, h: Header) -> None:
+        if h.kind == Kind.ACTIVATION:
+            self.dropped += 1
+            return
+        err = ExecutionError(
+            f"rank {self.rank}: data message from rank {h.src} for finished execution "
+            f"{h.execution} of schedule {h.sched} (tag {h.tag})")
+        log.warning("%s", err)
+        self.errors.append(err)
+
+    @staticmethod
+    def _fill(fut: asyncio.Future[Message], h: Header, buf: memoryview | None,
+              data: memoryview) -> None:
+        if buf is None:
+            fut.set_result(Message(h, data))
+            return
+        if len(data) > len(buf):
+            fut.set_exception(ProtocolError(
+                f"message of {len(data)} bytes from rank {h.src} overflows the posted receive "
+                f"of {len(buf)} bytes (tag {h.tag})"))
+            return
+        view = buf[: len(data)]
+        view[:] = data
+        fut.set_result(Message(h, view))
+
+
+def _fail_quietly(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    """Fail ``fut``; its owner's callback still sees the error, but an owner that has gone
+    (its loop stopped before the callback ran) does not make asyncio log a warning."""
+    if not fut.done():
+        fut.set_exception(exc)
+        fut.exception()
+
+
+def _scratch(n: int) -> memoryview:
+    """A throw-away destination for a payload that will be discarded."""
+    if n <= len(_SCRATCH):
+        return _SCRATCH[:n]
+    return memoryview(bytearray(n))
