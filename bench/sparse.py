@@ -18,18 +18,17 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import platform
 import queue
-import socket
-import statistics
 import sys
 import time
 import traceback
-from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import free_port, peer_missing, spawn_world, stats, write_json
 
 SECRET = b"bench-sparse-secret-0123456789ab"
 IMPLS = ["ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "dense"]
@@ -114,7 +113,7 @@ def _worker(rank: int, P: int, N: int, reps: int, densities: list[float], addr_q
 
 
 def _gloo_worker(rank: int, P: int, N: int, reps: int, densities: list[float], port: int,
-                 res_q: Any) -> None:
+                 q: Any) -> None:
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         import torch
@@ -123,6 +122,7 @@ def _gloo_worker(rank: int, P: int, N: int, reps: int, densities: list[float], p
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=P)
+        out: dict[float, list[float]] = {}
         for d in densities:
             idx, vals = _data(rank, N, d)
             x = torch.zeros(N, dtype=torch.float32)
@@ -135,11 +135,11 @@ def _gloo_worker(rank: int, P: int, N: int, reps: int, densities: list[float], p
                 dist.all_reduce(x)
                 if rep:
                     times.append(time.perf_counter() - t0)
-            res_q.put(("times", rank, "gloo", d, times))
+            out[d] = times
         dist.destroy_process_group()
-        res_q.put(("done", rank, None, None, None))
+        q.put((rank, "ok", out))
     except BaseException:
-        res_q.put(("error", rank, traceback.format_exc(), None, None))
+        q.put((rank, "error", traceback.format_exc()))
 
 
 def _collect(procs: list[Any], res_q: Any, P: int, timeout: float
@@ -200,19 +200,8 @@ def run_ours(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any
 
 
 def run_gloo(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any]:
-    ctx = mp.get_context("spawn")
-    res_q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_gloo_worker, args=(r, P, N, reps, densities, port, res_q),
-                         daemon=True) for r in range(P)]
-    try:
-        for p in procs:
-            p.start()
-        return _collect(procs, res_q, P, 1800)
-    finally:
-        _kill(procs)
+    by_rank = spawn_world(_gloo_worker, P, (N, reps, densities, free_port()), 1800)
+    return {("gloo", d): [times[d] for times in by_rank] for d in densities}
 
 
 def rows_of(got: dict[tuple[str, float], list[list[float]]], P: int, N: int
@@ -222,9 +211,7 @@ def rows_of(got: dict[tuple[str, float], list[list[float]]], P: int, N: int
     for (impl, d), per_rank in sorted(got.items(), key=lambda kv: (order.index(kv[0][0]),
                                                                       kv[0][1])):
         slowest = [max(ts) * 1e3 for ts in zip(*per_rank, strict=True)]
-        rows.append({"impl": impl, "P": P, "N": N, "density": d,
-                     "time_ms_median": statistics.median(slowest),
-                     "time_ms_min": min(slowest), "time_ms_max": max(slowest),
+        rows.append({"impl": impl, "P": P, "N": N, "density": d, **stats("time_ms", slowest),
                      "reps": len(slowest)})
     return rows
 
@@ -259,16 +246,6 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _versions() -> dict[str, str]:
-    out = {}
-    for pkg in ("uvloop", "torch", "msgpack"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
 def summary(rows: list[dict[str, Any]], P: int, d: float) -> dict[str, Any]:
     """Best sparse algorithm at (P, d) and its speedup over the dense rows."""
     at = {r["impl"]: r["time_ms_median"] for r in rows if r["P"] == P and r["density"] == d}
@@ -297,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     N = args.N or (1 << 20 if args.quick else 1 << 24)
     reps = args.reps or (3 if args.quick else 5)
-    have_torch = find_spec("torch") is not None
-    if not have_torch:
-        print("sparse: torch is not importable; the gloo rows are absent "
-              "(pip install 'asynccoll[bench]')", file=sys.stderr)
+    why = peer_missing("gloo")
+    have_torch = why is None
+    if why is not None:
+        print(f"sparse: {why}; the gloo rows are absent", file=sys.stderr)
     print(f"sparse: {os.cpu_count()} CPUs; P ranks share them", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for P in args.P:
@@ -318,20 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [summary(rows, P, d) for P in args.P for d in args.densities]
     for s in summaries:
         print(f"sparse: {json.dumps(s)}", file=sys.stderr)
-    result = {
-        "bench": "sparse",
-        "params": {"N": N, "P": args.P, "densities": args.densities, "reps": reps,
-                   "quick": args.quick, "dtype": "float32", "transport": "tcp://127.0.0.1",
-                   "time": "slowest rank, from a barrier"},
-        "env": {"python": platform.python_version(), "numpy": np.__version__,
-                "cpus": os.cpu_count(), "machine": platform.machine(),
-                "transport versions": _versions()},
-        "rows": rows,
-        "summary": summaries,
-    }
+    params = {"N": N, "P": args.P, "densities": args.densities, "reps": reps,
+              "quick": args.quick, "dtype": "float32", "transport": "tcp://127.0.0.1",
+              "time": "slowest rank, from a barrier"}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, "sparse", params, rows, packages=("uvloop", "torch", "msgpack"),
+                   extra={"summary": summaries})
     if args.plot and rows:
         plot(rows, args.plot)
     return 0

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import multiprocessing as mp
-import os
-import queue
 import random
-import socket
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pytest
+from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
 from asynccoll import CollectiveTimeoutError, PartialResult, SparseVector, TransportClosedError
@@ -378,12 +374,6 @@ async def test_partial_shortcuts_and_progress_thread() -> None:
 
 # -- real processes ----------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def rank_main(rank: int, P: int, port: int, transport: str) -> str:
     comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
                                    transport=transport, timeout=60)
@@ -407,41 +397,8 @@ async def rank_main(rank: int, P: int, port: int, transport: str) -> str:
         return type(comm.transport).__name__
 
 
-def child(rank: int, P: int, port: int, transport: str, q: Any) -> None:
-    try:
-        os.environ["ASYNCCOLL_SECRET"] = "multiprocess-test-secret-0123456789"
-        q.put((rank, "ok", asyncio.run(rank_main(rank, P, port, transport))))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
-
-
 def run_world(P: int, transport: str, timeout: float = 90.0) -> list[str]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=child, args=(r, P, port, transport, q), daemon=True)
-             for r in range(P)]
-    try:
-        for p in procs:
-            p.start()
-        results: dict[int, str] = {}
-        while len(results) < P:
-            try:
-                rank, status, payload = q.get(timeout=timeout)
-            except queue.Empty:
-                pytest.fail(f"ranks {sorted(set(range(P)) - set(results))} did not report "
-                            f"within {timeout} s")
-            if status != "ok":
-                pytest.fail(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-        for p in procs:
-            p.join(10)
-        return [results[r] for r in range(P)]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    return spawn_world(async_child, P, (rank_main, free_port(), transport), timeout)
 
 
 @pytest.mark.multiprocess

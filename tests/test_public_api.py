@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import asynccoll
 
 #: The public API. A name added to ``asynccoll.__all__`` is added here in the same change.
@@ -37,6 +39,13 @@ EXPECTED = {
     "RNA",
     "StepInfo",
     "TopKSGD",
+    # launcher and inspection errors (asynccoll.errors; raised by asynccoll.launch / .inspect)
+    "ConfigError",
+    "RendezvousError",
+    "RendezvousTimeoutError",
+    "StoreError",
+    "StoreTimeoutError",
+    "TraceFormatError",
 }
 
 
@@ -68,3 +77,13 @@ def test_public_objects_say_they_belong_to_the_package() -> None:
         obj = getattr(asynccoll, name)
         if hasattr(obj, "__module__"):
             assert obj.__module__.startswith("asynccoll"), name
+
+
+def test_error_tree_in_errors_docstring_names_every_public_error() -> None:
+    import asynccoll.errors
+
+    named = set(re.findall(r"\b(\w+Error)\b", asynccoll.errors.__doc__ or ""))
+    for name in asynccoll.__all__:
+        obj = getattr(asynccoll, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert name in named, name

@@ -24,15 +24,16 @@ import numpy as np
 from ..buffers import ALLOWED_DTYPES, dtype_to_wire
 from ..sched import BufRef, Schedule, SlotSpec
 
-__all__ = ["Plan", "block_bounds", "check_count", "check_dtype", "check_op"]
+__all__ = ["REDUCE_OPS", "Plan", "block_bounds", "check_count", "check_dtype", "check_op"]
 
-_OPS = ("sum", "prod", "min", "max")
+#: the reduction ops every builder accepts (registered kernels of the same names).
+REDUCE_OPS: tuple[str, ...] = ("sum", "prod", "min", "max")
 
 
 def check_op(op: Any) -> None:
     """``ValueError`` naming ``op`` unless it is sum, prod, min or max."""
-    if op not in _OPS:
-        raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
 
 
 def check_count(count: Any) -> None:

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..buffers import is_cupy
 from ..sched import Schedule
-from ._plan import Plan, block_bounds, check_count, check_dtype, check_op
+from ._plan import REDUCE_OPS, Plan, block_bounds, check_count, check_dtype, check_op
 from .select import (
     ALLGATHER_ALGORITHMS,
     ALLREDUCE_ALGORITHMS,
@@ -82,8 +82,6 @@ __all__ = [
     "scratch_slots",
 ]
 
-#: the reduction ops every builder accepts (registered kernels of the same names).
-REDUCE_OPS: tuple[str, ...] = ("sum", "prod", "min", "max")
 #: messages larger than this move in segments of this many bytes.
 DEFAULT_SEGMENT_BYTES = 1 << 20
 

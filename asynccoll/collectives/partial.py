@@ -57,8 +57,9 @@ import numpy as np
 from ..buffers import dtype_to_wire
 from ..sched import Schedule, SlotSpec, register_kernel
 from ..sched.kernels import KERNELS
+from ._plan import check_op
 from .activation import TAGS_USED, build_activation
-from .dense import REDUCE_OPS, build_allreduce, next_tag
+from .dense import build_allreduce, next_tag
 
 __all__ = [
     "COUNT",
@@ -122,8 +123,7 @@ def identity(op: str, dtype: Any) -> Any:
     smallest; for ``bool`` the logical forms (OR: False, AND: True).
     """
     dt = np.dtype(dtype)
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+    check_op(op)
     if dt == np.bool_:
         return op in ("prod", "min")
     if op == "sum":
@@ -258,8 +258,7 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
     ``kind``, ``quorum``, ``op``, ``algorithm``, ``count`` or ``dtype``.
     """
     k = check_kind(kind, world_size, quorum)
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+    check_op(op)
     dt = np.dtype(dtype)
     s = Schedule(rank, world_size, name=f"partial_allreduce.{kind}")
     wire = dtype_to_wire(dt)

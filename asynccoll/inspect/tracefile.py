@@ -39,17 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import AsyncCollError
+from ..errors import TraceFormatError
 from ..sched import Executor, Schedule
 
 __all__ = ["FORMAT", "RankTrace", "TraceFormatError", "TraceWriter", "live_record", "load_dir",
            "trace_path"]
 
 FORMAT = "asynccoll.trace/1"
-
-
-class TraceFormatError(AsyncCollError, ValueError):
-    """A trace file or directory is missing, empty or malformed (the message names the file)."""
 
 
 def trace_path(directory: str | os.PathLike[str], rank: int) -> Path:

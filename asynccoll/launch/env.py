@@ -36,7 +36,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..errors import AsyncCollError
+from ..errors import ConfigError
 
 __all__ = ["ConfigError", "JobSpec", "listen_host", "parse_hostport", "resolve", "user_secret"]
 
@@ -44,14 +44,6 @@ __all__ = ["ConfigError", "JobSpec", "listen_host", "parse_hostport", "resolve",
 DEFAULT_TRANSPORT = "tcp"
 _TRANSPORTS = ("tcp", "ucx", "inproc")
 MIN_SECRET = 16
-
-
-class ConfigError(AsyncCollError, ValueError):
-    """A launch setting is missing, malformed or contradictory; ``variable`` names it."""
-
-    def __init__(self, variable: str, message: str) -> None:
-        super().__init__(f"{variable}: {message}")
-        self.variable = variable
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import hmac
 import secrets
 from typing import Any
 
-from ..errors import AsyncCollError
+from ..errors import RendezvousError, RendezvousTimeoutError
 from ..transport.base import Transport
 from ..transport.registry import make_transport
 from .env import JobSpec, listen_host
@@ -34,18 +34,6 @@ __all__ = ["RendezvousError", "RendezvousTimeoutError", "rendezvous", "transport
 
 PREFIX = "asynccoll/rdzv/"
 _TRANSPORT_LABEL = b"asynccoll-transport-key-v1"
-
-
-class RendezvousError(AsyncCollError):
-    """The ranks could not assemble (duplicate rank, world size mismatch, store unreachable)."""
-
-
-class RendezvousTimeoutError(RendezvousError, TimeoutError):
-    """Some ranks did not show up in time; ``missing`` lists them."""
-
-    def __init__(self, message: str, missing: list[int]) -> None:
-        super().__init__(message)
-        self.missing = missing
 
 
 def transport_secret(secret: bytes, salt: bytes) -> bytes:

@@ -478,7 +478,6 @@ class Executor:
             self._done.set_exception(exc)
             self._done.exception()  # also raised by the next start(); no unretrieved warning
 
-
     def _store_trace(self) -> None:
         self.trace.store(self.execution, self._t_posted, self._t_fired, self._t_done,
                          self._nbytes)

@@ -37,10 +37,13 @@ class BufRef:
     count: int | None = None
 
     def to_json(self) -> list[Any]:
+        """``[slot, offset, count]``, which :meth:`of` turns back into an equal reference."""
         return [self.slot, self.offset, self.count]
 
     @classmethod
     def of(cls, x: BufRef | str | list[Any] | tuple[Any, ...]) -> BufRef:
+        """``x`` as a reference: a BufRef as is, a slot name (the whole slot), or
+        ``(slot, offset, count)``; validity against the slots is checked at commit."""
         if isinstance(x, BufRef):
             return x
         if isinstance(x, str):
@@ -97,6 +100,8 @@ class Op:
         return f"{self.kind}({', '.join(parts)})"
 
     def to_json(self) -> dict[str, Any]:
+        """A JSON-safe dict of the fields that differ from their defaults (:meth:`from_json`
+        restores the op)."""
         d: dict[str, Any] = {"kind": self.kind}
         default = _DEFAULT_OP
         for f in fields(self):
@@ -118,6 +123,7 @@ class Op:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Op:
+        """The op :meth:`to_json` described; :class:`ScheduleError` names unknown fields."""
         kw: dict[str, Any] = dict(d)
         for name in ("deps", "recvs"):
             if name in kw:
@@ -188,12 +194,19 @@ class Schedule:
     def send(self, peer: int, buf: BufRef | str | None, tag: int = 0, *, deps: Deps = None,
              k: int = 0, msg: str = "data", payload_from: int = -1, label: str = "",
              **params: Any) -> int:
+        """Add a send of ``buf`` (or, with ``payload_from``, of that compute op's payload) to
+        ``peer`` with ``tag``; fires once ``k`` of ``deps`` are done (AND when ``k`` is 0).
+        ``msg="activation"`` marks an activation message. Returns the op id; raises
+        :class:`ScheduleError` once committed (the rest is checked by :meth:`commit`)."""
         return self.add(Op("send", _deps(deps), k, peer=peer,
                            buf=None if buf is None else BufRef.of(buf), tag=tag, msg=msg,
                            payload_from=payload_from, label=label, params=params))
 
     def recv(self, peer: int, buf: BufRef | str | None, tag: int = 0, *, deps: Deps = None,
              k: int = 0, msg: str = "data", label: str = "", **params: Any) -> int:
+        """Add a receive from ``peer`` with ``tag`` into ``buf`` (``None``: any length, kept
+        as the message for compute ops that name it in ``recvs``). Dependencies, return value
+        and errors as for :meth:`send`."""
         return self.add(Op("recv", _deps(deps), k, peer=peer,
                            buf=None if buf is None else BufRef.of(buf), tag=tag, msg=msg,
                            label=label, params=params))
@@ -201,12 +214,17 @@ class Schedule:
     def compute(self, kernel: str, inputs: Iterable[BufRef | str] = (),
                 output: BufRef | str | None = None, *, deps: Deps = None, k: int = 0,
                 recvs: Iterable[int] = (), label: str = "", **params: Any) -> int:
+        """Add a call of the registered ``kernel`` on ``inputs`` into ``output`` with
+        ``params``; ``recvs`` names receive ops whose messages it gets. Dependencies, return
+        value and errors as for :meth:`send`; the kernel name is checked at commit."""
         return self.add(Op("compute", _deps(deps), k, kernel=kernel,
                            inputs=tuple(BufRef.of(r) for r in inputs),
                            output=None if output is None else BufRef.of(output),
                            recvs=tuple(recvs), label=label, params=params))
 
     def nop(self, *, deps: Deps = None, k: int = 0, label: str = "") -> int:
+        """Add an op that does nothing but complete (a join or a threshold point); returns
+        its id, raises as :meth:`send` does."""
         return self.add(Op("nop", _deps(deps), k, label=label))
 
     # -- freezing ----------------------------------------------------------------------------
@@ -345,6 +363,8 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Schedule:
+        """The schedule :meth:`to_dict` described (committed again if it was); raises
+        :class:`ScheduleError` for a dict of another format or an invalid schedule."""
         if d.get("format") != "asynccoll.schedule/1":
             raise ScheduleError(f"not a schedule dict (format {d.get('format')!r})")
         s = cls(d["rank"], d["world_size"], d.get("name", ""),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _helpers import free_low_port as free_port
 
 from asynccoll import AuthenticationError
 from asynccoll.buffers import dtype_to_wire
@@ -31,20 +31,6 @@ from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Kind, Tra
 SECRET = b"k" * 32
 HERE = Path(__file__).parent
 HAS_UCX = importlib.util.find_spec("ucxx") is not None
-
-
-def free_port() -> int:
-    """A port free now, below the ephemeral range, so that no outgoing connection of another
-    process takes it before the process under test binds it."""
-    rng = random.Random()
-    while True:
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
 
 
 def specs(world: int, port: int, **kw: object) -> list[JobSpec]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -14,26 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _helpers import free_low_port as free_port
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_worker.py")
 ROOT = str(HERE.parents[1])
 
 pytestmark = [pytest.mark.multiprocess]
-
-
-def free_port() -> int:
-    """A port free now, below the ephemeral range, so that no outgoing connection of another
-    process takes it before the process under test binds it."""
-    rng = random.Random()
-    while True:
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
 
 
 def _alive(pid: int) -> bool:

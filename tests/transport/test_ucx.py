@@ -466,7 +466,10 @@ def _streamer(target: str, started: Any, close: bool, shm: bool = False) -> None
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("shm", [False, True])
+# Default mode only: with shared_memory=True, UCX may abort the surviving process when the peer
+# dies (an endpoint without error handling), which would take pytest down with it; documented in
+# docs/transports.md.
+@pytest.mark.parametrize("shm", [False])
 async def test_sigkill_mid_transfer_fails_pending_receives_promptly(shm: bool) -> None:
     from asynccoll.transport.ucx import UcxTransport
 

@@ -1,0 +1,76 @@
+"""``comm.blocking``: a Communicator's collectives as plain calls, for code without a loop."""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .results import PartialResult
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+
+__all__ = ["BlockingCollectives"]
+
+T = TypeVar("T")
+
+
+class BlockingCollectives:
+    """``comm.blocking``: the collectives as plain functions, for code without an event loop.
+
+    Each runs on the progress thread and blocks until done; ``RuntimeError`` with
+    ``progress="inline"`` (there is no other thread to run them).
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self._comm = comm
+
+    def _do(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._comm._engine.run_blocking(coro)
+
+    def allreduce(self, x: Any, op: str = "sum", algorithm: str | None = None,
+                  timeout: float | None = None) -> Any:
+        return self._do(self._comm.allreduce(x, op, algorithm, timeout))
+
+    def broadcast(self, x: Any, root: int = 0, timeout: float | None = None) -> Any:
+        return self._do(self._comm.broadcast(x, root, timeout))
+
+    def allgather(self, x: Any, timeout: float | None = None) -> Any:
+        return self._do(self._comm.allgather(x, timeout))
+
+    def reduce_scatter(self, x: Any, op: str = "sum", timeout: float | None = None) -> Any:
+        return self._do(self._comm.reduce_scatter(x, op, timeout))
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self._do(self._comm.barrier(timeout))
+
+    def sparse_allreduce(self, x: Any, density: float | None = None,
+                         algorithm: str | None = None, quantize: int | None = None,
+                         timeout: float | None = None, *, delta: float | None = None,
+                         bucket: int = 512, seed: int = 0) -> Any:
+        return self._do(self._comm.sparse_allreduce(x, density, algorithm, quantize, timeout,
+                                                    delta=delta, bucket=bucket, seed=seed))
+
+    def solo_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
+        return self._do(self._comm.solo_allreduce(x, timeout))
+
+    def majority_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
+        return self._do(self._comm.majority_allreduce(x, timeout))
+
+    def two_choice_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
+        return self._do(self._comm.two_choice_allreduce(x, timeout))
+
+    def quorum_allreduce(self, x: Any, k: int, timeout: float | None = None) -> PartialResult:
+        return self._do(self._comm.quorum_allreduce(x, k, timeout))
+
+    def close(self) -> None:
+        """:meth:`Communicator.close` for code without an event loop."""
+        c = self._comm
+        if c._closed:
+            return
+        c._closed = True
+        try:
+            if not c._engine.closed:
+                c._engine.run_blocking(c._close_on_loop())
+        finally:
+            c._engine.release()

@@ -1,0 +1,91 @@
+"""Helpers shared by the multi-process tests: free ports and worlds of spawned ranks.
+
+Importable as ``_helpers`` from every test module: ``tests/`` is on ``sys.path`` (its conftest),
+and spawned children inherit the parent's ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import queue
+import random
+import socket
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+#: the job secret the spawned ranks of :func:`async_child` share
+SECRET = "multiprocess-test-secret-0123456789"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (from the ephemeral range)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_low_port() -> int:
+    """A port free now, below the ephemeral range, so that no outgoing connection of another
+    process takes it before the process under test binds it."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
+def async_child(rank: int, P: int, main: Callable[..., Awaitable[Any]], *rest: Any) -> None:
+    """Spawned-process entry: ``asyncio.run(main(rank, P, *args))`` with :data:`SECRET` set.
+
+    ``rest`` is ``(*args, q)``; the child puts ``(rank, "ok", result)`` or
+    ``(rank, "error", traceback)`` on ``q`` (``main`` must be a module-level function).
+    """
+    *args, q = rest
+    try:
+        os.environ["ASYNCCOLL_SECRET"] = SECRET
+        q.put((rank, "ok", asyncio.run(main(rank, P, *args))))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def spawn_world(target: Callable[..., None], P: int, args: tuple[Any, ...],
+                timeout: float = 90.0) -> list[Any]:
+    """Run ``target(rank, P, *args, q)`` in P processes of the "spawn" context.
+
+    Returns what each rank reported, by rank; fails the test with the child's traceback, or
+    naming the ranks that did not report within ``timeout`` seconds of the last report. The
+    children are killed whatever happens.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, P, *args, q), daemon=True) for r in range(P)]
+    try:
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        while len(results) < P:
+            try:
+                rank, status, payload = q.get(timeout=timeout)
+            except queue.Empty:
+                pytest.fail(f"ranks {sorted(set(range(P)) - set(results))} did not report "
+                            f"within {timeout} s")
+            if status != "ok":
+                pytest.fail(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+        for p in procs:
+            p.join(10)
+        return [results[r] for r in range(P)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
