@@ -89,3 +89,31 @@ def spawn_world(target: Callable[..., None], P: int, args: tuple[Any, ...],
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+async def kill_and_check_pending_fail(t: Any, proc: Any, recvs: list[asyncio.Future[Any]], *,
+                                      peer: int, slack: int) -> list[BaseException]:
+    """SIGKILL ``proc`` (rank ``peer``) while ``recvs`` stream in; check they settle promptly.
+
+    Every receive still pending must settle within 2 s of the kill, all but ``slack`` of them
+    (what the kernel had already buffered may still arrive) with ``PeerLostError`` naming
+    ``peer``, and a receive posted afterwards must fail the same way. Returns the errors.
+    """
+    import signal
+    import time
+
+    from asynccoll.errors import PeerLostError
+
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    pending = [r for r in recvs if not r.done()]
+    _, still = await asyncio.wait(pending, timeout=2.0)
+    assert not still, f"{len(still)} receives still pending 2 s after the SIGKILL"
+    assert time.monotonic() - killed < 2.0
+    failed = [e for r in pending if (e := r.exception()) is not None]
+    assert len(failed) > len(pending) - slack
+    assert all(isinstance(e, PeerLostError) and e.rank == peer for e in failed), failed[:3]
+    with pytest.raises(PeerLostError):
+        await t.post_recv(peer, 1 << 20, 0, 10_001, None)
+    return failed
