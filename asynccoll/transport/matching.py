@@ -219,13 +219,19 @@ class Matcher:
         self._held_bytes += h.length
         self._held_count += 1
 
-    def fail_peer(self, rank: int, exc: BaseException) -> None:
-        """Fail every receive posted for ``rank`` and every later one with ``exc``."""
+    def fail_peer(self, rank: int, exc: BaseException) -> int:
+        """Fail every receive posted for ``rank`` and every later one with ``exc``.
+
+        Returns how many receives were waiting (and so failed).
+        """
         self._lost[rank] = exc
+        failed = 0
         for key in [k for k in self._posted if k[0] == rank]:
             for p in self._posted.pop(key):
+                failed += not p.fut.done()
                 _fail_quietly(p.fut, exc)
             self._unindex(key)
+        return failed
 
     def close(self, exc: BaseException | None = None) -> None:
         """Fail every posted receive; later posts fail at once."""

@@ -15,6 +15,7 @@ stays lost: a later connection claiming its rank is refused.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import socket
 from collections import deque
@@ -41,7 +42,7 @@ from .base import (
     lost,
 )
 from .registry import parse_address
-from .tcp_wire import CHUNK, SMALL, TcpConnection
+from .tcp_wire import CHUNK, SMALL, PeerClosed, TcpConnection
 
 __all__ = ["CHUNK", "SMALL", "TcpStats", "TcpTransport"]
 
@@ -266,9 +267,16 @@ class TcpTransport(Transport):
             exc = lost(conn.peer, str(cause) or type(cause).__name__, cause)
         self._lost[conn.peer] = exc
         self.stats.peers_lost += 1
+        waiting = self.matcher.fail_peer(conn.peer, exc)
         if not isinstance(conn.error, ProtocolError):  # a rejected frame was logged already
-            log.warning("tcp rank %d: lost rank %d: %s", self.rank, conn.peer, exc.reason)
-        self.matcher.fail_peer(conn.peer, exc)
+            # An orderly close (EOF, no error) is how a job ends: ranks close at different
+            # times, and persistent schedules keep receives armed. Whoever awaits one of them
+            # gets the PeerLostError. The kernel of a killed process also closes with EOF, so
+            # the log level cannot tell a crash from an exit; the failed operations do.
+            orderly = conn.error is None and isinstance(cause, PeerClosed)
+            log.log(logging.INFO if orderly else logging.WARNING,
+                    "tcp rank %d: lost rank %d: %s (%d receives failed)", self.rank, conn.peer,
+                    exc.reason, waiting)
         return exc
 
     def _rejected(self, conn: TcpConnection, reason: str) -> None:

@@ -54,6 +54,10 @@ _MAX_INFLIGHT = 256  # messages a receiver accepts as partly received at once
 _HELLO, _CHALLENGE, _PROOF, _ACCEPT, _HEAD, _HEADER, _PAYLOAD, _DEAD = range(8)
 
 
+
+class PeerClosed(ConnectionResetError):
+    """The peer closed its end in order (EOF with no error): how a job ends, not a crash."""
+
 class _Out:
     """One queued send."""
 
@@ -143,8 +147,7 @@ class TcpConnection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         self.owner._pending.discard(self)
-        cause: BaseException = self.error or exc or ConnectionResetError(
-            "connection closed by the peer")
+        cause: BaseException = self.error or exc or PeerClosed("connection closed by the peer")
         if not self.authed:
             if self.error is None:
                 self.owner._refused(self, f"connection closed during the handshake (state {was})")
