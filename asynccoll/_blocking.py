@@ -29,8 +29,8 @@ class BlockingCollectives:
         return self._comm._engine.run_blocking(coro)
 
     def allreduce(self, x: Any, op: str = "sum", algorithm: str | None = None,
-                  timeout: float | None = None) -> Any:
-        return self._do(self._comm.allreduce(x, op, algorithm, timeout))
+                  timeout: float | None = None, *, out: Any = None) -> Any:
+        return self._do(self._comm.allreduce(x, op, algorithm, timeout, out=out))
 
     def broadcast(self, x: Any, root: int = 0, timeout: float | None = None) -> Any:
         return self._do(self._comm.broadcast(x, root, timeout))

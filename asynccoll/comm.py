@@ -178,20 +178,34 @@ class Communicator:
 
     # -- synchronous collectives -------------------------------------------------------------
     async def allreduce(self, x: Any, op: str = "sum", algorithm: str | None = None,
-                        timeout: float | None = None) -> Any:
-        """Reduce ``x`` element-wise over all ranks; return the result as a new array.
+                        timeout: float | None = None, *, out: Any = None) -> Any:
+        """Reduce ``x`` element-wise over all ranks and return the result.
 
         ``op``: ``sum``, ``prod``, ``min``, ``max``. ``algorithm``: ``recursive_doubling``,
         ``ring``, ``rabenseifner`` or ``None`` (chosen by size and P). Every rank ends with
-        bitwise identical results.
+        bitwise identical results. By default the result is a new array (``x`` is left as
+        it is), which costs an allocation and a copy of ``x``; ``out=`` names a contiguous array
+        of ``x``'s shape and dtype to hold it instead, and ``out=x`` reduces in place with
+        neither (as ``torch.distributed.all_reduce`` and ``MPI_IN_PLACE`` do). Do not touch
+        ``out`` until the call returns. Raises ``ValueError``/``TypeError`` naming ``out``
+        when it does not fit.
         """
         _check_x(x)
         check_op(op)
-        out = _flat_copy(x)
-        key = ("allreduce", out.size, out.dtype.str, op, algorithm)
+        if out is None:
+            buf = _flat_copy(x)
+        else:
+            check_array(out, "out")
+            if out.shape != x.shape or out.dtype != x.dtype:
+                raise ValueError(f"out must have x's shape {x.shape} and dtype {x.dtype}, got "
+                                 f"{out.shape} and {out.dtype}")
+            if out is not x:
+                out[...] = x
+            buf = out.reshape(-1)
+        key = ("allreduce", buf.size, buf.dtype.str, op, algorithm)
         await self._run(self._dense_call(key, lambda: dense.allreduce(
-            self.rank, self.size, out.size, out.dtype, op, algorithm), out, timeout))
-        return out.reshape(x.shape)
+            self.rank, self.size, buf.size, buf.dtype, op, algorithm), buf, timeout))
+        return buf.reshape(x.shape) if out is None else out
 
     async def broadcast(self, x: Any, root: int = 0, timeout: float | None = None) -> Any:
         """Return a new array holding ``root``'s ``x`` (every rank passes the same shape)."""

@@ -8,9 +8,11 @@ For each implementation and P (real processes on this host), each message size (
 time is the slowest rank's (the collective is done when every rank is done). Rows carry the
 median, min and max over calls (``time_us_*``) and the algorithm bandwidth
 (``size / median time``). asynccoll chooses its algorithm by size and P (``--algorithm`` forces
-one). Peers run when importable (``pip install 'asynccoll[bench]'``); otherwise the script says
-so on stderr. ``--quick`` keeps every case but runs fewer calls. On a 2-core machine P > 2
-oversubscribes the cores: compare ratios within one run, not absolute times across machines.
+one) and reduces in place (``out=x``) as Gloo and MPI do; ``--copy`` measures its default of
+returning a new array. Peers run when importable (``pip install 'asynccoll[bench]'``);
+otherwise the script says so on stderr. ``--quick`` keeps every case but runs fewer calls. On
+a 2-core machine P > 2 oversubscribes the cores: compare ratios within one run, not absolute
+times across machines.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _slowest(per_rank: list[list[float]]) -> list[float]:
 
 # -- asynccoll -------------------------------------------------------------------------------
 async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: list[int],
-                          quick: bool, progress: str, algorithm: str | None
+                          quick: bool, progress: str, algorithm: str | None, copy: bool
                           ) -> dict[int, list[float]]:
     import asynccoll
 
@@ -68,9 +70,11 @@ async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: l
             warm, timed = calls_for(size, quick)
             times = []
             for i in range(warm + timed):
+                x[...] = rank + 1  # in place overwrites x: refill it, outside the timed part
                 await comm.barrier(timeout=120)
                 t0 = time.perf_counter()
-                y = await comm.allreduce(x, algorithm=algorithm, timeout=300)
+                y = await comm.allreduce(x, algorithm=algorithm, timeout=300,
+                                         out=None if copy else x)
                 dt = time.perf_counter() - t0
                 if i >= warm:
                     times.append(dt)
@@ -83,20 +87,21 @@ async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: l
 
 
 def _asynccoll_child(rank: int, P: int, port: int, transport: str, sizes: list[int],
-                     quick: bool, progress: str, algorithm: str | None, q: Any) -> None:
+                     quick: bool, progress: str, algorithm: str | None, copy: bool,
+                     q: Any) -> None:
     try:
         os.environ["ASYNCCOLL_SECRET"] = SECRET
         res = asyncio.run(_asynccoll_rank(rank, P, port, transport, sizes, quick, progress,
-                                          algorithm))
+                                          algorithm, copy))
         q.put((rank, "ok", res))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
 
 
 def run_asynccoll(transport: str, P: int, sizes: list[int], quick: bool, progress: str,
-                  algorithm: str | None) -> dict[int, list[float]]:
+                  algorithm: str | None, copy: bool) -> dict[int, list[float]]:
     out = spawn_world(_asynccoll_child, P,
-                      (free_port(), transport, sizes, quick, progress, algorithm), 1200)
+                      (free_port(), transport, sizes, quick, progress, algorithm, copy), 1200)
     return {s: _slowest([o[s] for o in out]) for s in sizes}
 
 
@@ -231,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impls", default=",".join(ALL_IMPLS))
     ap.add_argument("--progress", default="thread", choices=("thread", "inline"))
     ap.add_argument("--algorithm", default=None)
+    ap.add_argument("--copy", action="store_true",
+                    help="asynccoll returns a new array (its default) instead of reducing in "
+                         "place like the peers (out=x)")
     args = ap.parse_args(argv)
     Ps = [int(p) for p in args.P.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             if impl.startswith("asynccoll"):
                 res = run_asynccoll(impl.split("-")[1], P, sizes, args.quick, args.progress,
-                                    args.algorithm)
+                                    args.algorithm, args.copy)
             elif impl == "gloo":
                 res = run_gloo(P, sizes, args.quick)
             else:
@@ -258,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows[-len(sizes):]:
                 print(f"  {r['size']:>10} B  {r['time_us_median']:>12.1f} µs", file=sys.stderr)
     params = {"P": Ps, "sizes": sizes, "impls": impls, "quick": args.quick,
-              "progress": args.progress, "algorithm": args.algorithm, "dtype": "float32",
+              "progress": args.progress, "algorithm": args.algorithm,
+              "in_place": not args.copy, "dtype": "float32",
               "op": "sum"}
     write_json(args.out, "allreduce", params, rows)
     rat = ratios(rows)

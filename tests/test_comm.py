@@ -74,6 +74,33 @@ async def test_sync_collectives(transport: str, P: int) -> None:
         await gather(*(c.barrier() for c in comms))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [5, 300_000])  # below and above the small-message copy path
+async def test_allreduce_out_in_place_and_into_another_array(n: int) -> None:
+    async with local_world(3, "tcp") as comms:
+        xs = [np.arange(n, dtype=np.float64) * (r + 1) for r in range(3)]
+        ref = sum(x.copy() for x in xs)
+        rs = await gather(*(c.allreduce(x, out=x) for c, x in zip(comms, xs, strict=True)))
+        for r, x in zip(rs, xs, strict=True):
+            assert r is x  # in place: the caller's array is the result, nothing allocated
+            assert np.array_equal(x, ref)
+        keep = [x.copy() for x in xs]
+        outs = [np.empty_like(x) for x in xs]
+        rs = await gather(*(c.allreduce(x, out=o)
+                            for c, x, o in zip(comms, xs, outs, strict=True)))
+        for r, x, o, k in zip(rs, xs, outs, keep, strict=True):
+            assert r is o
+            assert np.array_equal(o, 3 * ref)
+            assert np.array_equal(x, k)  # x untouched when out is another array
+        c = comms[0]
+        with pytest.raises(ValueError, match="out must have"):
+            await c.allreduce(xs[0], out=np.empty(n + 1))
+        with pytest.raises(ValueError, match="out must have"):
+            await c.allreduce(xs[0], out=np.empty(n, np.float32))
+        with pytest.raises(ValueError, match="out must be C-contiguous"):
+            await c.allreduce(xs[0], out=np.empty(2 * n)[::2])
+
+
 @pytest.mark.timeout(30)
 async def test_algorithms_and_reuse() -> None:
     P = 5
