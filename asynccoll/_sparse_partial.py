@@ -33,6 +33,7 @@ from .collectives.partial_sparse import build_sparse_partial_allreduce, sparse_s
 from .collectives.sparse import (
     SparseVector,
     add,
+    add_into,
     dense_view,
     from_dense,
     read_stream,
@@ -162,18 +163,7 @@ class SparsePartialAllreduce(PartialAllreduce):
                 res.indices.copy(), res.values.copy(), res.size, check=False)
             self._vmeta[...] = self._meta
             return
-        v = self._value
-        if isinstance(v, np.ndarray):
-            if isinstance(res, SparseVector):
-                v[res.indices] += res.values
-            else:
-                v += res
-        elif isinstance(res, SparseVector):
-            self._value = add(v, res, self.delta)
-        else:
-            d = res.copy()
-            d[v.indices] += v.values
-            self._value = d
+        self._value = add_into(self._value, res, self.delta, res.dtype)
         self._vmeta += self._meta
 
     def _present(self, value: Any) -> Any:

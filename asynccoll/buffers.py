@@ -61,17 +61,20 @@ def check_array(a: Any, name: str = "array") -> None:
     raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(a).__name__}")
 
 
-def as_bytes(a: Any) -> memoryview:
-    """A writable byte view of a contiguous host array, sharing its memory (no copy)."""
-    if isinstance(a, memoryview):
-        return a.cast("B") if a.format != "B" or a.ndim != 1 else a
-    if isinstance(a, (bytes, bytearray)):
-        return memoryview(a)
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"expected a NumPy array or buffer, got {type(a).__name__}")
-    if not a.flags.c_contiguous:
-        raise ValueError("array must be C-contiguous")
-    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+def as_bytes(a: Any, name: str = "buffer", *, writable: bool = False) -> memoryview:
+    """A flat byte view of a contiguous host array or buffer, sharing its memory (no copy).
+
+    Raises ``ValueError`` naming ``name`` for a non-contiguous array, or a read-only buffer
+    when ``writable``.
+    """
+    if isinstance(a, np.ndarray):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        return a.reshape(-1).view(np.uint8).data
+    m = memoryview(a)
+    if writable and m.readonly:
+        raise ValueError(f"{name} must be writable")
+    return m.cast("B") if m.format != "B" or m.ndim != 1 else m
 
 
 def empty_like(a: Any, count: int | None = None) -> Any:

@@ -117,3 +117,48 @@ async def kill_and_check_pending_fail(t: Any, proc: Any, recvs: list[asyncio.Fut
     with pytest.raises(PeerLostError):
         await t.post_recv(peer, 1 << 20, 0, 10_001, None)
     return failed
+
+
+def run_exchanging_ranks(target: Callable[..., None], world_size: int,
+                         extra: Callable[[int], tuple[Any, ...]], *, timeout: float = 60.0,
+                         exit_timeout: float | None = None) -> dict[int, str | None]:
+    """Spawn ranks ``target(rank, world_size, addr_q, peer_q, result_q, *extra(rank))``.
+
+    Each rank puts ``(rank, address)`` on ``addr_q``, reads every address from ``peer_q`` and
+    puts ``(rank, traceback or None)`` on ``result_q``. Returns rank -> traceback. With
+    ``exit_timeout`` the ranks must also exit by themselves, with code 0, within it. The
+    children are killed whatever happens.
+    """
+    import time
+
+    ctx = mp.get_context("spawn")
+    addr_q, result_q = ctx.Queue(), ctx.Queue()
+    peer_qs = [ctx.Queue() for _ in range(world_size)]
+    procs = [ctx.Process(target=target, args=(r, world_size, addr_q, peer_qs[r], result_q,
+                                              *extra(r)), daemon=True)
+             for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        addrs = dict(addr_q.get(timeout=timeout) for _ in procs)
+        for q in peer_qs:
+            q.put(addrs)
+        results: dict[int, str | None] = {}
+        end = time.monotonic() + timeout
+        while len(results) < world_size:
+            try:
+                rank, tb = result_q.get(timeout=max(end - time.monotonic(), 0.1))
+            except queue.Empty:
+                raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(results))} "
+                                     f"did not report within {timeout} s") from None
+            results[rank] = tb
+        if exit_timeout is not None:
+            for p in procs:
+                p.join(exit_timeout)
+                assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)

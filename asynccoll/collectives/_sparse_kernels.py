@@ -24,6 +24,7 @@ from .sparse import (
     decode_piece,
     dense_view,
     read_stream,
+    scatter_sum,
     sparse_views,
     stream_payload,
     write_piece,
@@ -130,15 +131,6 @@ def _pieces(inputs: Sequence[Any], params: Mapping[str, Any], msgs: Sequence[Any
     return pieces, lo, hi
 
 
-def _scatter(acc: np.ndarray, pieces: Sequence[SparseVector | np.ndarray], lo: int) -> None:
-    acc.fill(0)
-    for x in pieces:
-        if isinstance(x, SparseVector):
-            acc[x.indices - lo] += x.values  # indices are unique within a piece
-        else:
-            acc += x
-
-
 def _k_reduce(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
               msgs: Sequence[Any]) -> Payload:
     """Sum the pieces of this rank's range into the block stream ``out``."""
@@ -161,7 +153,7 @@ def _k_reduce(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
         ov[:] = vals
         return stream_payload(out, n, dt)
     acc = dense_view(out, hi - lo, dt)
-    _scatter(acc, pieces, lo)
+    scatter_sum(acc, pieces, lo)
     nz = int(np.count_nonzero(acc))
     if nz <= rd:
         idx = np.flatnonzero(acc)
@@ -214,7 +206,7 @@ def _k_reduce_dense(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     """Sum this rank's range densely into the result; quantise it when asked (then the
     decoded values replace it, so that every rank holds the same numbers)."""
     pieces, lo, _hi = _pieces(inputs, params, msgs)
-    _scatter(out, pieces, lo)
+    scatter_sum(out, pieces, lo)
     bits = params.get("bits")
     if bits is None:
         return None

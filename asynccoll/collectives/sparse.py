@@ -48,8 +48,10 @@ __all__ = [
     "SparseAccumulator",
     "SparseVector",
     "add",
+    "add_into",
     "bucket_topk",
     "decode_piece",
+    "scatter_sum",
     "default_delta",
     "dense_view",
     "from_dense",
@@ -157,20 +159,42 @@ def sum_pieces(pieces: Sequence[SparseVector | np.ndarray], lo: int, hi: int, si
         if len(sparse) > 1:
             idx, vals = _coalesce(idx, vals)
         return SparseVector(idx, vals, size, check=False).without_zeros()
-    acc = np.zeros(n, dt) if out is None else out
-    if out is not None:
-        acc.fill(0)
-    for p in pieces:
-        if isinstance(p, SparseVector):
-            acc[p.indices - lo] += p.values  # indices are unique within a piece
-        else:
-            acc += p
+    acc = np.empty(n, dt) if out is None else out
+    scatter_sum(acc, pieces, lo)
     nz = int(np.count_nonzero(acc))
     if nz <= delta:
         idx = np.flatnonzero(acc)
         return SparseVector((idx + lo).astype(index_dtype(size)), acc[idx], size, check=False)
     return acc
 
+
+
+def scatter_sum(acc: np.ndarray, pieces: Sequence[SparseVector | np.ndarray], lo: int = 0) -> None:
+    """``acc[:] = sum of pieces`` (sparse pieces shifted by ``lo``), vectorised per piece."""
+    acc.fill(0)
+    for x in pieces:
+        if isinstance(x, SparseVector):
+            acc[x.indices - lo] += x.values  # indices are unique within a piece
+        else:
+            acc += x
+
+
+def add_into(total: SparseVector | np.ndarray, x: SparseVector | np.ndarray, delta: float,
+             dtype: Any) -> SparseVector | np.ndarray:
+    """``total + x``: in place when ``total`` is dense, else a new sum that stays sparse while
+    :func:`add` keeps it under ``delta``; a dense ``x`` on a sparse total gives a dense copy of
+    ``dtype``."""
+    if isinstance(total, np.ndarray):
+        if isinstance(x, SparseVector):
+            total[x.indices] += x.values
+        else:
+            total += x
+        return total
+    if isinstance(x, SparseVector):
+        return add(total, x, delta)
+    d = x.astype(dtype)
+    d[total.indices] += total.values
+    return d
 
 class SparseAccumulator:
     """A running sum of SparseVectors (stale contributions of a partial collective).
@@ -197,20 +221,10 @@ class SparseAccumulator:
             if x.size != self.size:
                 raise ValueError(f"x has size {x.size}, the accumulator {self.size}")
         self.count += 1
-        s = self._sum
-        if s is None:
+        if self._sum is None:
             self._sum = x.astype(self.dtype) if isinstance(x, np.ndarray) else x
-        elif isinstance(s, np.ndarray):
-            if isinstance(x, SparseVector):
-                s[x.indices] += x.values
-            else:
-                s += x
-        elif isinstance(x, SparseVector):
-            self._sum = add(s, x, self.delta)
         else:
-            d = x.astype(self.dtype)
-            d[s.indices] += s.values
-            self._sum = d
+            self._sum = add_into(self._sum, x, self.delta, self.dtype)
 
     def take(self) -> SparseVector | np.ndarray:
         """The sum so far (an empty SparseVector when nothing was added); then reset."""

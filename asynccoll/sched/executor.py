@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import dtype_to_wire, is_cupy
+from ..buffers import as_bytes, dtype_to_wire, is_cupy
 from ..errors import CollectiveTimeoutError, ExecutionError, ScheduleError, TransportClosedError
 from ..transport.base import PROTOCOL_VERSION, Format, Header, Kind, Message, Transport
 from .kernels import KERNELS, Kernel, Payload
@@ -341,7 +341,7 @@ class Executor:
                 self._fail(ExecutionError(f"op {i}: compute op {payload_from} returned no "
                                           "payload to send"))
                 return
-            wire = _bytes_of(p.data)
+            wire = as_bytes(p.data, "kernel payload")
             dtype, shape, fmt, length = p.dtype, p.shape, p.fmt, len(wire)
         elif wire is not None and arr is not wire and isinstance(wire, np.ndarray):
             arr.get(out=wire)  # CuPy over a host-only transport: stage through host memory
@@ -481,10 +481,3 @@ class Executor:
     def _store_trace(self) -> None:
         self.trace.store(self.execution, self._t_posted, self._t_fired, self._t_done,
                          self._nbytes)
-
-
-def _bytes_of(data: Any) -> memoryview:
-    if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-    m = memoryview(data)
-    return m.cast("B") if m.format != "B" or m.ndim != 1 else m

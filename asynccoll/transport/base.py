@@ -16,8 +16,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import numpy as np
-
+from ..buffers import as_bytes
 from ..errors import PeerLostError, ProtocolError
 from .frames import (
     PROTOCOL_VERSION,
@@ -116,30 +115,23 @@ class Transport(abc.ABC):
             fut.set_exception(exc)
             return fut
         if header.length:
-            slot.view[:] = _readable_bytes(payload)[: header.length]
+            self._copy_into(slot, payload, header.length)
         self.matcher.complete(slot)
         fut.set_result(None)
         return fut
 
+    def _copy_into(self, slot: Slot, payload: Any, n: int) -> None:
+        """Copy the first ``n`` bytes of ``payload`` into ``slot`` (host memory here;
+        a transport that carries device memory overrides this)."""
+        slot.view[:] = _readable_bytes(payload)[:n]
+
 
 def _writable_bytes(buf: Any) -> memoryview:
-    if isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous:
-            raise ValueError("receive buffer must be C-contiguous")
-        return buf.reshape(-1).view(np.uint8).data
-    m = memoryview(buf)
-    if m.readonly:
-        raise ValueError("receive buffer must be writable")
-    return m.cast("B") if m.format != "B" or m.ndim != 1 else m
+    return as_bytes(buf, "receive buffer", writable=True)
 
 
 def _readable_bytes(buf: Any) -> memoryview:
-    if isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous:
-            raise ValueError("send buffer must be C-contiguous")
-        return buf.reshape(-1).view(np.uint8).data
-    m = memoryview(buf)
-    return m.cast("B") if m.format != "B" or m.ndim != 1 else m
+    return as_bytes(buf, "send buffer")
 
 
 def lost(rank: int, reason: str, cause: BaseException | None = None) -> PeerLostError:

@@ -463,7 +463,7 @@ class UcxTransport(Transport):
             fut.set_exception(TransportClosedError("transport closed"))
             return fut
         if dst == self.rank:
-            return self._loopback_any(header, payload)
+            return self._loopback(header, payload)
         p = self._peers.get(dst)
         if p is None or p.lost is not None:
             fut.set_exception(p.lost if p is not None and p.lost is not None
@@ -500,25 +500,16 @@ class UcxTransport(Transport):
             self._progress.watch(p.tx.tag_send(arrs[1], p.send_ptag), done)
         return fut
 
-    def _loopback_any(self, header: Header, payload: Any) -> asyncio.Future[None]:
+    def _copy_into(self, slot: Slot, payload: Any, n: int) -> None:
         if not is_cupy(payload):
-            return self._loopback(header, payload)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        try:
-            slot = self.matcher.begin(header)
-        except ProtocolError as exc:
-            fut.set_exception(exc)
-            return fut
-        if header.length:
-            src = payload.reshape(-1).view(np.uint8)[: header.length]
-            view = slot.view
-            if isinstance(view, DeviceView):
-                view.array[...] = src
-            else:
-                view[:] = src.get().data
-        self.matcher.complete(slot)
-        fut.set_result(None)
-        return fut
+            super()._copy_into(slot, payload, n)
+            return
+        src = payload.reshape(-1).view(np.uint8)[:n]
+        view = slot.view
+        if isinstance(view, DeviceView):
+            view.array[...] = src
+        else:
+            view[:] = src.get().data
 
     # -- failures and closing ----------------------------------------------------------------
     def _map(self, rank: int, reason: str, exc: BaseException) -> BaseException:

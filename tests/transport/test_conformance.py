@@ -14,7 +14,6 @@ import pytest
 from asynccoll.conformance import CHECKS
 from asynccoll.testing import check_transport, inproc_world
 from asynccoll.transport.base import Transport
-from asynccoll.transport.tcp import TcpTransport
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
@@ -26,11 +25,15 @@ async def inproc_pair() -> AsyncIterator[tuple[Transport, Transport]]:
 
 
 @asynccontextmanager
-async def tcp_pair() -> AsyncIterator[tuple[Transport, Transport]]:
+async def _pair(scheme: str) -> AsyncIterator[tuple[Transport, Transport]]:
+    """Ranks 0 and 1 of a world of two on ``scheme``, connected over loopback."""
+    from asynccoll.transport.registry import transport_class
+
     secret = os.urandom(32)
-    ts = [TcpTransport(r, 2, secret=secret) for r in range(2)]
+    cls = transport_class(scheme)
+    ts: list[Any] = [cls(r, 2, secret=secret) for r in range(2)]
     try:
-        addrs = [await t.listen("tcp://127.0.0.1:0") for t in ts]
+        addrs = [await t.listen(f"{scheme}://127.0.0.1:0") for t in ts]
         await asyncio.gather(ts[0].connect({1: addrs[1]}, timeout=10),
                              ts[1].connect({0: addrs[0]}, timeout=10))
         yield ts[0], ts[1]
@@ -39,20 +42,12 @@ async def tcp_pair() -> AsyncIterator[tuple[Transport, Transport]]:
             await t.close()
 
 
-@asynccontextmanager
-async def ucx_pair() -> AsyncIterator[tuple[Transport, Transport]]:
-    from asynccoll.transport.ucx import UcxTransport
+def tcp_pair() -> Any:
+    return _pair("tcp")
 
-    secret = os.urandom(32)
-    ts: list[Any] = [UcxTransport(r, 2, secret=secret) for r in range(2)]
-    try:
-        addrs = [await t.listen("ucx://127.0.0.1:0") for t in ts]
-        await asyncio.gather(ts[0].connect({1: addrs[1]}, timeout=10),
-                             ts[1].connect({0: addrs[0]}, timeout=10))
-        yield ts[0], ts[1]
-    finally:
-        for t in ts:
-            await t.close()
+
+def ucx_pair() -> Any:
+    return _pair("ucx")
 
 
 def _uvloop_factory() -> LoopFactory:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
-import queue
 import random
 import socket
 import time
@@ -16,7 +15,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from _helpers import kill_and_check_pending_fail
+from _helpers import kill_and_check_pending_fail, run_exchanging_ranks
 
 from asynccoll.buffers import dtype_to_wire
 from asynccoll.errors import (
@@ -579,8 +578,8 @@ async def _fuzz(caplog: pytest.LogCaptureFixture) -> None:
 
 
 # -- real processes -----------------------------------------------------------------------------
-def _rank_main(rank: int, world_size: int, secret: bytes, loop_kind: str, addr_q: Any,
-               peers_q: Any, result_q: Any, connect_timeout: float) -> None:
+def _rank_main(rank: int, world_size: int, addr_q: Any, peers_q: Any, result_q: Any,
+               secret: bytes, loop_kind: str, connect_timeout: float) -> None:
     try:
         run_on(loop_kind, _rank_body(rank, world_size, secret, addr_q, peers_q,
                                      connect_timeout))
@@ -625,34 +624,9 @@ async def _rank_body(rank: int, world_size: int, secret: bytes, addr_q: Any,
 def _run_ranks(world_size: int, secrets: list[bytes], loop_kind: str,
                timeout: float = 60.0, connect_timeout: float = 20.0) -> dict[int, str | None]:
     """Start ``world_size`` spawned ranks; return rank -> traceback (None when it passed)."""
-    ctx = mp.get_context("spawn")
-    addr_q, result_q = ctx.Queue(), ctx.Queue()
-    peer_qs = [ctx.Queue() for _ in range(world_size)]
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, secrets[r], loop_kind, addr_q,
-                                                  peer_qs[r], result_q, connect_timeout),
-                         daemon=True)
-             for r in range(world_size)]
-    try:
-        for p in procs:
-            p.start()
-        addrs = dict(addr_q.get(timeout=timeout) for _ in procs)
-        for q in peer_qs:
-            q.put(addrs)
-        results: dict[int, str | None] = {}
-        end = time.monotonic() + timeout
-        while len(results) < world_size:
-            try:
-                rank, tb = result_q.get(timeout=max(end - time.monotonic(), 0.1))
-            except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(results))} "
-                                     f"did not report within {timeout} s") from None
-            results[rank] = tb
-        return results
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    return run_exchanging_ranks(_rank_main, world_size,
+                                lambda r: (secrets[r], loop_kind, connect_timeout),
+                                timeout=timeout)
 
 
 @pytest.mark.multiprocess

@@ -8,7 +8,6 @@ import importlib.util
 import logging
 import multiprocessing as mp
 import os
-import queue
 import resource
 import socket
 import subprocess
@@ -363,8 +362,8 @@ def test_which_ucx_transport_carries_the_frames(shm: bool, expect: set[str]) -> 
 
 
 # -- real processes --------------------------------------------------------------------------
-def _rank_main(rank: int, world_size: int, shm: bool, addr_q: Any, peer_q: Any,
-               result_q: Any) -> None:
+def _rank_main(rank: int, world_size: int, addr_q: Any, peer_q: Any, result_q: Any,
+               shm: bool) -> None:
     try:
         asyncio.run(_exchange(rank, world_size, shm, addr_q, peer_q))
         result_q.put((rank, None))
@@ -403,36 +402,11 @@ async def _exchange(rank: int, world_size: int, shm: bool, addr_q: Any, peer_q: 
 
 
 def _run_ranks(world_size: int, shm: bool, timeout: float = 60.0) -> dict[int, str | None]:
-    ctx = mp.get_context("spawn")
-    addr_q, result_q = ctx.Queue(), ctx.Queue()
-    peer_qs = [ctx.Queue() for _ in range(world_size)]
-    procs = [ctx.Process(target=_rank_main,
-                         args=(r, world_size, shm, addr_q, peer_qs[r], result_q), daemon=True)
-             for r in range(world_size)]
-    try:
-        for p in procs:
-            p.start()
-        addrs = dict(addr_q.get(timeout=timeout) for _ in procs)
-        for q in peer_qs:
-            q.put(addrs)
-        results: dict[int, str | None] = {}
-        end = time.monotonic() + timeout
-        while len(results) < world_size:
-            try:
-                rank, tb = result_q.get(timeout=max(end - time.monotonic(), 0.1))
-            except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(results))} "
-                                     f"did not report within {timeout} s") from None
-            results[rank] = tb
-        for p in procs:  # and they exit by themselves: no hang in UCX teardown
-            p.join(20)
-            assert p.exitcode == 0, f"rank exited with {p.exitcode}"
-        return results
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    from _helpers import run_exchanging_ranks  # not at import: children import this module
+
+    # exit_timeout: the ranks exit by themselves too, so no hang in UCX teardown
+    return run_exchanging_ranks(_rank_main, world_size, lambda r: (shm,), timeout=timeout,
+                                exit_timeout=20)
 
 
 @pytest.mark.multiprocess
