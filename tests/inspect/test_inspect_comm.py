@@ -11,7 +11,6 @@ against real PartialResults with a tracing stand-in for the Communicator's side.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 from pathlib import Path
 
@@ -28,12 +27,7 @@ from asynccoll.inspect.tracefile import load_dir
 from asynccoll.results import PartialResult
 from asynccoll.testing import local_world
 
-TRACING = "trace" in inspect.signature(local_world).parameters
-needs_tracing = pytest.mark.skipif(
-    not TRACING, reason="waits on the Communicator's trace support: local_world(..., trace=DIR)")
 
-
-@needs_tracing
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport", ["inproc", "tcp"])
 @pytest.mark.parametrize("kind", ["solo", "majority"])
@@ -65,7 +59,6 @@ async def test_traced_partial_run(tmp_path: Path, kind: str, transport: str) -> 
     validate_trace_events(json.loads(perfetto_json(traces)))
 
 
-@needs_tracing
 @pytest.mark.timeout(60)
 async def test_hung_collective_names_the_missing_rank(tmp_path: Path) -> None:
     async with local_world(3, "inproc", trace=str(tmp_path)) as comms:  # type: ignore[call-arg]

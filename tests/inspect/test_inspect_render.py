@@ -93,6 +93,13 @@ def _check(scheds: list[Schedule], fmt: str, out: str) -> None:
             assert len(rows) >= len(s.ops)
 
 
+def test_every_collective_kind_is_available() -> None:
+    """A kind whose builder fails to import would silently drop out of KINDS: pin the set."""
+    assert set(KINDS) >= {"activation", "allgather", "allreduce", "barrier", "broadcast",
+                          "majority", "quorum", "reduce_scatter", "solo", "sparse_allreduce",
+                          "two_choice"}
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_every_format(kind: str, world: int) -> None:

@@ -14,7 +14,7 @@ import pytest
 from inspect_helpers import traced_run
 
 from asynccoll.cli import main
-from asynccoll.inspect.kinds import available_kinds, build_all
+from asynccoll.inspect.kinds import build_all
 from asynccoll.inspect.perfetto import perfetto_json, timeline_page
 from asynccoll.inspect.render import match_messages
 from asynccoll.inspect.summary import execution_detail, render_execution, summarize
@@ -113,8 +113,6 @@ async def test_trace_files_summary_and_perfetto(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(30)
 async def test_external_activation_initiators(tmp_path: Path) -> None:
-    if "activation" not in available_kinds():
-        pytest.skip("asynccoll.collectives.activation is not importable")
     world = 5
     await traced_run(tmp_path, build_all("activation", world), 3, starters=lambda e: [e + 1])
     (summ,) = summarize(load_dir(tmp_path))
@@ -125,8 +123,6 @@ async def test_external_activation_initiators(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 async def test_dense_allreduce_trace(tmp_path: Path) -> None:
-    if "allreduce" not in available_kinds():
-        pytest.skip("asynccoll.collectives.dense is not importable")
     for world in (3, 8):
         d = tmp_path / str(world)
         scheds = build_all("allreduce", world, 1024)

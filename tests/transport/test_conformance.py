@@ -68,8 +68,6 @@ def transport_pair(request: pytest.FixtureRequest) -> tuple[Any, LoopFactory]:
         return tcp_pair, _uvloop_factory()
     if importlib.util.find_spec("ucxx") is None:
         pytest.skip("ucxx is not installed (pip install 'asynccoll[ucx]')")
-    if importlib.util.find_spec("asynccoll.transport.ucx") is None:
-        pytest.skip("asynccoll.transport.ucx does not exist yet")
     return ucx_pair, asyncio.new_event_loop
 
 
