@@ -3,10 +3,10 @@
 The public API is re-exported here; everything else is an implementation detail.
 """
 
-from ._partial_handle import PartialAllreduce
-from .collectives.feedback import ErrorFeedback
+from . import testing as testing  # `asynccoll.testing` without a second import
 from .collectives.sparse import SparseVector
-from .comm import Communicator, connect
+from .collectives.sparse.feedback import ErrorFeedback
+from .comm import Communicator, PartialAllreduce
 from .errors import (
     AsyncCollError,
     AuthenticationError,
@@ -25,6 +25,7 @@ from .errors import (
     TransportClosedError,
     TransportError,
 )
+from .launch import connect
 from .results import PartialResult
 from .sched import BufRef, Executor, Op, Schedule, SlotSpec, register_kernel
 from .train import ODSGD, RNA, BackupSGD, EagerSGD, StepInfo, TopKSGD

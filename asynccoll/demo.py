@@ -143,7 +143,7 @@ async def _train(comm: Any, cfg: DemoConfig, mode: str, ratio: float, index: int
 
 async def _worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """One rank of the demo: every run in order; rank 0's rows (others return [])."""
-    from .comm import connect
+    from .launch import connect
 
     cfg = DemoConfig(**spec["config"])
     comm = await connect(collective_timeout=120.0)

@@ -69,7 +69,7 @@ _CANDIDATES: tuple[KindSpec, ...] = (
     KindSpec("quorum", "asynccoll.collectives.partial", "build_partial_allreduce",
              {"kind": "quorum", "quorum": lambda world, count: world // 2 + 1},
              help="quorum allreduce: a majority (P//2+1) of arrivals starts it"),
-    KindSpec("sparse_allreduce", "asynccoll.collectives.sparse_sched", "build_sparse_allreduce",
+    KindSpec("sparse_allreduce", "asynccoll.collectives.sparse.schedules", "build_sparse_allreduce",
              {"size": lambda world, count: count},
              help="sparse allreduce (SparCML)",
              algorithms=("ssar_recursive_double", "ssar_split_allgather",

@@ -1,10 +1,11 @@
-"""Rendezvous and launch: the store, environment detection, ``asynccoll run``.
+"""Rendezvous and launch: ``connect()``, the store, environment detection, ``asynccoll run``.
 
 ``resolve()`` says who this process is in the job (:class:`JobSpec`); ``rendezvous(spec)``
 returns its transport connected to every peer; ``StoreServer`` / ``StoreClient`` are the
 authenticated key-value store they meet in; ``launch(LaunchConfig)`` runs one node's ranks.
 """
 
+from .connect import connect
 from .env import ConfigError, JobSpec, listen_host, resolve
 from .rendezvous import RendezvousError, RendezvousTimeoutError, rendezvous
 from .runner import LaunchConfig, launch
@@ -29,6 +30,7 @@ __all__ = [
     "StoreLimits",
     "StoreServer",
     "StoreTimeoutError",
+    "connect",
     "launch",
     "listen_host",
     "rendezvous",

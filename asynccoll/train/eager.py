@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..results import PartialResult
 from .bucket import ParamBucket
 from .info import StepInfo

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from .bucket import ParamBucket
 from .info import StepInfo
 from .updaters import DCASGD, SGD, make_updater

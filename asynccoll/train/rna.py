@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..comm import Communicator
+from ..comm.communicator import Communicator
 from ..results import PartialResult
 from .eager import EagerSGD
 

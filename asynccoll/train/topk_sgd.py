@@ -4,7 +4,7 @@ Communication for Machine Learning*, Algorithms 1/2).
 Each step a rank adds its gradient to its residual, sends the ``k`` largest entries (per bucket
 of ``bucket`` entries when given: bucketed top-k), optionally QSGD-quantised (Algorithm 2), and
 keeps the rest as the residual for later steps
-(:class:`~asynccoll.collectives.feedback.ErrorFeedback`).
+(:class:`~asynccoll.collectives.sparse.feedback.ErrorFeedback`).
 The sparse allreduce (SparCML §5, sparse streams switching to dense past the switch point) sums
 what every rank sends; every rank applies ``lr * sum / P``. With ``k = N`` it is dense
 synchronous SGD.
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._partial_handle import stable_id
-from ..collectives.feedback import ErrorFeedback
-from ..collectives.sparse import to_dense
-from ..collectives.sparse_sched import SparseAllreduce
-from ..comm import Communicator
+from ..collectives.sparse.feedback import ErrorFeedback
+from ..collectives.sparse.schedules import SparseAllreduce
+from ..collectives.sparse.streams import to_dense
+from ..comm.communicator import Communicator
+from ..comm.partial import stable_id
 from .bucket import ParamBucket
 from .info import StepInfo
 from .updaters import SGD

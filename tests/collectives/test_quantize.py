@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asynccoll.collectives import quantize as qsgd
+from asynccoll.collectives.sparse import quantize as qsgd
 from asynccoll.errors import ProtocolError
 from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Message
 

@@ -8,9 +8,9 @@ import functools
 import numpy as np
 import pytest
 
-from asynccoll.collectives.feedback import ErrorFeedback
 from asynccoll.collectives.sparse import SparseVector
-from asynccoll.collectives.sparse_sched import sparse_allreduce
+from asynccoll.collectives.sparse.feedback import ErrorFeedback
+from asynccoll.collectives.sparse.schedules import sparse_allreduce
 from asynccoll.testing import inproc_world
 
 

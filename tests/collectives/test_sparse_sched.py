@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from asynccoll.collectives.sparse import SparseVector, default_delta, from_dense, to_dense
-from asynccoll.collectives.sparse_sched import (
+from asynccoll.collectives.sparse.schedules import (
     ALGORITHMS,
     SparseAllreduce,
     append_sparse_allreduce,

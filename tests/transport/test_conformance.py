@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from asynccoll.conformance import CHECKS
 from asynccoll.testing import check_transport, inproc_world
+from asynccoll.testing.conformance import CHECKS
 from asynccoll.transport.base import Transport
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]

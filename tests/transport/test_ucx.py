@@ -65,7 +65,7 @@ async def held(t: Any, n: int, timeout: float = 5.0) -> None:
 
 def send_raw(t: Any, dst: int, prefix_and_header: bytes) -> None:
     """Send a header message as it goes on the wire, bypassing the checks of post_send."""
-    from asynccoll.transport import _ucx_support
+    from asynccoll.transport.ucx import support as _ucx_support
 
     p = t._peers[dst]
     keep = _ucx_support.load().Array(prefix_and_header)
@@ -80,7 +80,8 @@ def test_module_import_does_not_import_ucxx() -> None:
 
 
 def test_missing_ucxx_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from asynccoll.transport import _ucx_support, ucx
+    from asynccoll.transport import ucx
+    from asynccoll.transport.ucx import support as _ucx_support
 
     monkeypatch.setattr(_ucx_support, "_ucx", None)
     monkeypatch.setitem(sys.modules, "ucxx", None)  # makes ``import ucxx`` fail
@@ -180,7 +181,7 @@ async def test_connect_retries_until_the_peer_listens_and_gives_up_at_its_deadli
 
 # -- frames ----------------------------------------------------------------------------------
 def _wire(h: Header | bytes, flags: int = 0) -> bytes:
-    from asynccoll.transport import ucx
+    from asynccoll.transport.ucx import transport as ucx
 
     raw = h if isinstance(h, bytes) else encode_header(h)
     return ucx._PREFIX.pack(len(raw), flags) + raw

@@ -11,10 +11,10 @@ The call semantics are those of :class:`~asynccoll.PartialAllreduce` (``included
   as dense data does, and is contributed by the next execution this rank takes part in;
 * ``PartialResult.value`` is a SparseVector (sorted unique indices, no exact zeros) while the
   sum fits the sparse form and a dense 1-D NumPy array otherwise, by the rule of the chosen
-  sparse algorithm (:mod:`asynccoll.collectives.sparse_sched`); with ``accumulate=True`` the
+  sparse algorithm (:mod:`asynccoll.collectives.sparse.schedules`); with ``accumulate=True`` the
   sum of the results not yet handed out, which may turn dense past ``delta``.
 
-Schedule: :func:`~asynccoll.collectives.partial_sparse.build_sparse_partial_allreduce`.
+Schedule: :func:`~asynccoll.collectives.sparse.partial.build_sparse_partial_allreduce`.
 Host memory only (NumPy); sum only.
 """
 
@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from ._partial_handle import Combine, PartialAllreduce
-from .buffers import is_cupy
-from .collectives.dense import scratch_buffers
-from .collectives.partial import COUNT
-from .collectives.partial_sparse import build_sparse_partial_allreduce, sparse_signature
-from .collectives.sparse import (
+from ..buffers import is_cupy
+from ..collectives.dense import scratch_buffers
+from ..collectives.partial import COUNT
+from ..collectives.sparse.partial import build_sparse_partial_allreduce, sparse_signature
+from ..collectives.sparse.schedules import choose_algorithm, read_result
+from ..collectives.sparse.streams import (
     SparseVector,
     add,
     add_into,
@@ -39,9 +39,9 @@ from .collectives.sparse import (
     read_stream,
     write_piece,
 )
-from .collectives.sparse_sched import choose_algorithm, read_result
-from .errors import BusyError
-from .sched import Schedule
+from ..errors import BusyError
+from ..sched import Schedule
+from .partial import Combine, PartialAllreduce
 
 __all__ = ["SparsePartialAllreduce"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import quantize as qsgd
-from .sparse import SparseVector, bucket_topk, to_dense, topk
+from .streams import SparseVector, bucket_topk, to_dense, topk
 
 __all__ = ["ErrorFeedback"]
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import dtype_to_wire
-from ..sched import Payload, register_kernel
-from ..transport.base import Format
+from ...buffers import dtype_to_wire
+from ...sched import Payload, register_kernel
+from ...transport.base import Format
 from . import quantize as qsgd
-from .sparse import (
+from .streams import (
     SparseVector,
     decode_piece,
     dense_view,
@@ -29,7 +29,7 @@ from .sparse import (
     stream_payload,
     write_piece,
 )
-from .sparse import _Union as Union
+from .streams import _Union as Union
 
 __all__ = ["partition"]
 

@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import dtype_to_wire
-from ..sched import Schedule, SlotSpec, register_kernel
-from ..sched.kernels import KERNELS
-from .dense import build_allreduce
-from .partial import (
+from ...buffers import dtype_to_wire
+from ...sched import Schedule, SlotSpec, register_kernel
+from ...sched.kernels import KERNELS
+from ..dense import build_allreduce
+from ..partial import (
     STATE_LEN,
     TAG_DATA,
     append_activation_front,
@@ -40,8 +40,8 @@ from .partial import (
     signature,
     write_meta,
 )
-from .sparse import default_delta, index_dtype, stream_capacity
-from .sparse_sched import ALGORITHMS, append_sparse_allreduce, sparse_tags
+from .schedules import ALGORITHMS, append_sparse_allreduce, sparse_tags
+from .streams import default_delta, index_dtype, stream_capacity
 
 __all__ = ["PREFIX", "build_sparse_partial_allreduce", "sparse_signature", "stream_nbytes"]
 

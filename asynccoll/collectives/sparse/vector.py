@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import is_cupy
+from ...buffers import is_cupy
 
 __all__ = [
     "SparseVector",
@@ -127,7 +127,7 @@ class SparseVector:
         return SparseVector(self.indices[keep], self.values[keep], self.size, check=False)
 
     def __add__(self, other: SparseVector) -> SparseVector | np.ndarray:
-        from .sparse import add  # the merges build on this module, not the other way round
+        from .streams import add  # the merges build on this module, not the other way round
 
         return add(self, other)
 

@@ -1,7 +1,7 @@
 """``Communicator.sparse_allreduce``: cached sparse allreduce schedules on the progress engine.
 
 Each distinct ``(size, dtype, algorithm, quantize, delta, bucket, seed)`` gets one
-:class:`~asynccoll.collectives.sparse_sched.SparseAllreduce` (its schedule built and committed
+:class:`~asynccoll.collectives.sparse.schedules.SparseAllreduce` (its schedule built and committed
 once) and a schedule id from the communicator's counter at its first call, like the dense
 collectives: ranks that call their collectives in the same order agree on the ids. Calls of
 one entry run one at a time (a lock); a failed, timed-out or cancelled call drops its entry
@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import is_cupy
-from .collectives import quantize as qsgd
-from .collectives.sparse import SparseVector
-from .collectives.sparse_sched import SparseAllreduce, choose_algorithm
-from .transport.base import Transport
+from ..buffers import is_cupy
+from ..collectives.sparse import quantize as qsgd
+from ..collectives.sparse.schedules import SparseAllreduce, choose_algorithm
+from ..collectives.sparse.streams import SparseVector
+from ..transport.base import Transport
 
 __all__ = ["SparseOps", "as_host"]
 

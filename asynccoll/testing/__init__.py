@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ._local_world import local_world
+from ..sched import Executor, Schedule
+from ..transport.inproc import InprocFabric, InprocTransport
 from .conformance import check_transport
-from .sched import Executor, Schedule
-from .transport.inproc import InprocFabric, InprocTransport
+from .world import local_world
 
 __all__ = ["check_transport", "inproc_world", "local_world", "run_schedules"]
 

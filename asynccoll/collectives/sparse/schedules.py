@@ -41,13 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import dtype_to_wire, is_cupy
-from ..sched import Executor, Schedule, SlotSpec
-from ..sched.schedule import BufRef
-from ..transport.base import Transport
+from ...buffers import dtype_to_wire, is_cupy
+from ...sched import Executor, Schedule, SlotSpec
+from ...sched.schedule import BufRef
+from ...transport.base import Transport
 from . import quantize as qsgd
-from ._sparse_kernels import partition
-from .sparse import (
+from .kernels import partition
+from .streams import (
     SparseVector,
     default_delta,
     dense_view,

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ._progress import ProgressEngine
-from .comm import Communicator
-from .transport.inproc import InprocFabric, InprocTransport
-from .transport.registry import make_transport
+from ..comm.communicator import Communicator
+from ..comm.progress import ProgressEngine
+from ..transport.inproc import InprocFabric, InprocTransport
+from ..transport.registry import make_transport
 
 __all__ = ["local_world"]
 

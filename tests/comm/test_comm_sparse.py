@@ -21,7 +21,7 @@ import asynccoll
 from asynccoll import CollectiveTimeoutError, PartialResult, SparseVector, TransportClosedError
 from asynccoll.collectives.partial import SNAPSHOTS, initiators
 from asynccoll.collectives.sparse import from_dense, to_dense
-from asynccoll.collectives.sparse_sched import ALGORITHMS
+from asynccoll.collectives.sparse.schedules import ALGORITHMS
 from asynccoll.testing import local_world
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None

@@ -47,16 +47,27 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..buffers import is_cupy
-from ..errors import (
+from ...buffers import is_cupy
+from ...errors import (
     AuthenticationError,
     PeerLostError,
     ProtocolError,
     TransportClosedError,
     TransportError,
 )
-from . import auth
-from ._ucx_support import (
+from .. import auth
+from ..base import (
+    Header,
+    Limits,
+    Message,
+    Slot,
+    Transport,
+    _readable_bytes,
+    decode_header,
+    encode_header,
+)
+from ..registry import parse_address
+from .support import (
     DeviceView,
     HeldOrder,
     Link,
@@ -67,17 +78,6 @@ from ._ucx_support import (
     load,
     target,
 )
-from .base import (
-    Header,
-    Limits,
-    Message,
-    Slot,
-    Transport,
-    _readable_bytes,
-    decode_header,
-    encode_header,
-)
-from .registry import parse_address
 
 __all__ = ["PROGRESS_MODES", "UcxTransport"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .results import PartialResult
+from ..results import PartialResult
 
 if TYPE_CHECKING:
-    from .comm import Communicator
+    from .communicator import Communicator
 
 __all__ = ["BlockingCollectives"]
 

@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..buffers import is_cupy
-from ..errors import AuthenticationError
-from . import auth
-from .base import Slot
+from ...buffers import is_cupy
+from ...errors import AuthenticationError
+from .. import auth
+from ..base import Slot
 
 __all__ = ["DeviceView", "HeldOrder", "Link", "Progress", "handshake_acceptor",
            "handshake_connector", "host_id", "ignore", "load", "stream_io", "tag_base", "target"]

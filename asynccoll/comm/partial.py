@@ -32,10 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from ._progress import ProgressEngine
-from .buffers import check_array, empty_like, is_cupy, reduce_into
-from .collectives.dense import scratch_buffers
-from .collectives.partial import (
+from ..buffers import check_array, empty_like, is_cupy, reduce_into
+from ..collectives.dense import scratch_buffers
+from ..collectives.partial import (
     COUNT,
     FLUSHING,
     FRESH,
@@ -49,10 +48,11 @@ from .collectives.partial import (
     packs_meta,
     signature,
 )
-from .errors import BusyError, CollectiveTimeoutError, ExecutionError, TransportClosedError
-from .results import PartialResult
-from .sched import Executor, Schedule
-from .transport.base import PROTOCOL_VERSION, Format, Header, Kind, Transport
+from ..errors import BusyError, CollectiveTimeoutError, ExecutionError, TransportClosedError
+from ..results import PartialResult
+from ..sched import Executor, Schedule
+from ..transport.base import PROTOCOL_VERSION, Format, Header, Kind, Transport
+from .progress import ProgressEngine
 
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]
 
@@ -111,7 +111,7 @@ class PartialAllreduce:
         self._ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=True,
                             on_complete=self._on_complete, trace_sink=sink)
         if trace is not None:
-            from .inspect.pending import register_executor  # tracing only: inspect is above
+            from ..inspect.pending import register_executor  # tracing only: inspect is above
 
             register_executor(self._ex, trace)
 

@@ -1,7 +1,8 @@
 """The Communicator: the awaitable collective API of one process (DESIGN §6).
 
-``comm = await asynccoll.connect()`` joins the job the environment describes (or the one given
-by arguments) and returns a :class:`Communicator`; ``async with comm:`` closes it.
+``comm = await asynccoll.connect()`` (:func:`asynccoll.launch.connect`) joins the job the
+environment describes (or the one given by arguments) and returns a :class:`Communicator`;
+``async with comm:`` closes it. The Communicator itself never reads the environment.
 
 **Results are new arrays.** ``await comm.allreduce(x)`` returns a new array and leaves ``x``
 alone, as the functional collectives of torch.distributed and mpi4py's lowercase methods do; a
@@ -31,29 +32,28 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import numpy as np
 
-from ._blocking import BlockingCollectives
-from ._partial_handle import PartialAllreduce, stable_id
-from ._progress import ProgressEngine
-from ._sparse_comm import SparseOps, as_host, to_device
-from ._sparse_partial import SparsePartialAllreduce
-from .buffers import check_array
-from .collectives import dense
-from .collectives._plan import check_op
-from .collectives.dense import block_bounds, scratch_buffers
-from .collectives.partial import check_kind
-from .collectives.sparse import SparseVector
-from .errors import TransportClosedError
-from .results import PartialResult
-from .sched import Executor, Schedule
-from .transport.base import Transport
+from ..buffers import check_array
+from ..collectives import dense
+from ..collectives._plan import check_op
+from ..collectives.dense import block_bounds, scratch_buffers
+from ..collectives.partial import check_kind
+from ..collectives.sparse.streams import SparseVector
+from ..errors import TransportClosedError
+from ..results import PartialResult
+from ..sched import Executor, Schedule
+from ..transport.base import Transport
+from .blocking import BlockingCollectives
+from .partial import PartialAllreduce, stable_id
+from .progress import ProgressEngine
+from .sparse import SparseOps, as_host, to_device
+from .sparse_partial import SparsePartialAllreduce
 
-__all__ = ["Communicator", "connect"]
+__all__ = ["Communicator"]
 
 T = TypeVar("T")
 
@@ -106,7 +106,7 @@ class Communicator:
         self._writer: Any = None
         if trace is not None:
             # Tracing is optional and lives above comm; imported only when asked for.
-            from .inspect.tracefile import TraceWriter
+            from ..inspect.tracefile import TraceWriter
 
             self._writer = TraceWriter(trace, transport.rank, transport.world_size)
 
@@ -274,7 +274,7 @@ class Communicator:
                 sched, sid, collective=key[0])
             ex = Executor(sched, self.transport, bufs, sched_id=sid, trace_sink=sink)
             if self._writer is not None:
-                from .inspect.pending import register_executor
+                from ..inspect.pending import register_executor
 
                 register_executor(ex, self._writer)
             entry = _Dense(ex, scratch, own)
@@ -438,41 +438,6 @@ class Communicator:
                                timeout: float | None = None) -> PartialResult:
         """``partial_allreduce("quorum", like=x, quorum=k)(x)``, cached per shape/dtype/k."""
         return await self._shortcut("quorum", x, k)(x, timeout)
-
-
-async def connect(rank: int | None = None, world_size: int | None = None,
-                  store: str | tuple[str, int] | None = None, transport: str | None = None,
-                  *, progress: str = "thread", timeout: float = 60.0,
-                  secret: bytes | str | None = None,
-                  collective_timeout: float | None = None,
-                  trace: str | None = None) -> Communicator:
-    """Join the job and return this rank's :class:`Communicator`.
-
-    Missing arguments come from the environment (``asynccoll run``, torchrun or SLURM variables;
-    see :func:`asynccoll.launch.env.resolve`). ``transport``: ``tcp`` (default), ``ucx`` or
-    ``inproc``. ``progress``: ``"thread"`` (a progress thread; uvloop there unless UCX) or
-    ``"inline"`` (the caller's loop). ``timeout``: seconds for the rendezvous;
-    ``collective_timeout``: the default timeout of every collective. ``trace``: a directory
-    for this rank's execution trace (default: ``ASYNCCOLL_TRACE`` if set). Raises
-    :class:`~asynccoll.ConfigError` naming a bad setting, ``RendezvousError`` /
-    ``RendezvousTimeoutError`` when the ranks cannot assemble.
-    """
-    from .launch.env import resolve
-    from .launch.rendezvous import rendezvous
-
-    if progress not in ("thread", "inline"):
-        raise ValueError(f"progress must be 'thread' or 'inline', got {progress!r}")
-    spec = resolve(rank, world_size, store, secret=secret, transport=transport)
-    engine = (ProgressEngine.thread(use_uvloop=spec.transport != "ucx")
-              if progress == "thread" else ProgressEngine.inline())
-    try:
-        t = await engine.run(rendezvous(spec, timeout=timeout))
-    except BaseException:
-        engine.close()
-        raise
-    if trace is None:
-        trace = os.environ.get("ASYNCCOLL_TRACE") or None
-    return Communicator(t, progress=engine, timeout=collective_timeout, trace=trace)
 
 
 def _check_x(x: Any) -> None:

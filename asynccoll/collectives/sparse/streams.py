@@ -27,10 +27,10 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from ..errors import ProtocolError
-from ..sched import Payload
-from ..transport.base import Format, Message
-from .sparse_vector import (
+from ...errors import ProtocolError
+from ...sched import Payload
+from ...transport.base import Format, Message
+from .vector import (
     SparseVector,
     _coalesce,
     _dense_arg,

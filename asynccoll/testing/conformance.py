@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import dtype_to_wire
-from .errors import PeerLostError, TransportClosedError
-from .transport.base import PROTOCOL_VERSION, Format, Header, Kind, Message, Transport
+from ..buffers import dtype_to_wire
+from ..errors import PeerLostError, TransportClosedError
+from ..transport.base import PROTOCOL_VERSION, Format, Header, Kind, Message, Transport
 
 __all__ = ["CHECKS", "MakePair", "check_transport"]
 

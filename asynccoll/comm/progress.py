@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from .errors import TransportClosedError
+from ..errors import TransportClosedError
 
 __all__ = ["DEFAULT_SWITCH_INTERVAL", "ProgressEngine"]
 

@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import ProtocolError
-from ..sched import Payload
-from ..transport.base import Format, Message
+from ...errors import ProtocolError
+from ...sched import Payload
+from ...transport.base import Format, Message
 
 __all__ = ["BITS", "Quantized", "dequantize", "from_message", "levels", "pack", "quantize",
            "to_payload", "unpack"]

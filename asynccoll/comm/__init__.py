@@ -1,0 +1,13 @@
+"""The runtime of one process (DESIGN §6): the Communicator and what it runs.
+
+:mod:`.communicator` (the :class:`Communicator`), :mod:`.progress` (the engine and the bridge
+between loops), :mod:`.blocking` (``comm.blocking``), :mod:`.partial` (the persistent partial
+allreduce handle) and :mod:`.sparse` (the sparse allreduce runtime). ``connect()``, which reads
+the environment and runs the rendezvous, lives in :mod:`asynccoll.launch`.
+"""
+
+from .communicator import Communicator
+from .partial import PartialAllreduce
+from .progress import ProgressEngine
+
+__all__ = ["Communicator", "PartialAllreduce", "ProgressEngine"]
