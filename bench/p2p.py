@@ -104,7 +104,7 @@ class Exchange:
 # -- asynccoll tcp -----------------------------------------------------------------------------
 class AsynccollEndpoint:
     def __init__(self, t: Any, peer: int) -> None:
-        from asynccoll.transport.base import PROTOCOL_VERSION, Header
+        from asynccoll.transport.frames import PROTOCOL_VERSION, Header
 
         self.t, self.peer = t, peer
         self._header, self._version = Header, PROTOCOL_VERSION

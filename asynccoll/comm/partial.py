@@ -51,7 +51,8 @@ from ..collectives.partial import (
 from ..errors import BusyError, CollectiveTimeoutError, ExecutionError, TransportClosedError
 from ..results import PartialResult
 from ..sched import Executor, Schedule
-from ..transport.base import PROTOCOL_VERSION, Format, Header, Kind, Transport
+from ..transport.base import Transport
+from ..transport.frames import PROTOCOL_VERSION, Format, Header, Kind
 from .progress import ProgressEngine
 
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]

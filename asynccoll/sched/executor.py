@@ -26,7 +26,8 @@ import numpy as np
 
 from ..buffers import as_bytes, dtype_to_wire, is_cupy
 from ..errors import CollectiveTimeoutError, ExecutionError, ScheduleError, TransportClosedError
-from ..transport.base import PROTOCOL_VERSION, Format, Header, Kind, Message, Transport
+from ..transport.base import Transport
+from ..transport.frames import PROTOCOL_VERSION, Format, Header, Kind, Message
 from .kernels import KERNELS, Kernel, Payload
 from .schedule import BufRef, Schedule
 from .trace import Trace

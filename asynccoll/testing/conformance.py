@@ -25,7 +25,8 @@ import numpy as np
 
 from ..buffers import dtype_to_wire
 from ..errors import PeerLostError, TransportClosedError
-from ..transport.base import PROTOCOL_VERSION, Format, Header, Kind, Message, Transport
+from ..transport.base import Transport
+from ..transport.frames import PROTOCOL_VERSION, Format, Header, Kind, Message
 
 __all__ = ["CHECKS", "MakePair", "check_transport"]
 

@@ -1,14 +1,13 @@
 """Point-to-point messaging: the interface, frames, matching, and the backends by scheme."""
 
-from .base import (
+from .base import Transport
+from .frames import (
     PROTOCOL_VERSION,
     Format,
     Header,
     Kind,
     Limits,
-    Matcher,
     Message,
-    Transport,
     decode_header,
     encode_header,
 )
@@ -20,7 +19,6 @@ __all__ = [
     "Header",
     "Kind",
     "Limits",
-    "Matcher",
     "Message",
     "Transport",
     "decode_header",

@@ -4,8 +4,7 @@ A message is a **frame** (:mod:`.frames`: a small msgpack header followed by ``l
 bytes). Frames are matched to receives by ``(source, schedule id, execution, tag)`` in
 :class:`Matcher` (:mod:`.matching`), shared by every transport, so that inproc, tcp and ucx
 behave the same. A concrete transport only moves bytes: it asks the matcher where a payload goes
-(:meth:`Matcher.begin`), writes it there, and says so (:meth:`Matcher.complete`). The names of
-both modules are re-exported here, so ``from asynccoll.transport.base import ...`` keeps working.
+(:meth:`Matcher.begin`), writes it there, and says so (:meth:`Matcher.complete`).
 """
 
 from __future__ import annotations
@@ -18,32 +17,10 @@ from typing import Any, ClassVar
 
 from ..buffers import as_bytes
 from ..errors import PeerLostError, ProtocolError
-from .frames import (
-    PROTOCOL_VERSION,
-    Format,
-    Header,
-    Kind,
-    Limits,
-    Message,
-    decode_header,
-    encode_header,
-)
-from .matching import Matcher
-from .matching import Slot as Slot
-from .matching import _fail_quietly as _fail_quietly
+from .frames import Header, Limits, Message
+from .matching import Matcher, Slot
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "Format",
-    "Header",
-    "Kind",
-    "Limits",
-    "Matcher",
-    "Message",
-    "Transport",
-    "decode_header",
-    "encode_header",
-]
+__all__ = ["Transport", "lost"]
 
 log = logging.getLogger("asynccoll.transport")
 

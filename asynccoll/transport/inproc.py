@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import PeerLostError, TransportClosedError
-from .base import Header, Limits, Transport, _readable_bytes
+from .base import Transport, _readable_bytes
+from .frames import Header, Limits
 from .registry import parse_address
 
 __all__ = ["InprocFabric", "InprocTransport"]

@@ -31,16 +31,9 @@ from ..errors import (
     TransportError,
 )
 from . import auth
-from .base import (
-    Header,
-    Limits,
-    Transport,
-    _fail_quietly,
-    _readable_bytes,
-    encode_header,
-    log,
-    lost,
-)
+from .base import Transport, _readable_bytes, log, lost
+from .frames import Header, Limits, encode_header
+from .matching import _fail_quietly
 from .registry import parse_address
 from .tcp_wire import CHUNK, SMALL, PeerClosed, TcpConnection
 

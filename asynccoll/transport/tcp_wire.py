@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, cast
 
 from ..errors import AuthenticationError, PeerLostError, ProtocolError, TransportError
 from . import auth
-from .base import Header, Slot, _fail_quietly, decode_header
+from .frames import Header, decode_header
+from .matching import Slot, _fail_quietly
 
 if TYPE_CHECKING:
     from .tcp import TcpTransport

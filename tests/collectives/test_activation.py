@@ -17,7 +17,7 @@ from asynccoll.collectives.activation import (
 )
 from asynccoll.sched import Executor, Schedule
 from asynccoll.testing import inproc_world
-from asynccoll.transport.base import Kind
+from asynccoll.transport.frames import Kind
 
 _ids = itertools.count(1)
 

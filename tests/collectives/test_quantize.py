@@ -7,7 +7,7 @@ import pytest
 
 from asynccoll.collectives.sparse import quantize as qsgd
 from asynccoll.errors import ProtocolError
-from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Message
+from asynccoll.transport.frames import PROTOCOL_VERSION, Format, Header, Message
 
 
 @pytest.mark.parametrize("bits", qsgd.BITS)

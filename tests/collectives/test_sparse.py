@@ -28,7 +28,7 @@ from asynccoll.collectives.sparse import (
     write_piece,
 )
 from asynccoll.errors import AsyncCollError, ProtocolError
-from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Message
+from asynccoll.transport.frames import PROTOCOL_VERSION, Format, Header, Message
 
 
 def sparse_of(rng: np.random.Generator, n: int, p: float) -> SparseVector:

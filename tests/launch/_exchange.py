@@ -15,7 +15,7 @@ import numpy as np
 
 from asynccoll.buffers import dtype_to_wire
 from asynccoll.launch import StoreClient, rendezvous, resolve
-from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Kind
+from asynccoll.transport.frames import PROTOCOL_VERSION, Format, Header, Kind
 
 
 def header(src: int, tag: int, a: np.ndarray) -> Header:

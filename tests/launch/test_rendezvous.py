@@ -26,7 +26,8 @@ from asynccoll.launch import (
     rendezvous,
     resolve,
 )
-from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Kind, Transport
+from asynccoll.transport.base import Transport
+from asynccoll.transport.frames import PROTOCOL_VERSION, Format, Header, Kind
 
 SECRET = b"k" * 32
 HERE = Path(__file__).parent

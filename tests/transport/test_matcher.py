@@ -18,10 +18,10 @@ from asynccoll.transport import (
     Header,
     Kind,
     Limits,
-    Matcher,
     decode_header,
     encode_header,
 )
+from asynccoll.transport.matching import Matcher
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -26,7 +26,7 @@ from asynccoll.errors import (
     TransportError,
 )
 from asynccoll.transport import auth
-from asynccoll.transport.base import (
+from asynccoll.transport.frames import (
     PROTOCOL_VERSION,
     Format,
     Header,

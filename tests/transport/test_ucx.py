@@ -24,7 +24,7 @@ import pytest
 
 from asynccoll.buffers import dtype_to_wire
 from asynccoll.errors import AuthenticationError, PeerLostError, ProtocolError, TransportError
-from asynccoll.transport.base import PROTOCOL_VERSION, Format, Header, Kind, Limits, encode_header
+from asynccoll.transport.frames import PROTOCOL_VERSION, Format, Header, Kind, Limits, encode_header
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
                                 reason="ucxx is not installed (pip install 'asynccoll[ucx]')")

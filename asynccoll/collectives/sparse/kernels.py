@@ -17,7 +17,7 @@ import numpy as np
 
 from ...buffers import dtype_to_wire
 from ...sched import Payload, register_kernel
-from ...transport.base import Format
+from ...transport.frames import Format
 from . import quantize as qsgd
 from .streams import (
     SparseVector,

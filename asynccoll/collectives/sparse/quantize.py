@@ -21,7 +21,7 @@ import numpy as np
 
 from ...errors import ProtocolError
 from ...sched import Payload
-from ...transport.base import Format, Message
+from ...transport.frames import Format, Message
 
 __all__ = ["BITS", "Quantized", "dequantize", "from_message", "levels", "pack", "quantize",
            "to_payload", "unpack"]

@@ -29,7 +29,7 @@ import numpy as np
 
 from ...errors import ProtocolError
 from ...sched import Payload
-from ...transport.base import Format, Message
+from ...transport.frames import Format, Message
 from .vector import (
     SparseVector,
     _coalesce,

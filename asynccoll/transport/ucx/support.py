@@ -21,7 +21,7 @@ import numpy as np
 from ...buffers import is_cupy
 from ...errors import AuthenticationError
 from .. import auth
-from ..base import Slot
+from ..matching import Slot
 
 __all__ = ["DeviceView", "HeldOrder", "Link", "Progress", "handshake_acceptor",
            "handshake_connector", "host_id", "ignore", "load", "stream_io", "tag_base", "target"]

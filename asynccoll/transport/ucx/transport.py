@@ -56,16 +56,9 @@ from ...errors import (
     TransportError,
 )
 from .. import auth
-from ..base import (
-    Header,
-    Limits,
-    Message,
-    Slot,
-    Transport,
-    _readable_bytes,
-    decode_header,
-    encode_header,
-)
+from ..base import Transport, _readable_bytes
+from ..frames import Header, Limits, Message, decode_header, encode_header
+from ..matching import Slot
 from ..registry import parse_address
 from .support import (
     DeviceView,
