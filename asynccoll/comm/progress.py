@@ -7,10 +7,14 @@ application's awaitables bridge to it (``asyncio.run_coroutine_threadsafe`` and
 thread hop each way, some tens of microseconds. ``inline`` runs on the caller's loop instead, for
 code that never blocks it.
 
-The progress thread runs uvloop when it is installed (a faster loop, for TCP in particular) and
-lowers the interpreter's switch interval (``sys.setswitchinterval``; default 0.5 ms, process-wide,
-never raised): while the application runs pure-Python code that holds the GIL, the progress
-thread gets the GIL back after that interval. ``../shared/FACTS.md`` measured a progress thread's
+The progress thread runs uvloop when it is installed (a faster loop, for TCP in particular).
+
+**Process-wide side effect.** Starting a progress thread lowers the interpreter's switch interval
+(``sys.setswitchinterval``, to 0.5 ms unless it is already lower; never raised, never restored):
+this is the one piece of process-wide state asynccoll changes, and it affects every thread of the
+process, not only the progress thread. It is done because, while the application runs pure-Python
+code that holds the GIL, the progress thread gets the GIL back only after that interval. Pass
+``switch_interval=None`` to :meth:`ProgressEngine.thread` to leave it alone. ``../shared/FACTS.md`` measured a progress thread's
 round trip p50/p99 under a GIL-holding main thread at 3.1/13.5 ms with the default 5 ms and
 0.84/2.2 ms with 0.5 ms; NumPy work that releases the GIL costs the thread almost nothing.
 """
