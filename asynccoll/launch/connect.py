@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from ..comm import Communicator, ProgressEngine
+from . import errorfile
 from .env import resolve
 from .rendezvous import rendezvous
 
@@ -37,6 +38,8 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     if progress not in ("thread", "inline"):
         raise ValueError(f"progress must be 'thread' or 'inline', got {progress!r}")
     spec = resolve(rank, world_size, store, secret=secret, transport=transport)
+    if os.environ.get(errorfile.ENV):  # set by ``asynccoll run``, which blames the first failure
+        errorfile.install(os.environ[errorfile.ENV], spec.rank)
     engine = (ProgressEngine.thread(use_uvloop=spec.transport != "ucx")
               if progress == "thread" else ProgressEngine.inline())
     try:
@@ -46,4 +49,5 @@ async def connect(rank: int | None = None, world_size: int | None = None,
         raise
     if trace is None:
         trace = os.environ.get("ASYNCCOLL_TRACE") or None
+
     return Communicator(t, progress=engine, timeout=collective_timeout, trace=trace)

@@ -5,9 +5,13 @@ its ``nproc`` ranks with ``ASYNCCOLL_*`` variables (:func:`rank_environment`), p
 they print with ``[rank]``, and watches them:
 
 * a rank that exits non-zero stops the others — ``SIGTERM`` to its process group, ``SIGKILL``
-  after ``grace`` seconds — and the launcher exits with that rank's code (``128 + n`` for a rank
-  killed by signal ``n``); the launchers of other nodes learn it through the store key
+  after ``grace`` seconds — and the launcher exits with the failing rank's code (``128 + n`` for
+  a rank killed by signal ``n``); the launchers of other nodes learn it through the store key
   ``asynccoll/launch/abort`` and stop their ranks too;
+* the rank blamed is the one that failed *first*, not the first to exit: each rank records its
+  uncaught exception in a file (:mod:`.errorfile`); a failure that merely follows another rank's
+  loss (a ``PeerLostError`` naming it, or a collective timeout) is not blamed while a cause is
+  known. The launcher prints the cause's traceback first and one line per follower;
 * the launchers of all nodes meet in the store before any rank starts (within
   ``join_timeout``), and node 0 keeps the store up until the other nodes' ranks are done
   (at most ``exit_timeout`` after its own);
@@ -26,10 +30,13 @@ import contextlib
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
+from . import errorfile
 from .store import StoreClient, StoreError, StoreServer, StoreTimeoutError
 
 __all__ = ["LaunchConfig", "launch", "rank_environment"]
@@ -80,12 +87,16 @@ class LaunchConfig:
 
 
 def rank_environment(cfg: LaunchConfig, local_rank: int, store: tuple[str, int],
-                     base: Mapping[str, str]) -> dict[str, str]:
-    """The environment of local rank ``local_rank``: ``base`` plus the job's variables."""
+                     base: Mapping[str, str], errors: Path | None = None) -> dict[str, str]:
+    """The environment of local rank ``local_rank``: ``base`` plus the job's variables
+    (``errors``: the directory its error file goes to, see :mod:`.errorfile`)."""
     env = dict(base)
     env.update(cfg.env)
+    rank = cfg.node_rank * cfg.nproc + local_rank
+    if errors is not None:
+        env[errorfile.ENV] = str(errors / f"rank-{rank}.json")
     env.update({
-        "ASYNCCOLL_RANK": str(cfg.node_rank * cfg.nproc + local_rank),
+        "ASYNCCOLL_RANK": str(rank),
         "ASYNCCOLL_WORLD_SIZE": str(cfg.nnodes * cfg.nproc),
         "ASYNCCOLL_LOCAL_RANK": str(local_rank),
         "ASYNCCOLL_LOCAL_WORLD_SIZE": str(cfg.nproc),
@@ -135,8 +146,9 @@ def _say(err: BinaryIO, text: str) -> None:
 class _Ranks:
     """The local rank processes and their shutdown."""
 
-    def __init__(self, cfg: LaunchConfig) -> None:
+    def __init__(self, cfg: LaunchConfig, errors: Path) -> None:
         self.cfg = cfg
+        self.errors = errors
         self.procs: dict[int, asyncio.subprocess.Process] = {}
 
     def signal_all(self, sig: int) -> None:
@@ -172,7 +184,8 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     loop = asyncio.get_running_loop()
     server: StoreServer | None = None
     client: StoreClient | None = None
-    ranks = _Ranks(cfg)
+    errdir = tempfile.TemporaryDirectory(prefix="asynccoll-errors-")
+    ranks = _Ranks(cfg, Path(errdir.name))
     pumps: list[asyncio.Task[None]] = []
     stop_sig: asyncio.Future[int] = loop.create_future()
 
@@ -202,7 +215,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
         for local in range(cfg.nproc):
             rank = cfg.node_rank * cfg.nproc + local
             p = await asyncio.create_subprocess_exec(
-                *cfg.argv, env=rank_environment(cfg, local, store, os.environ),
+                *cfg.argv, env=rank_environment(cfg, local, store, os.environ, ranks.errors),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
             ranks.procs[rank] = p
@@ -229,6 +242,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             await client.close()
         if server is not None:
             await server.close()
+        errdir.cleanup()
 
 
 async def _unless_stopped(coro: Coroutine[Any, Any, T], stop_sig: asyncio.Future[int]
@@ -315,7 +329,7 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
                 rank = waits.pop(w)
                 code = _code(ranks.procs[rank].returncode or 0)
                 if code:
-                    _say(err, f"rank {rank} exited with code {code}; stopping the other ranks")
+                    rank, code = await _blame(ranks, rank, code, err)
                     if client is not None:
                         with contextlib.suppress(StoreError, TimeoutError):
                             await client.set(ABORT_KEY, f"rank {rank} exited with code {code}"
@@ -326,3 +340,54 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
     finally:
         for w in waits:
             w.cancel()
+
+
+#: how long the launcher waits, after a rank exits because it lost another, for the lost one
+#: to exit and leave its own error record
+SETTLE_S = 2.0
+
+
+async def _blame(ranks: _Ranks, first: int, code: int, err: BinaryIO) -> tuple[int, int]:
+    """The rank to blame for a failure first seen as ``first`` exiting with ``code``, and its
+    code; prints which it is, its traceback, then one line per rank that failed after it."""
+    recs = errorfile.read(ranks.errors)
+    rec = recs.get(first)
+    if rec is not None and rec.follow_on:
+        # The first to exit only lost another rank: give the lost one (or every other rank,
+        # when unnamed) a moment to exit and leave its record.
+        peers = [rec.lost_peer] if rec.lost_peer in ranks.procs else \
+            [r for r in ranks.procs if r != first]
+        waits = [asyncio.ensure_future(ranks.procs[r].wait()) for r in peers
+                 if ranks.procs[r].returncode is None]
+        if waits:
+            await asyncio.wait(waits, timeout=SETTLE_S,
+                               return_when=asyncio.FIRST_COMPLETED if rec.lost_peer is None
+                               else asyncio.ALL_COMPLETED)
+            for t in waits:
+                t.cancel()
+        recs = errorfile.read(ranks.errors)
+    causes = sorted((r for r in recs.values() if not r.follow_on), key=lambda r: r.time)
+    killed = [r for r, p in ranks.procs.items() if p.returncode is not None
+              and p.returncode < 0 and r not in recs]
+    if causes:
+        root = causes[0].rank
+    elif killed:
+        root = killed[0] if first not in killed else first
+    elif rec is not None and rec.lost_peer in ranks.procs:
+        root = rec.lost_peer
+    else:
+        root = first
+    p = ranks.procs[root]
+    root_code = _code(p.returncode) if p.returncode else code
+    _say(err, f"rank {root} exited with code {root_code}; stopping the other ranks")
+    cause = recs.get(root)
+    if cause is not None:
+        err.write(b"".join(f"[{root}] {line}\n".encode()
+                           for line in cause.traceback.rstrip("\n").split("\n")))
+    elif p.returncode is not None and p.returncode < 0:
+        _say(err, f"rank {root} was killed by {signal.Signals(-p.returncode).name}")
+    for r, other in sorted(recs.items()):
+        if r != root:
+            _say(err, f"rank {r} failed after it: {other.type}: {other.message}")
+    err.flush()
+    return root, root_code

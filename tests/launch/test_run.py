@@ -257,3 +257,39 @@ def test_usage_errors(args: list[str], message: str) -> None:
                                "ASYNCCOLL_SECRET": "0123456789abcdef"})
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+BLAME = """
+import asyncio, os, numpy as np, asynccoll
+
+async def main():
+    async with await asynccoll.connect(collective_timeout=20) as comm:
+        await comm.barrier()
+        if comm.rank == 2:
+            await asyncio.sleep(0.2)
+            raise ValueError("boom on rank 2")
+        for _ in range(10_000):
+            await comm.allreduce(np.ones(4))
+            await asyncio.sleep(0.001)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_the_rank_that_failed_first_is_blamed_and_its_traceback_printed_first(
+        job: list[Job], tmp_path: Path) -> None:
+    """Rank 2 raises; the others then lose it and fail too, some of them before rank 2 exits.
+    The launcher blames rank 2, prints its traceback before the followers' one-line reports,
+    and exits with its code."""
+    script = tmp_path / "blame.py"
+    script.write_text(BLAME)
+    code, _, err = start(job, tmp_path, ["-n", "4", "--grace", "5", str(script)]).finish(60)
+    assert code == 1, err
+    assert "rank 2 exited with code 1; stopping the other ranks" in err
+    assert "[2] ValueError: boom on rank 2" in err
+    tb = err.index("[2] Traceback")
+    followers = [line for line in err.splitlines() if "failed after it" in line]
+    assert all(err.index(line) > tb for line in followers)
+    assert all("rank 2" not in line.split("failed after it")[0] for line in followers)
+    assert err.count("Traceback") == 1, err  # the followers' tracebacks are not printed
