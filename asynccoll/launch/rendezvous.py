@@ -108,26 +108,30 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
                                   "must be started once (check the rank variables)")
         agreed = await client.compare_set(f"{prefix}world", None, str(world).encode())
         if agreed != str(world).encode():
-            raise RendezvousError(f"rank {rank} has world size {world} but the job's first "
-                                  f"rank has {agreed!r}")
+            reason = (f"rank {rank} has world size {world} but the job's first rank has "
+                      f"{agreed.decode(errors='replace') if agreed else agreed}")
+            # Tell the ranks already waiting, so they fail now instead of at their timeout.
+            with contextlib.suppress(Exception):
+                await client.set(f"{prefix}abort", reason.encode(), timeout=left())
+            raise RendezvousError(reason)
         job_salt = await client.compare_set(f"{prefix}salt", None, secrets.token_bytes(32))
         assert job_salt is not None
         t = _make(scheme, rank, world, transport_secret(spec.secret, job_salt), options)
         address = await t.listen(_listen_address(scheme, spec, job_salt))
         await client.set(f"{prefix}addr/{rank}", address.encode())
         keys = [f"{prefix}addr/{r}" for r in range(world)]
-        await _wait(client, keys, left(), "publish its transport address")
+        await _wait(client, keys, left(), "publish its transport address", prefix)
         values = await asyncio.gather(*(client.get(k, timeout=left()) for k in keys))
         peers = {r: v.decode() for r, v in enumerate(values) if r != rank}
         await t.connect(peers, timeout=left())
         await client.set(f"{prefix}done/{rank}", b"1")
         await _wait(client, [f"{prefix}done/{r}" for r in range(world)], left(),
-                    "connect to its peers")
+                    "connect to its peers", prefix)
         if server is None:
             await client.set(f"{prefix}left/{rank}", b"1")
         else:
             await _wait(client, [f"{prefix}left/{r}" for r in range(world) if r != rank],
-                        left(), "finish with the store")
+                        left(), "finish with the store", prefix)
         return t
     except BaseException:
         if t is not None:
@@ -141,13 +145,25 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
             await server.close()
 
 
-async def _wait(client: StoreClient, keys: list[str], timeout: float, what: str) -> None:
+async def _wait(client: StoreClient, keys: list[str], timeout: float, what: str,
+                prefix: str) -> None:
+    """Wait for ``keys``, unless a rank aborts the rendezvous first (``prefix + "abort"``)."""
+    waiting = asyncio.ensure_future(client.wait(keys, timeout))
+    abort = asyncio.ensure_future(client.get(f"{prefix}abort", timeout=timeout))
     try:
-        await client.wait(keys, timeout)
+        await asyncio.wait((waiting, abort), return_when=asyncio.FIRST_COMPLETED)
+        if abort.done() and not abort.cancelled() and abort.exception() is None:
+            raise RendezvousError(f"the rendezvous was aborted: {abort.result().decode()}")
+        await waiting
     except StoreTimeoutError as exc:
         missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing)
         raise RendezvousTimeoutError(
             f"ranks {missing} did not {what} within the rendezvous timeout", missing) from exc
+    finally:
+        for f in (waiting, abort):
+            if not f.done():
+                f.cancel()
+        await asyncio.gather(waiting, abort, return_exceptions=True)
 
 
 def _make(scheme: str, rank: int, world: int, key: bytes, options: dict[str, Any]) -> Transport:

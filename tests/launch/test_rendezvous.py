@@ -144,6 +144,24 @@ async def test_duplicate_rank_and_world_mismatch_are_refused() -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_a_world_mismatch_fails_the_waiting_ranks_at_once() -> None:
+    """Rank 1 waits for its peers; rank 2 arrives with another world size. Both fail within a
+    second, naming the sizes as numbers, not at rank 1's 20 s timeout."""
+    port = free_port()
+    async with StoreServer("127.0.0.1", port, SECRET) as server:
+        a = resolve(1, 3, ("127.0.0.1", server.port), environ={}, secret=SECRET)
+        b = resolve(2, 4, ("127.0.0.1", server.port), environ={}, secret=SECRET)
+        first = asyncio.create_task(rendezvous(a, timeout=20.0, generation=0))
+        await asyncio.sleep(0.3)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(RendezvousError, match="world size 4 but the job's first rank has 3$"):
+            await rendezvous(b, timeout=20.0, generation=0)
+        with pytest.raises(RendezvousError, match="aborted: rank 2 has world size 4"):
+            await first
+        assert asyncio.get_running_loop().time() - t0 < 2.0
+
+
+@pytest.mark.timeout(30)
 async def test_rank0_reports_a_store_address_it_cannot_bind() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
