@@ -5,7 +5,7 @@ returns its transport connected to every peer; ``StoreServer`` / ``StoreClient``
 authenticated key-value store they meet in; ``launch(LaunchConfig)`` runs one node's ranks.
 """
 
-from .connect import connect
+from .connect import DEFAULT_COLLECTIVE_TIMEOUT, connect
 from .env import ConfigError, JobSpec, listen_host, resolve
 from .rendezvous import RendezvousError, RendezvousTimeoutError, rendezvous
 from .runner import LaunchConfig, launch
@@ -20,6 +20,7 @@ from .store import (
 
 __all__ = [
     "BlockingStoreClient",
+    "DEFAULT_COLLECTIVE_TIMEOUT",
     "ConfigError",
     "JobSpec",
     "LaunchConfig",

@@ -8,14 +8,46 @@ reads the environment itself.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
 
 from ..comm import Communicator, ProgressEngine
 from . import errorfile
-from .env import resolve
+from .env import ConfigError, resolve
 from .rendezvous import rendezvous
 
-__all__ = ["connect"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "collective_timeout_from", "connect"]
+
+#: seconds a collective of a communicator made by :func:`connect` waits by default before it
+#: raises :class:`~asynccoll.CollectiveTimeoutError`. No healthy job waits this long for one
+#: collective (the slowest step of a large model is seconds); a stopped or hung rank is reported
+#: in minutes instead of never. ``torch.distributed`` defaults to 10 to 30 minutes; we take less,
+#: because a partial collective never needs to wait for a straggler that long.
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+
+
+def collective_timeout_from(environ: Mapping[str, str], given: float | None) -> float | None:
+    """The default collective timeout: ``given`` if not None, else ``ASYNCCOLL_TIMEOUT``
+    (seconds; ``inf``/``none`` for no timeout), else :data:`DEFAULT_COLLECTIVE_TIMEOUT`.
+    ``math.inf`` means no timeout (returned as None). Raises ConfigError naming the variable."""
+    if given is None:
+        raw = environ.get("ASYNCCOLL_TIMEOUT", "").strip()
+        if not raw:
+            return DEFAULT_COLLECTIVE_TIMEOUT
+        if raw.lower() in ("none", "inf", "infinity"):
+            return None
+        try:
+            given = float(raw)
+        except ValueError:
+            raise ConfigError("ASYNCCOLL_TIMEOUT",
+                              f"must be seconds > 0 or 'none', got {raw!r}") from None
+        if not given > 0:
+            raise ConfigError("ASYNCCOLL_TIMEOUT", f"must be seconds > 0 or 'none', got {raw!r}")
+    if isinstance(given, bool) or not isinstance(given, (int, float)) or not given > 0:
+        raise ValueError(f"collective_timeout must be seconds > 0, math.inf or None, got "
+                         f"{given!r}")
+    return None if math.isinf(given) else float(given)
 
 
 async def connect(rank: int | None = None, world_size: int | None = None,
@@ -30,7 +62,9 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     see :func:`asynccoll.launch.env.resolve`). ``transport``: ``tcp`` (default), ``ucx`` or
     ``inproc``. ``progress``: ``"thread"`` (a progress thread; uvloop there unless UCX) or
     ``"inline"`` (the caller's loop). ``timeout``: seconds for the rendezvous;
-    ``collective_timeout``: the default timeout of every collective. ``trace``: a directory
+    ``collective_timeout``: the default timeout of every collective in seconds (default:
+    ``ASYNCCOLL_TIMEOUT``, else :data:`DEFAULT_COLLECTIVE_TIMEOUT` = 300 s; ``math.inf`` or
+    ``ASYNCCOLL_TIMEOUT=none`` waits forever). ``trace``: a directory
     for this rank's execution trace (default: ``ASYNCCOLL_TRACE`` if set). Raises
     :class:`~asynccoll.ConfigError` naming a bad setting, ``RendezvousError`` /
     ``RendezvousTimeoutError`` when the ranks cannot assemble.
@@ -38,6 +72,7 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     if progress not in ("thread", "inline"):
         raise ValueError(f"progress must be 'thread' or 'inline', got {progress!r}")
     spec = resolve(rank, world_size, store, secret=secret, transport=transport)
+    ctimeout = collective_timeout_from(os.environ, collective_timeout)
     if os.environ.get(errorfile.ENV):  # set by ``asynccoll run``, which blames the first failure
         errorfile.install(os.environ[errorfile.ENV], spec.rank)
     engine = (ProgressEngine.thread(use_uvloop=spec.transport != "ucx")
@@ -49,5 +84,4 @@ async def connect(rank: int | None = None, world_size: int | None = None,
         raise
     if trace is None:
         trace = os.environ.get("ASYNCCOLL_TRACE") or None
-
-    return Communicator(t, progress=engine, timeout=collective_timeout, trace=trace)
+    return Communicator(t, progress=engine, timeout=ctimeout, trace=trace)
