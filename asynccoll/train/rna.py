@@ -15,8 +15,13 @@ Decentralized Training on Heterogeneous Clusters*, §3.2-3.3).
   arrives, so the buffer is updated in place as a running weighted mean, atomically with the
   collective's snapshots (the partial allreduce's ``combine`` hook). Each rank therefore counts
   once per round (``count`` = contributors).
-* **Bounded staleness** (§3.3): when the oldest waiting gradient is more than
-  ``staleness_bound`` steps old, the stale data is overwritten by the fresh gradient.
+* **Bounded staleness** (§3.3): a waiting gradient more than ``staleness_bound`` steps old is
+  dropped from the send buffer; those within the bound stay (re-weighted, since the oldest kept
+  one now weighs 1). Dropping one entry of a running mean needs that entry, so with a bound the
+  handle keeps a copy of each waiting gradient (at most ``staleness_bound + 1`` of them, one
+  gradient's copy per step) and recomputes the weighted mean from them, a few vector operations
+  per waiting gradient; without a bound (``None``) nothing is ever dropped and the running mean
+  needs no copies.
 
 Model synchronisation and the staleness-triggered synchronous step work as in
 :class:`~asynccoll.train.EagerSGD`.
@@ -54,7 +59,9 @@ class RNA(EagerSGD):
                          average="contributions", sync_every=sync_every,
                          max_staleness=max_staleness, seed=seed, name=name, timeout=timeout)
         self.staleness_bound = staleness_bound
-        self._pending: list[int] = []  # steps whose gradients the send buffer holds (weighted)
+        #: the steps whose gradients the send buffer holds (a weighted mean), with a copy of each
+        #: gradient when a staleness bound may drop one of them (else None)
+        self._pending: list[tuple[int, Any]] = []
 
     def _combine(self) -> Any:
         k = self.steps
@@ -64,17 +71,26 @@ class RNA(EagerSGD):
         def combine(acc: Any, x: Any, n: int, late: bool) -> int:
             # Runs on the runtime's loop between snapshots: ``n == 0`` means the buffer was
             # taken by a round since the last call.
-            if n == 0 or (pending and bound is not None and k - pending[0] > bound):
+            if n == 0:
                 pending.clear()
-            if not pending:
-                acc[...] = x
-            else:
-                t0 = pending[0]
-                sw = sum(t - t0 + 1 for t in pending)
-                wk = k - t0 + 1
-                acc *= sw / (sw + wk)
-                acc += (wk / (sw + wk)) * x
-            pending.append(k)
+            if bound is None:
+                if not pending:
+                    acc[...] = x
+                else:  # the running mean: older weights do not change when a step is added
+                    t0 = pending[0][0]
+                    sw = sum(t - t0 + 1 for t, _ in pending)
+                    wk = k - t0 + 1
+                    acc *= sw / (sw + wk)
+                    acc += (wk / (sw + wk)) * x
+                pending.append((k, None))
+                return 1
+            pending[:] = [(t, g) for t, g in pending if k - t <= bound]
+            pending.append((k, x.copy()))
+            t0 = pending[0][0]
+            sw = sum(t - t0 + 1 for t, _ in pending)
+            acc[...] = x * ((k - t0 + 1) / sw)
+            for t, g in pending[:-1]:
+                acc += ((t - t0 + 1) / sw) * g
             return 1
 
         return combine

@@ -11,6 +11,8 @@ from asynccoll.train import RNA, TopKSGD
 
 
 async def test_rna_weights_waiting_gradients_linearly_and_bounds_staleness() -> None:
+    """RNA §3.3: waiting gradients weigh linearly by age; past the bound only the too-old ones
+    are dropped, those within it stay."""
     async with local_world(1, progress="inline") as comms:
         opt = RNA(comms[0], np.zeros(3), 0.1, staleness_bound=2)
         acc = np.zeros(3)
@@ -22,9 +24,12 @@ async def test_rna_weights_waiting_gradients_linearly_and_bounds_staleness() -> 
         # weights t - (k - tau) + 1 = 1, 2, 3 for steps 0, 1, 2
         np.testing.assert_allclose(acc, (1 * 1 + 2 * 10 + 3 * 100) / 6)
         assert n == 1
-        opt.steps = 3  # step 0 is now 3 > staleness_bound old: the stale data is overwritten
+        opt.steps = 3  # step 0 is now 3 > staleness_bound old: dropped; steps 1 and 2 stay
         n = opt._combine()(acc, gs[3], n, False)
-        np.testing.assert_array_equal(acc, gs[3])
+        np.testing.assert_allclose(acc, (1 * 10 + 2 * 100 + 3 * 1000) / 6)
+        opt.steps = 6  # steps 1, 2, 3 are all more than 2 steps old: only the fresh one is left
+        n = opt._combine()(acc, gs[1], n, False)
+        np.testing.assert_array_equal(acc, gs[1])
         opt.steps = 4  # a snapshot took the buffer (n == 0): start afresh
         opt._combine()(acc, gs[0], 0, False)
         np.testing.assert_array_equal(acc, gs[0])
