@@ -6,7 +6,7 @@ The public API is re-exported here; everything else is an implementation detail.
 from . import testing as testing  # `asynccoll.testing` without a second import
 from .collectives.sparse import SparseVector
 from .collectives.sparse.feedback import ErrorFeedback
-from .comm import Communicator, PartialAllreduce
+from .comm import Communicator, PartialAllreduce, SparseAllreduceHandle
 from .errors import (
     AsyncCollError,
     AuthenticationError,
@@ -57,6 +57,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SlotSpec",
+    "SparseAllreduceHandle",
     "SparseVector",
     "StepInfo",
     "StoreError",

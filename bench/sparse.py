@@ -46,7 +46,7 @@ async def _worker_main(rank: int, P: int, N: int, reps: int, densities: list[flo
                        addr_q: Any, peers_q: Any, res_q: Any) -> None:
     from asynccoll.collectives.dense import allreduce, barrier, scratch_buffers
     from asynccoll.collectives.sparse import SparseVector
-    from asynccoll.collectives.sparse.schedules import SparseAllreduce
+    from asynccoll.comm.sparse import SparseAllreduce
     from asynccoll.sched import Executor
     from asynccoll.transport.tcp import TcpTransport
 

@@ -31,6 +31,7 @@ EXPECTED = {
     "register_kernel",
     # sparse allreduce (asynccoll.collectives.sparse, .feedback)
     "ErrorFeedback",
+    "SparseAllreduceHandle",
     "SparseVector",
     # training-loop API (asynccoll.train)
     "BackupSGD",

@@ -26,7 +26,7 @@ One rank's schedule, executed again and again by a persistent executor::
   coordinator, which also needs no extra hop from coordinator to activation. Cost: P - 1 empty
   messages per arriving rank per execution (O(P^2) per execution), fine for the tens of ranks
   partial collectives are meant for.
-* **Snapshot** (kernel ``partial_snapshot``, registered below): at activation, internal or
+* **Snapshot** (kernel ``partial_snapshot``, in :data:`PARTIAL_KERNELS`): at activation, internal or
   external, the send buffer ``acc`` (fresh data, accumulated stale data, or nothing) is copied
   into the work buffer ``data`` and reset to the identity of ``op``; the small int64 ``state``
   slot counts the local contributions in ``acc`` (``state[COUNT]``), says whether a call is
@@ -55,8 +55,7 @@ from typing import Any
 import numpy as np
 
 from ..buffers import dtype_to_wire
-from ..sched import Schedule, SlotSpec, register_kernel
-from ..sched.kernels import KERNELS
+from ..sched import BUILTIN_KERNELS, Schedule, SlotSpec
 from ._plan import check_op
 from .activation import TAGS_USED, build_activation
 from .dense import build_allreduce, next_tag
@@ -66,6 +65,7 @@ __all__ = [
     "FLUSHING",
     "FRESH",
     "KINDS",
+    "PARTIAL_KERNELS",
     "SNAPSHOTS",
     "STATE_LEN",
     "TAG_ACTIVATION",
@@ -284,7 +284,7 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
     s.final = s.nop(deps=done, label="final")
     s.meta["partial"] = {"kind": kind, "op": op, "quorum": k, "count": count, "dtype": wire,
                          "packed": packed}
-    return s.commit()
+    return s.commit(PARTIAL_KERNELS)
 
 
 def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
@@ -304,5 +304,6 @@ def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
         data[n:] = meta  # small integers: exact in the data's dtype (see packs_meta)
 
 
-if "partial_snapshot" not in KERNELS:
-    register_kernel("partial_snapshot", _snapshot)
+#: the kernels a partial allreduce schedule names: the built-ins and ``partial_snapshot``
+#: (frozen; pass it, or a registry that extends it, to the executor)
+PARTIAL_KERNELS = BUILTIN_KERNELS.extended({"partial_snapshot": _snapshot}).freeze()

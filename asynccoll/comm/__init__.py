@@ -2,12 +2,15 @@
 
 :mod:`.communicator` (the :class:`Communicator`), :mod:`.progress` (the engine and the bridge
 between loops), :mod:`.blocking` (``comm.blocking``), :mod:`.partial` (the persistent partial
-allreduce handle) and :mod:`.sparse` (the sparse allreduce runtime). ``connect()``, which reads
-the environment and runs the rendezvous, lives in :mod:`asynccoll.launch`.
+allreduce handle) with :mod:`.contribution` (what a rank contributes to it: dense or sparse
+data) and :mod:`.sparse` (the sparse allreduce runtime and its persistent handle).
+``connect()``, which reads the environment and runs the rendezvous, lives in
+:mod:`asynccoll.launch`.
 """
 
 from .communicator import Communicator
 from .partial import PartialAllreduce
 from .progress import ProgressEngine
+from .sparse import SparseAllreduceHandle
 
-__all__ = ["Communicator", "PartialAllreduce", "ProgressEngine"]
+__all__ = ["Communicator", "PartialAllreduce", "ProgressEngine", "SparseAllreduceHandle"]

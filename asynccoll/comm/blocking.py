@@ -2,31 +2,53 @@
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 from ..results import PartialResult
-
-if TYPE_CHECKING:
-    from .communicator import Communicator
+from .progress import ProgressEngine
 
 __all__ = ["BlockingCollectives"]
 
 T = TypeVar("T")
+R = PartialResult
+
+
+class _Collectives(Protocol):
+    """The coroutines ``comm.blocking`` wraps: a Communicator's (named by shape, so that the
+    communicator imports this module and not the other way round)."""
+
+    async def allreduce(self, x: Any, op: str, algorithm: str | None, timeout: float | None,
+                        *, out: Any) -> Any: ...
+    async def broadcast(self, x: Any, root: int, timeout: float | None) -> Any: ...
+    async def allgather(self, x: Any, timeout: float | None) -> Any: ...
+    async def reduce_scatter(self, x: Any, op: str, timeout: float | None) -> Any: ...
+    async def barrier(self, timeout: float | None) -> None: ...
+    async def sparse_allreduce(self, x: Any, density: float | None, algorithm: str | None,
+                               quantize: int | None, timeout: float | None, *,
+                               delta: float | None, bucket: int, seed: int) -> Any: ...
+    async def solo_allreduce(self, x: Any, timeout: float | None) -> R: ...
+    async def majority_allreduce(self, x: Any, timeout: float | None) -> R: ...
+    async def two_choice_allreduce(self, x: Any, timeout: float | None) -> R: ...
+    async def quorum_allreduce(self, x: Any, k: int, timeout: float | None) -> R: ...
 
 
 class BlockingCollectives:
     """``comm.blocking``: the collectives as plain functions, for code without an event loop.
 
     Each runs on the progress thread and blocks until done; ``RuntimeError`` with
-    ``progress="inline"`` (there is no other thread to run them).
+    ``progress="inline"`` (there is no other thread to run them). Made by the Communicator
+    with its ``engine`` and its blocking ``close``.
     """
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: _Collectives, engine: ProgressEngine,
+                 close: Callable[[], None]) -> None:
         self._comm = comm
+        self._engine = engine
+        self._close = close
 
     def _do(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._comm._engine.run_blocking(coro)
+        return self._engine.run_blocking(coro)
 
     def allreduce(self, x: Any, op: str = "sum", algorithm: str | None = None,
                   timeout: float | None = None, *, out: Any = None) -> Any:
@@ -65,12 +87,4 @@ class BlockingCollectives:
 
     def close(self) -> None:
         """:meth:`Communicator.close` for code without an event loop."""
-        c = self._comm
-        if c._closed:
-            return
-        c._closed = True
-        try:
-            if not c._engine.closed:
-                c._engine.run_blocking(c._close_on_loop())
-        finally:
-            c._engine.release()
+        self._close()

@@ -32,26 +32,28 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import numpy as np
 
 from ..buffers import check_array
-from ..collectives import dense
+from ..collectives import KERNELS, dense
 from ..collectives._plan import check_op
 from ..collectives.dense import block_bounds, scratch_buffers
 from ..collectives.partial import check_kind
 from ..collectives.sparse.streams import SparseVector
 from ..errors import TransportClosedError
 from ..results import PartialResult
-from ..sched import Executor, Schedule
+from ..sched import DumpSignal, Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
 from .blocking import BlockingCollectives
+from .contribution import Contribution, DenseContribution, SparseContribution
 from .partial import PartialAllreduce, stable_id
 from .progress import ProgressEngine
-from .sparse import SparseOps, as_host, to_device
-from .sparse_partial import SparsePartialAllreduce
+from .sparse import SparseAllreduceHandle, SparseOps, as_host, to_device
 
 __all__ = ["Communicator"]
 
@@ -80,13 +82,23 @@ class Communicator:
     loop). ``timeout``: the default of every collective's ``timeout`` (``None``: wait forever).
     ``close_transport``: whether :meth:`close` closes the transport. ``trace``: a directory to
     write this rank's execution trace to (``rank-R.jsonl``, read by ``asynccoll inspect``);
-    it costs about a JSON line per execution. Constructing a Communicator costs no I/O (but
-    opening the trace file).
+    it costs about a JSON line per execution. ``kernels``: the kernel registry every executor
+    of this communicator runs with, :attr:`kernels` (default: a copy of
+    :data:`asynccoll.collectives.KERNELS`, into which you may register your own).
+
+    Every executor it builds is added to :attr:`live`, its live-op registry. Created on the
+    main thread of its process, it installs a ``SIGUSR1`` handler that dumps what they wait
+    on (to stderr, and as ``pending`` snapshots into the trace file when tracing) without
+    stopping the process: ``asynccoll inspect pending DIR --pid PID`` sends it. The handler
+    found at creation is called after it, and :meth:`close` puts it back. Created on another
+    thread (where Python cannot install signal handlers), it installs none and ``SIGUSR1``
+    keeps its previous meaning (by default: terminate); ``comm.live.dump()`` still works.
+    Constructing a Communicator costs no I/O (but opening the trace file).
     """
 
     def __init__(self, transport: Transport, *, progress: ProgressEngine | None = None,
                  timeout: float | None = None, close_transport: bool = True,
-                 trace: str | None = None) -> None:
+                 trace: str | None = None, kernels: KernelRegistry | None = None) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a Transport, got {type(transport).__name__}")
         if timeout is not None and not timeout > 0:
@@ -97,18 +109,24 @@ class Communicator:
         self._close_transport = close_transport
         self._dense: dict[tuple[Any, ...], _Dense] = {}
         self._next_id = itertools.count(1)
-        self._sparse = SparseOps(transport, lambda: next(self._next_id))
+        #: the kernels of every executor this communicator builds
+        self.kernels: KernelRegistry = KERNELS.extended() if kernels is None else kernels
+        #: the executors this communicator built, for dumps of what they wait on
+        self.live = LiveOps()
+        self._sparse = SparseOps(transport, lambda: next(self._next_id), kernels=self.kernels,
+                                 live=self.live)
         self._handles: dict[str, PartialAllreduce] = {}
         self._shortcuts: dict[tuple[Any, ...], PartialAllreduce] = {}
-        self._auto_count = 0
+        self._auto_names: dict[str, int] = {}
         self._closed = False
-        self.blocking = BlockingCollectives(self)
-        self._writer: Any = None
+        self.blocking = BlockingCollectives(self, self._engine, self._close_blocking)
+        self._writer: TraceWriter | None = None
         if trace is not None:
-            # Tracing is optional and lives above comm; imported only when asked for.
-            from ..inspect.tracefile import TraceWriter
-
             self._writer = TraceWriter(trace, transport.rank, transport.world_size)
+        self._dump_signal: DumpSignal | None = None
+        if threading.current_thread() is threading.main_thread() \
+                and hasattr(signal, "SIGUSR1"):
+            self._dump_signal = self.live.install_signal_handler(loop=self._engine.loop)
 
     # -- identity and lifecycle --------------------------------------------------------------
     @property
@@ -147,6 +165,8 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        if self._dump_signal is not None:
+            self._dump_signal.restore()
         try:
             if not self._engine.closed:
                 await self._engine.run(self._close_on_loop())
@@ -154,9 +174,22 @@ class Communicator:
             if not self._engine.on_loop():
                 self._engine.release()
 
+    def _close_blocking(self) -> None:
+        """:meth:`close` for code without an event loop (``comm.blocking.close()``)."""
+        if self._closed:
+            return
+        if self._dump_signal is not None:
+            self._dump_signal.restore()  # on this thread, which may be the main one
+        try:
+            if not self._engine.closed:
+                self._engine.run_blocking(self.close())  # on the loop: close does not release
+        finally:
+            self._closed = True
+            self._engine.release()
+
     async def _close_on_loop(self) -> None:
         for h in self._handles.values():
-            h._close()
+            await h.close()
         for d in self._dense.values():
             d.ex.close()
         self._dense.clear()
@@ -272,11 +305,8 @@ class Communicator:
                 bufs["data"] = data if own is None else own
             sink = None if self._writer is None else self._writer.add_schedule(
                 sched, sid, collective=key[0])
-            ex = Executor(sched, self.transport, bufs, sched_id=sid, trace_sink=sink)
-            if self._writer is not None:
-                from ..inspect.pending import register_executor
-
-                register_executor(ex, self._writer)
+            ex = self.live.add(Executor(sched, self.transport, bufs, sched_id=sid,
+                                        trace_sink=sink, kernels=self.kernels), self._writer)
             entry = _Dense(ex, scratch, own)
             self._dense[key] = entry
         t = self.timeout if timeout is None else timeout
@@ -298,6 +328,7 @@ class Communicator:
                 if self._writer is not None:
                     self._writer.write_pending(ex, reason=repr(exc))
                 ex.close()
+                self.live.discard(ex)
                 if self._dense.get(key) is entry:
                     del self._dense[key]
                 raise
@@ -341,8 +372,51 @@ class Communicator:
             res = res.reshape(x.shape)
         return to_device(res) if device else res
 
+    def sparse_allreduce_handle(self, size: int, dtype: Any = np.float32, *,
+                                name: str | None = None, density: float | None = None,
+                                algorithm: str | None = None, quantize: int | None = None,
+                                delta: float | None = None, bucket: int = 512, seed: int = 0,
+                                timeout: float | None = None) -> SparseAllreduceHandle:
+        """A persistent sparse allreduce ``h`` of length-``size`` vectors of ``dtype``:
+        ``await h(x)`` sums ``x`` as :meth:`sparse_allreduce` does, with the schedule built
+        once for the handle's life (for a training loop's every step).
+
+        ``name`` identifies the handle across ranks (its schedule id derives from it, so the
+        handle stays out of the order of the other collectives; default: the order of
+        creation of sparse handles). ``density``, ``algorithm``, ``quantize``, ``delta``,
+        ``bucket``, ``seed``: as for :meth:`sparse_allreduce`, fixed per handle; ``timeout``:
+        the default per call (default: the communicator's). ``await h.close()`` frees it;
+        ``comm.close()`` closes it. Raises ``ValueError`` naming ``name`` (in use),
+        ``density``, ``algorithm``, ``quantize``, ``delta`` or ``size``. Costs the schedule's
+        construction, no I/O.
+        """
+        self._check_open()
+        dt = np.dtype(dtype)
+        alg = self._sparse.resolve(int(size), dt, density, algorithm, quantize, delta)
+        name = self._handle_name(name, "sparse")
+        sid = stable_id(name, 3)
+        op = self._engine.call(lambda: self._sparse.named(
+            name, sid, int(size), dt, algorithm=alg, quantize=quantize, delta=delta,
+            bucket=bucket, seed=seed))
+        t = self.timeout if timeout is None else timeout
+        return SparseAllreduceHandle(op, name, run=self._run, release=self._sparse.release,
+                                     timeout=t)
+
+    def _handle_name(self, name: str | None, kind: str) -> str:
+        """``name`` checked, or the next of ``kind#0``, ``kind#1``, ... by order of creation."""
+        if name is None:
+            # By order of creation only: ranks that disagree on the arguments then share a
+            # schedule id and get an ExecutionError instead of waiting on each other forever.
+            n = self._auto_names.get(kind, 0)
+            self._auto_names[kind] = n + 1
+            return f"{kind}#{n}"
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str or None, got {name!r}")
+        return name
+
     # -- partial collectives -----------------------------------------------------------------
-    def partial_allreduce(self, kind: str, like: Any, op: str = "sum", accumulate: bool = False,
+    def partial_allreduce(self, kind: str, like: Any, op: str = "sum",
+                          accumulate: bool | str = False,
                           quorum: int | None = None, seed: int | None = None,
                           name: str | None = None, algorithm: str | None = None,
                           timeout: float | None = None, *, density: float | None = None,
@@ -353,10 +427,14 @@ class Communicator:
         per execution), ``two_choice`` (two drawn ranks, the first to arrive), ``quorum``
         (starts once ``quorum`` ranks have arrived; ``quorum = P - b`` is synchronous SGD with
         b backup workers). ``like``: an array of the shape and dtype of every call's data.
-        ``accumulate``: a call returns the sum of every result completed since the previous
-        call instead of the latest. ``seed``: the initiator draws' seed (default: from the
-        name). ``name``: identifies the handle across ranks (default: the order of creation).
-        ``timeout``: default per call.
+        ``accumulate``: ``True`` (or ``"sum"``): a call returns the sum of every result
+        completed since the previous call instead of the latest; ``"mean"``: the sum of each
+        of those results divided by its own ``count`` (the per-execution average, what
+        averaging by contributions needs: dividing summed results by summed counts would weigh
+        executions by their size; dense floating-point data and ``op="sum"`` only).
+        ``seed``: the initiator draws' seed (default: from the name). ``name``: identifies
+        the handle across ranks (default: the order of creation). ``timeout``: default per
+        call.
 
         **Sparse contributions**: with ``like`` a :class:`~asynccoll.SparseVector`, calls take
         SparseVectors (or dense arrays) of its size and dtype, stale data accumulates sparse
@@ -379,33 +457,30 @@ class Communicator:
                                  "be a SparseVector)")
         check_kind(kind, self.size, quorum)
         check_op(op)
+        if accumulate not in (False, True, "sum", "mean"):
+            raise ValueError(f"accumulate must be False, True, 'sum' or 'mean', got "
+                             f"{accumulate!r}")
+        if accumulate == "mean" and (sparse or op != "sum"
+                                     or not np.issubdtype(np.dtype(like.dtype), np.floating)):
+            raise ValueError("accumulate='mean' needs dense floating-point data and op='sum' "
+                             f"(got like={type(like).__name__}, op={op!r})")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
                                  or seed < 0):
             raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
-        if name is None:
-            # By order of creation only: ranks that disagree on the arguments then share a
-            # schedule id and get an ExecutionError instead of waiting on each other forever.
-            name = f"partial#{self._auto_count}"
-            self._auto_count += 1
-        elif not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str or None, got {name!r}")
+        name = self._handle_name(name, "partial")
         if name in self._handles:
             raise ValueError(f"name {name!r} is already used by a partial allreduce of this "
                              "communicator")
         s = stable_id(name, 2) if seed is None else int(seed)
         t = self.timeout if timeout is None else timeout
-        h: PartialAllreduce
-        if sparse:
-            h = self._engine.call(lambda: SparsePartialAllreduce(
-                self._engine, self.transport, kind=kind, like=like, op=op,
-                accumulate=bool(accumulate), quorum=quorum, seed=s, name=name,
-                algorithm=algorithm, timeout=t, trace=self._writer, density=density,
-                delta=delta))
-        else:
-            h = self._engine.call(lambda: PartialAllreduce(
-                self._engine, self.transport, kind=kind, like=like, op=op,
-                accumulate=bool(accumulate), quorum=quorum, seed=s, name=name,
-                algorithm=algorithm, timeout=t, trace=self._writer))
+        contribution: Contribution = (
+            SparseContribution(op, algorithm, density=density, delta=delta) if sparse
+            else DenseContribution(op, algorithm))
+        h = self._engine.call(lambda: PartialAllreduce(
+            self._engine, self.transport, contribution, kind=kind, like=like,
+            accumulate="sum" if accumulate is True else accumulate, quorum=quorum, seed=s,
+            name=name, timeout=t,
+            trace=self._writer, kernels=self.kernels, live=self.live))
         self._handles[name] = h
         return h
 

@@ -1,9 +1,10 @@
 """The persistent partial-allreduce handle: call semantics, results and flush.
 
-A :class:`PartialAllreduce` owns one persistent executor of
-:func:`~asynccoll.collectives.partial.build_partial_allreduce` and the send buffer it snapshots.
-Its state lives on the runtime's loop (the progress thread by default); the public coroutines
-bridge to it. The rules (issue 4, DESIGN §5), for a call ``h(x)`` on rank r:
+A :class:`PartialAllreduce` owns one persistent executor of a partial allreduce schedule and
+a contribution strategy (:mod:`.contribution`: dense arrays or sparse vectors) that builds the
+schedule, holds the send buffer the schedule snapshots and keeps the results. Its state lives
+on the runtime's loop (the progress thread by default); the public coroutines bridge to it.
+The rules (issue 4, DESIGN §5), for a call ``h(x)`` on rank r:
 
 1. If an execution completed since r was last given a result, the call returns at once with
    the latest result (``included=False``; with ``accumulate=True`` the sum of every result not
@@ -27,38 +28,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ..buffers import check_array, empty_like, is_cupy, reduce_into
-from ..collectives.dense import scratch_buffers
-from ..collectives.partial import (
-    COUNT,
-    FLUSHING,
-    FRESH,
-    SNAPSHOTS,
-    STATE_LEN,
-    TAG_FORCE,
-    build_partial_allreduce,
-    identity,
-    initiators,
-    meta_len,
-    packs_meta,
-    signature,
-)
+from ..collectives import KERNELS as COLLECTIVE_KERNELS
+from ..collectives.partial import COUNT, FLUSHING, FRESH, SNAPSHOTS, TAG_FORCE, initiators
 from ..errors import BusyError, CollectiveTimeoutError, ExecutionError, TransportClosedError
 from ..results import PartialResult
-from ..sched import Executor, Schedule
+from ..sched import Executor, KernelRegistry, LiveOps, TraceWriter
 from ..transport.base import Transport
-from ..transport.frames import PROTOCOL_VERSION, Format, Header, Kind
+from .contribution import Combine, Contribution
 from .progress import ProgressEngine
 
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]
-
-#: ``combine(acc, x, n, late) -> n'``: see :meth:`PartialAllreduce.__call__`.
-Combine = Callable[[Any, Any, int, bool], int]
 
 
 def stable_id(text: str, space: int) -> int:
@@ -71,29 +54,40 @@ class PartialAllreduce:
     """A persistent partial allreduce (solo, majority, two-choice or quorum); see module doc.
 
     Made by :meth:`Communicator.partial_allreduce <asynccoll.Communicator.partial_allreduce>`,
-    on the runtime's loop. ``await h(x)`` returns a :class:`~asynccoll.PartialResult`;
-    ``await h.flush()`` is the collective that drains every contribution. One call at a time
-    per handle (:class:`~asynccoll.BusyError` otherwise).
+    on the runtime's loop, with the ``contribution`` strategy that fits ``like`` (dense or
+    sparse, :mod:`asynccoll.comm.contribution`). ``await h(x)`` returns a
+    :class:`~asynccoll.PartialResult`; ``await h.flush()`` is the collective that drains every
+    contribution. One call at a time per handle (:class:`~asynccoll.BusyError` otherwise).
+    ``trace``, ``kernels`` and ``live``: the communicator's trace writer (or ``None``), kernel
+    registry (default: the collectives') and live-op registry, which its executor uses.
     """
 
-    def __init__(self, engine: ProgressEngine, transport: Transport, *, kind: str, like: Any,
-                 op: str, accumulate: bool, quorum: int | None, seed: int, name: str,
-                 algorithm: str | None = None, timeout: float | None = None,
-                 trace: Any = None) -> None:
+    def __init__(self, engine: ProgressEngine, transport: Transport, contribution: Contribution,
+                 *, kind: str, like: Any, accumulate: bool | str, quorum: int | None,
+                 seed: int,
+                 name: str, timeout: float | None = None, trace: TraceWriter | None = None,
+                 kernels: KernelRegistry | None = None, live: LiveOps | None = None) -> None:
         self._engine = engine
-        self._writer = trace  # an asynccoll.inspect TraceWriter, or None
-        self._transport = transport
+        self._writer = trace
+        self._contribution = contribution
         self.kind = kind
         self.name = name
-        self.op = op
-        self.accumulate = accumulate
+        self.op = contribution.op
+        #: ``"sum"``: hand out the sum of the results not yet given; ``"mean"``: the sum of each
+        #: one divided by its count; ``False``: the latest
+        self.accumulate: bool | str = "sum" if accumulate is True else accumulate
         self.quorum = quorum
         self.seed = seed
         self.timeout = timeout
         self.rank = transport.rank
         self.world_size = transport.world_size
         P = self.world_size
-        sched, bufs = self._setup(like, algorithm)
+        sched, bufs = contribution.build(like, self.rank, P, kind, quorum)
+        self.shape = contribution.shape
+        self.dtype = contribution.dtype
+        self.algorithm = contribution.algorithm
+        self._meta = bufs["meta"]
+        self._state = bufs["state"]
         self.schedule = sched
         self.sched_id = stable_id(name, 0)
         self._given = -1
@@ -110,37 +104,10 @@ class PartialAllreduce:
             sched, self.sched_id, collective=f"{kind}_allreduce", kind=kind, handle=name,
             quorum=quorum, seed=seed)
         self._ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=True,
-                            on_complete=self._on_complete, trace_sink=sink)
-        if trace is not None:
-            from ..inspect.pending import register_executor  # tracing only: inspect is above
-
-            register_executor(self._ex, trace)
-
-    def _setup(self, like: Any, algorithm: str | None) -> tuple[Schedule, dict[str, Any]]:
-        """Build the schedule and its buffers for ``like`` (a subclass's hook: the sparse
-        handle builds its own); set ``shape``, ``dtype`` and the buffers the runtime uses."""
-        self.shape: tuple[int, ...] = tuple(like.shape)
-        self.dtype = np.dtype(like.dtype)
-        count = int(like.size)
-        P, op = self.world_size, self.op
-        sched = build_partial_allreduce(self.rank, P, count, self.dtype, kind=self.kind, op=op,
-                                        quorum=self.quorum, algorithm=algorithm)
-        flat_like = like.reshape(-1)
-        self._acc = empty_like(flat_like)
-        self._acc.fill(identity(op, self.dtype))
-        self._packed = packs_meta(self.dtype, op, P)
-        m = meta_len(P)
-        self._work = empty_like(flat_like, count + (m if self._packed else 0))
-        self._data = self._work[:count]  # the result part of the work buffer
-        self._meta = np.zeros(m, np.int64)
-        self._sig = signature(self.kind, op, self.quorum, count, self.dtype, algorithm)
-        self._state = np.zeros(STATE_LEN, np.int64)
-        bufs = {"acc": self._acc, "data": self._work, "meta": self._meta, "state": self._state}
-        bufs.update(scratch_buffers(sched))
-        if is_cupy(flat_like):  # the data's scratch on the device, meta's on the host
-            bufs.update({k: v for k, v in scratch_buffers(sched, flat_like).items()
-                         if not k.startswith("meta_")})
-        return sched, bufs
+                            on_complete=self._on_complete, trace_sink=sink,
+                            kernels=COLLECTIVE_KERNELS if kernels is None else kernels)
+        if live is not None:
+            live.add(self._ex, trace)
 
     # -- public, from any loop ---------------------------------------------------------------
     async def __call__(self, x: Any, timeout: float | None = None, *,
@@ -188,14 +155,22 @@ class PartialAllreduce:
         """:meth:`flush` for code without an event loop (needs a progress thread)."""
         return self._engine.run_blocking(self._flush(timeout))
 
+    async def close(self) -> None:
+        """Stop this handle on this rank (local, not collective): a call or flush under way
+        fails with :class:`~asynccoll.TransportClosedError`, and so does every later one;
+        contributions not yet sent are dropped. Idempotent; ``comm.close()`` closes every
+        handle of the communicator."""
+        await self._engine.run(self._close())
+
     @property
     def completed(self) -> int:
         """The last execution completed on this rank (-1 before the first)."""
         return self._ex.completed
 
     def __repr__(self) -> str:
-        return (f"PartialAllreduce({self.kind!r}, name={self.name!r}, shape={self.shape}, "
-                f"dtype={self.dtype}, op={self.op!r}, rank={self.rank}/{self.world_size})")
+        c = self._contribution
+        return (f"{c.label}({self.kind!r}, name={self.name!r}, {c.describe()}, "
+                f"rank={self.rank}/{self.world_size})")
 
     # -- on the loop -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -208,23 +183,15 @@ class PartialAllreduce:
 
     def _check(self, x: Any) -> Any:
         self._check_open()
-        check_array(x, "x")
-        if tuple(x.shape) != self.shape or x.dtype != self.dtype:
-            raise ValueError(f"x must have shape {self.shape} and dtype {self.dtype} like the "
-                             f"handle, got shape {tuple(x.shape)} and dtype {x.dtype}")
+        flat = self._contribution.check(x)
         if self._busy:
             raise BusyError(f"partial allreduce {self.name!r} already has a call or flush "
                             "under way; one at a time per handle")
-        return x.reshape(-1)
+        return flat
 
-    def _add(self, flat: Any, combine: Combine | None = None, late: bool = False) -> None:
-        if is_cupy(self._acc) and not is_cupy(flat):
-            raise TypeError("x must be a CuPy array like the handle's")
-        if combine is None:
-            reduce_into(self.op, self._acc, flat)
-            self._state[COUNT] += 1
-        else:
-            self._state[COUNT] = int(combine(self._acc, flat, int(self._state[COUNT]), late))
+    def _add(self, flat: Any, combine: Combine | None, late: bool) -> None:
+        st = self._state
+        st[COUNT] = self._contribution.add(flat, int(st[COUNT]), combine, late)
 
     async def _call(self, x: Any, timeout: float | None,
                     combine: Combine | None = None) -> PartialResult:
@@ -282,11 +249,9 @@ class PartialAllreduce:
     def _on_complete(self, e: int) -> None:
         # Runs inside the executor right after execution e completes and before it re-arms:
         # copy the result out, since the next snapshot overwrites ``data``.
-        if self._packed:
-            tail = self._work[self._data.size:]
-            tail = tail.get() if is_cupy(tail) else tail
-            np.copyto(self._meta, np.rint(tail.real), casting="unsafe")
-        if self._meta[2 * self.world_size] != self.world_size * self._sig:
+        c = self._contribution
+        c.unpack_meta()
+        if self._meta[2 * self.world_size] != self.world_size * c.signature:
             raise ExecutionError(
                 f"rank {self.rank}: the ranks disagree on partial allreduce {self.name!r} "
                 f"(kind, op, quorum, shape, dtype or algorithm differ; this rank has "
@@ -302,19 +267,17 @@ class PartialAllreduce:
 
     def _keep(self) -> None:
         """Keep the result just completed (and its meta) for the next call to hand out."""
-        if self._value is None:
-            self._value = self._data.copy()
-            self._vmeta[...] = self._meta
-        elif self.accumulate:
-            reduce_into(self.op, self._value, self._data)
+        summed = self._value is not None and bool(self.accumulate)
+        scale = 1.0
+        if self.accumulate == "mean":
+            n = int(self._meta[:self.world_size].sum())
+            scale = 1.0 / n if n else 1.0
+        # the kept value was never handed out, so nobody sees it change
+        self._value = self._contribution.keep(self._value, bool(self.accumulate), scale)
+        if summed:
             self._vmeta += self._meta
         else:
-            self._value[...] = self._data  # never handed out, so nobody sees it change
             self._vmeta[...] = self._meta
-
-    def _present(self, value: Any) -> Any:
-        """The kept value as a result's ``value`` (shaped like ``like``)."""
-        return value.reshape(self.shape)
 
     def _trace_extra(self, e: int) -> None:
         P = self.world_size
@@ -331,16 +294,13 @@ class PartialAllreduce:
         value, self._value = self._value, None
         assert value is not None
         self._given = self._round
-        return PartialResult.from_meta(self._present(value), self._round, included,
+        return PartialResult.from_meta(self._contribution.present(value), self._round, included,
                                        self._vmeta, self.world_size, missed)
 
     def _force(self, e: int) -> None:
-        """Activate execution ``e`` here from outside the initiator set: a message to self."""
-        h = Header(PROTOCOL_VERSION, int(Kind.ACTIVATION), self.sched_id, e, TAG_FORCE,
-                   self.rank, "", (), int(Format.RAW), 0)
-        fut = self._transport.post_send(self.rank, h, b"")
-        # A failed self-send leaves the execution unforced; the caller then times out naming it.
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        """Activate execution ``e`` here from outside the initiator set (a message to self;
+        if it fails, the caller times out naming the execution)."""
+        self._ex.activate(e, TAG_FORCE)
 
     async def _flush(self, timeout: float | None) -> PartialResult:
         self._check_open()
@@ -378,9 +338,7 @@ class PartialAllreduce:
             self._state[FLUSHING] = 0
             self._busy = False
 
-    def _close(self) -> None:
-        """Stop (on the loop): a waiting call fails with TransportClosedError."""
-        if self._closed:
-            return
-        self._closed = True
-        self._ex.close()
+    async def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._ex.close()  # a waiting call fails with TransportClosedError

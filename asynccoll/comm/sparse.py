@@ -1,35 +1,46 @@
-"""``Communicator.sparse_allreduce``: cached sparse allreduce schedules on the progress engine.
+"""The sparse allreduce runtime (SparCML; the schedules are :mod:`asynccoll.collectives.sparse`'s).
 
-Each distinct ``(size, dtype, algorithm, quantize, delta, bucket, seed)`` gets one
-:class:`~asynccoll.collectives.sparse.schedules.SparseAllreduce` (its schedule built and committed
-once) and a schedule id from the communicator's counter at its first call, like the dense
-collectives: ranks that call their collectives in the same order agree on the ids. Calls of
-one entry run one at a time (a lock); a failed, timed-out or cancelled call drops its entry
-(receives retired) and the next call of that key starts a fresh one under a new id, as the dense
-collectives do.
+* :class:`SparseAllreduce` owns one sparse allreduce schedule and its executor over a
+  transport, reusable (one execution per :meth:`~SparseAllreduce.run`); :func:`sparse_allreduce`
+  runs one, for code that holds a transport rather than a Communicator.
+* :class:`SparseOps` holds the entries of ``Communicator.sparse_allreduce``: each distinct
+  ``(size, dtype, algorithm, quantize, delta, bucket, seed)`` gets one SparseAllreduce (its
+  schedule built and committed once) and a schedule id from the communicator's counter at its
+  first call, like the dense collectives: ranks that call their collectives in the same order
+  agree on the ids. Calls of one entry run one at a time (a lock); a failed, timed-out or
+  cancelled call drops its entry (receives retired) and the next call of that key starts a
+  fresh one under a new id, as the dense collectives do.
+* :class:`SparseAllreduceHandle` (``Communicator.sparse_allreduce_handle``) is a named,
+  persistent one, its schedule id derived from its name.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+import math
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from ..buffers import is_cupy
 from ..collectives.sparse import quantize as qsgd
-from ..collectives.sparse.schedules import SparseAllreduce, choose_algorithm
+from ..collectives.sparse.kernels import SPARSE_KERNELS
+from ..collectives.sparse.schedules import (
+    build_sparse_allreduce,
+    choose_algorithm,
+    load_stream,
+    read_result,
+)
 from ..collectives.sparse.streams import SparseVector
+from ..errors import BusyError, TransportClosedError
+from ..sched import Executor, Kernel, LiveOps
 from ..transport.base import Transport
 
-__all__ = ["SparseOps", "as_host"]
+__all__ = ["SparseAllreduce", "SparseAllreduceHandle", "SparseOps", "as_host", "sparse_allreduce",
+           "to_device"]
 
-
-class _Entry:
-    def __init__(self, op: SparseAllreduce) -> None:
-        self.op = op
-        self.lock = asyncio.Lock()
+T = TypeVar("T")
 
 
 def as_host(x: Any) -> tuple[SparseVector | np.ndarray, bool]:
@@ -58,13 +69,156 @@ def to_device(res: SparseVector | np.ndarray) -> Any:
     return cupy.asarray(res)
 
 
-class SparseOps:
-    """The sparse allreduce entries of one communicator (module doc); lives on its loop."""
+# -- one sparse allreduce over a transport -------------------------------------------------------
 
-    def __init__(self, transport: Transport, next_id: Callable[[], int]) -> None:
+class SparseAllreduce:
+    """A sparse allreduce of length-``size`` vectors for the rank of ``transport``, reusable.
+
+    Every rank must construct it with the same ``size``, ``dtype``, algorithm, ``delta``,
+    ``quantize`` and ``sched_id``. :meth:`run` may be called repeatedly (one execution each, in
+    the same order on every rank); each run binds fresh buffers, so earlier results stay valid
+    and are never copied. After a failed or timed-out run, :meth:`close` it. The algorithm is
+    ``algorithm``, or chosen from ``density`` (:func:`choose_algorithm
+    <asynccoll.collectives.sparse.schedules.choose_algorithm>`; ``dsar_split_allgather`` with
+    ``quantize``). ``kernels``: the executor's registry (default
+    :data:`~asynccoll.collectives.sparse.kernels.SPARSE_KERNELS`); ``live``: a registry the
+    executor is added to (a Communicator's, for dumps of what it waits on). Raises
+    ``ValueError`` naming a bad argument.
+    """
+
+    def __init__(self, transport: Transport, size: int, dtype: Any = np.float32, *,
+                 sched_id: int, density: float | None = None, algorithm: str | None = None,
+                 delta: float | None = None, quantize: int | None = None, bucket: int = 512,
+                 seed: int = 0, kernels: Mapping[str, Kernel] | None = None,
+                 live: LiveOps | None = None) -> None:
+        dt = np.dtype(dtype)
+        if algorithm is None:
+            algorithm = "dsar_split_allgather" if quantize is not None else \
+                choose_algorithm(density, transport.world_size, size, dt, delta)
+        self.transport = transport
+        self.size = size
+        self.dtype = dt
+        self.seed = seed
+        self.schedule = build_sparse_allreduce(transport.rank, transport.world_size, size, dt,
+                                               algorithm=algorithm, delta=delta,
+                                               quantize=quantize, bucket=bucket)
+        self.algorithm = algorithm
+        md = self.schedule.meta["delta"]
+        self.delta = math.inf if md is None else float(md)
+        self.sched_id = sched_id
+        self.executor: Executor | None = None
+        self.runs = 0
+        self._kernels = SPARSE_KERNELS if kernels is None else kernels
+        self._live = live
+
+    def _buffers(self, x: SparseVector | np.ndarray) -> dict[str, np.ndarray]:
+        bufs: dict[str, np.ndarray] = {}
+        for slot, spec in self.schedule.slots.items():
+            assert spec.count is not None
+            bufs[slot] = np.empty(spec.count, np.dtype(spec.dtype or "u1"))
+        load_stream(bufs[self.schedule.meta["input"]], x, self.size, self.dtype, self.delta)
+        if "seed" in bufs:
+            bufs["seed"][0] = np.uint64((self.seed * 1_000_003 + self.runs) % (1 << 63))
+        return bufs
+
+    def check(self, x: Any) -> SparseVector | np.ndarray:
+        """``x`` as :meth:`run` takes it (flat), or ``TypeError``/``ValueError`` naming it."""
+        if isinstance(x, SparseVector):
+            if x.size != self.size:
+                raise ValueError(f"x has size {x.size}, the allreduce expects {self.size}")
+            if x.values.dtype != self.dtype:
+                raise ValueError(f"x has dtype {x.values.dtype}, the allreduce expects "
+                                 f"{self.dtype}")
+            return x
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"x must be a SparseVector or a NumPy array, got "
+                            f"{type(x).__name__}")
+        if not x.flags.c_contiguous:
+            raise ValueError("x must be C-contiguous")
+        if x.size != self.size or x.dtype != self.dtype:
+            raise ValueError(f"x has {x.size} entries of {x.dtype}, the allreduce expects "
+                             f"{self.size} of {self.dtype}")
+        return x.reshape(-1)
+
+    async def run(self, x: SparseVector | np.ndarray, *, timeout: float | None = None
+                  ) -> SparseVector | np.ndarray:
+        """Sum ``x`` over all ranks: a SparseVector (sorted unique indices, no exact zeros)
+        while the sum fits the sparse form, else a dense array, by the rule of the algorithm
+        (docs/sparse.md, *What comes back*); bitwise identical on every rank.
+
+        Raises ``TypeError``/``ValueError`` naming ``x``, :class:`CollectiveTimeoutError`
+        listing what is awaited, or the execution's error (``ExecutionError``,
+        ``PeerLostError``).
+        """
+        x = self.check(x)
+        bufs = self._buffers(x)
+        if self.executor is None:
+            self.executor = Executor(self.schedule, self.transport, bufs,
+                                     sched_id=self.sched_id, kernels=self._kernels)
+            if self._live is not None:
+                self._live.add(self.executor)
+        else:
+            self.executor.bind(bufs)
+        self.executor.start()
+        await self.executor.wait(timeout)
+        self.runs += 1
+        return read_result(bufs[self.schedule.meta["result"]], self.size, self.dtype)
+
+    def close(self) -> None:
+        """Stop the executor and retire its receives."""
+        if self.executor is not None:
+            self.executor.close()
+
+
+async def sparse_allreduce(transport: Transport, x: SparseVector | np.ndarray, *,
+                           sched_id: int, density: float | None = None,
+                           algorithm: str | None = None, quantize: int | None = None,
+                           delta: float | None = None, bucket: int = 512, seed: int = 0,
+                           timeout: float | None = None) -> SparseVector | np.ndarray:
+    """Sum sparse (or sparsified dense) ``x`` over every rank of ``transport``.
+
+    ``x``: a :class:`SparseVector` or a 1-D NumPy array (its nonzeros are the contribution; a
+    CuPy array is staged through host memory and the result returned as CuPy).
+    ``density``: the expected fraction of nonzeros per rank, the same on every rank, to choose
+    the algorithm; ``algorithm`` overrides it. ``quantize``: 2, 4 or 8 to QSGD-quantise the
+    dense stage (implies ``dsar_split_allgather``). ``delta``: the switch point (default
+    ``N*isize/(c+isize)``; ``0`` always dense, ``math.inf`` never). ``sched_id`` must be the
+    same on every rank and unused by concurrent collectives.
+
+    Returns what :meth:`SparseAllreduce.run` returns, and raises as it does.
+    """
+    host, device = as_host(x)
+    dt = host.values.dtype if isinstance(host, SparseVector) else host.dtype
+    op = SparseAllreduce(transport, host.size, dt, sched_id=sched_id, density=density,
+                         algorithm=algorithm, delta=delta, quantize=quantize, bucket=bucket,
+                         seed=seed)
+    try:
+        res = await op.run(host, timeout=timeout)
+    finally:
+        op.close()
+    return to_device(res) if device else res
+
+
+# -- a communicator's sparse allreduces ----------------------------------------------------------
+
+class _Entry:
+    def __init__(self, op: SparseAllreduce) -> None:
+        self.op = op
+        self.lock = asyncio.Lock()
+
+
+class SparseOps:
+    """The sparse allreduces of one communicator (module doc); lives on its loop."""
+
+    def __init__(self, transport: Transport, next_id: Callable[[], int], *,
+                 kernels: Mapping[str, Kernel] | None = None,
+                 live: LiveOps | None = None) -> None:
         self._transport = transport
         self._next_id = next_id
+        self._kernels = kernels  # the communicator's registries, passed to every executor
+        self._live = live
         self._entries: dict[tuple[Any, ...], _Entry] = {}
+        self._named: dict[str, SparseAllreduce] = {}
 
     def resolve(self, size: int, dtype: np.dtype[Any], density: float | None,
                 algorithm: str | None, quantize: int | None, delta: float | None) -> str:
@@ -82,6 +236,13 @@ class SparseOps:
             return "dsar_split_allgather"
         return choose_algorithm(density, self._transport.world_size, size, dtype, delta)
 
+    def _make(self, size: int, dtype: Any, sched_id: int, *, algorithm: str,
+              quantize: int | None, delta: float | None, bucket: int, seed: int
+              ) -> SparseAllreduce:
+        return SparseAllreduce(self._transport, size, dtype, sched_id=sched_id,
+                               algorithm=algorithm, delta=delta, quantize=quantize,
+                               bucket=bucket, seed=seed, kernels=self._kernels, live=self._live)
+
     async def run(self, x: SparseVector | np.ndarray, *, algorithm: str,
                   quantize: int | None, delta: float | None, bucket: int, seed: int,
                   timeout: float | None) -> SparseVector | np.ndarray:
@@ -92,9 +253,8 @@ class SparseOps:
         if entry is None:
             # Built before taking an id (its executor is made at the first run): a bad
             # argument must not shift the ids.
-            op = SparseAllreduce(self._transport, int(size), dt, sched_id=0,
-                                 algorithm=algorithm, delta=delta, quantize=quantize,
-                                 bucket=bucket, seed=seed)
+            op = self._make(int(size), dt, 0, algorithm=algorithm, quantize=quantize,
+                            delta=delta, bucket=bucket, seed=seed)
             op.sched_id = self._next_id()
             entry = _Entry(op)
             self._entries[key] = entry
@@ -108,8 +268,98 @@ class SparseOps:
                     del self._entries[key]
                 raise
 
+    def named(self, name: str, sched_id: int, size: int, dtype: Any, *, algorithm: str,
+              quantize: int | None, delta: float | None, bucket: int, seed: int
+              ) -> SparseAllreduce:
+        """A persistent SparseAllreduce under ``name`` (closed with the others until
+        :meth:`release`). Raises ``ValueError`` naming ``name`` when it is in use."""
+        if name in self._named:
+            raise ValueError(f"name {name!r} is already used by a sparse allreduce handle of "
+                             "this communicator")
+        op = self._make(size, dtype, sched_id, algorithm=algorithm, quantize=quantize,
+                        delta=delta, bucket=bucket, seed=seed)
+        self._named[name] = op
+        return op
+
+    def release(self, name: str) -> None:
+        """Close the persistent SparseAllreduce under ``name`` and free the name."""
+        op = self._named.pop(name, None)
+        if op is not None:
+            op.close()
+
     def close(self) -> None:
-        """Stop every entry's executor (a waiting call fails with TransportClosedError)."""
+        """Stop every executor (a waiting call fails with TransportClosedError)."""
         for e in self._entries.values():
             e.op.close()
         self._entries.clear()
+        for op in self._named.values():
+            op.close()
+        self._named.clear()
+
+
+class _Run(Protocol):
+    def __call__(self, coro: Coroutine[Any, Any, T], /) -> Coroutine[Any, Any, T]: ...
+
+
+class SparseAllreduceHandle:
+    """A named, persistent sparse allreduce of a Communicator: ``await h(x)`` per step.
+
+    Made by :meth:`Communicator.sparse_allreduce_handle
+    <asynccoll.Communicator.sparse_allreduce_handle>`. Its schedule is built once and its
+    schedule id comes from its ``name``, so it does not take part in the order of the other
+    collectives; its own calls must come in the same order on every rank. One call at a time
+    (:class:`~asynccoll.BusyError` otherwise). A failed, timed-out or cancelled call closes the
+    handle (the executor is left mid-way); later calls raise
+    :class:`~asynccoll.TransportClosedError`, as they do after :meth:`close` or
+    ``comm.close()``.
+    """
+
+    def __init__(self, op: SparseAllreduce, name: str, *, run: _Run,
+                 release: Callable[[str], None], timeout: float | None) -> None:
+        self._op, self._run, self._release = op, run, release
+        self._busy = self._closed = False
+        self.name = name
+        self.algorithm = op.algorithm
+        self.timeout = timeout
+
+    async def __call__(self, x: Any, timeout: float | None = None) -> Any:
+        """Sum ``x`` (a :class:`~asynccoll.SparseVector` or an array of the handle's size and
+        dtype; CuPy staged through host memory) over all ranks. Returns what
+        :meth:`Communicator.sparse_allreduce <asynccoll.Communicator.sparse_allreduce>`
+        returns (dense results 1-D); ``timeout``: default the handle's. Raises
+        ``TypeError``/``ValueError`` naming ``x``, :class:`~asynccoll.CollectiveTimeoutError`,
+        the execution's error. Costs one execution of the schedule.
+        """
+        host, device = as_host(x)
+        res = await self._run(self._call(host, self.timeout if timeout is None else timeout))
+        return to_device(res) if device else res
+
+    async def close(self) -> None:
+        """Stop the executor and free the name (local, not collective). Idempotent."""
+        await self._run(self._close())
+
+    def __repr__(self) -> str:
+        return (f"SparseAllreduceHandle(name={self.name!r}, size={self._op.size}, "
+                f"dtype={self._op.dtype}, algorithm={self.algorithm!r})")
+
+    async def _call(self, x: SparseVector | np.ndarray, timeout: float | None
+                    ) -> SparseVector | np.ndarray:
+        if self._closed:
+            raise TransportClosedError(f"sparse allreduce {self.name!r} is closed")
+        if self._busy:
+            raise BusyError(f"sparse allreduce {self.name!r} already has a call under way; "
+                            "one at a time per handle")
+        x = self._op.check(x)
+        self._busy = True
+        try:
+            return await self._op.run(x, timeout=timeout)
+        except BaseException:
+            await self._close()  # the executor is left mid-way
+            raise
+        finally:
+            self._busy = False
+
+    async def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._release(self.name)

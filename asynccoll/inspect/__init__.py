@@ -1,11 +1,15 @@
-"""Inspection: render schedules, record and read traces, export timelines, explain hangs.
+"""Inspection: render schedules, read traces, export timelines, explain hangs.
 
 - :mod:`~asynccoll.inspect.kinds`: the collectives by kind name, built for any P and rank;
+- :mod:`~asynccoll.inspect.graph`: the drawing model every renderer shares;
 - :mod:`~asynccoll.inspect.render`: text (rich), DOT, JSON and PNG; :mod:`.html` the HTML pages;
-- :mod:`~asynccoll.inspect.tracefile`: the on-disk trace format and :class:`TraceWriter`;
+- :mod:`~asynccoll.inspect.tracefile`: reading the trace files a run wrote;
 - :mod:`~asynccoll.inspect.summary`: per-collective and per-execution summaries of traces;
 - :mod:`~asynccoll.inspect.perfetto`: Chrome trace-event JSON and the HTML timeline;
-- :mod:`~asynccoll.inspect.pending`: explain hangs; the registry of live executors.
+- :mod:`~asynccoll.inspect.pending`: explain hangs from snapshots or live executors.
+
+Writing traces and the live-op registry (with its ``SIGUSR1`` dump) belong to the engine:
+:class:`asynccoll.sched.TraceWriter`, :class:`asynccoll.sched.LiveOps`.
 
 The ``asynccoll inspect`` command is :mod:`asynccoll.inspect.cli`. Submodules are imported
 lazily, so importing this package costs nothing.
@@ -16,16 +20,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .pending import dump_pending, explain, register_executor, unregister_executor
+    from .pending import explain, explain_executors
     from .render import render
-    from .tracefile import TraceWriter, load_dir
+    from .tracefile import load_dir
 
-__all__ = ["TraceWriter", "dump_pending", "explain", "load_dir", "register_executor", "render",
-           "unregister_executor"]
+__all__ = ["explain", "explain_executors", "load_dir", "render"]
 
-_WHERE = {"TraceWriter": "tracefile", "load_dir": "tracefile", "render": "render",
-          "dump_pending": "pending", "explain": "pending", "register_executor": "pending",
-          "unregister_executor": "pending"}
+_WHERE = {"load_dir": "tracefile", "render": "render", "explain": "pending",
+          "explain_executors": "pending"}
 
 
 def __getattr__(name: str) -> Any:

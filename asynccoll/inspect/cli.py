@@ -9,8 +9,14 @@
     asynccoll inspect pending DIR [--pid PID --wait SECONDS]
     asynccoll inspect kinds
 
-Bad arguments (unknown kind, P < 1, rank outside 0..P-1, a missing trace directory) print a
-message listing what is valid and exit with status 2.
+``pending --pid PID`` sends ``SIGUSR1`` to a live rank first: the handler each Communicator
+installs (when created on its process's main thread) writes a ``pending`` snapshot of every
+waiting executor into its trace file (``rank-R.jsonl`` in DIR, when tracing into DIR) and prints
+them to the rank's stderr; the rank keeps running. The command then waits up to ``--wait``
+seconds for the files to grow and explains them.
+
+Bad arguments (unknown kind, P < 1, rank outside 0..P-1, a missing trace directory, no process
+PID) print a message listing what is valid and exit with status 2.
 """
 
 from __future__ import annotations
@@ -50,14 +56,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     q = sub.add_parser("pending", help="explain a hang from the pending snapshots in DIR")
     q.add_argument("dir")
     q.add_argument("--pid", type=int, default=None,
-                   help="first signal this process (SIGUSR1) to dump its pending ops into DIR")
+                   help="first signal this process (SIGUSR1): its communicators, tracing into "
+                        "DIR, write their pending ops there (and print them to its stderr)")
     q.add_argument("--wait", type=float, default=2.0, help="seconds to wait after --pid")
     sub.add_parser("kinds", help="list the collective kinds `schedule` can render")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command; returns the exit status (2 for bad arguments)."""
-    from .tracefile import TraceFormatError
+    from ..errors import TraceFormatError
 
     try:
         if args.inspect_command == "schedule":
@@ -148,7 +155,10 @@ def _pending(args: argparse.Namespace) -> int:
 
     if args.pid is not None:
         before = {p: p.stat().st_size for p in Path(args.dir).glob("rank-*.jsonl")}
-        os.kill(args.pid, signal.SIGUSR1)
+        try:
+            os.kill(args.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            raise ValueError(f"--pid {args.pid}: no such process") from None
         deadline = time.monotonic() + args.wait
         while time.monotonic() < deadline:  # a one-shot wait for the dump, not a hot loop
             now = {p: p.stat().st_size for p in Path(args.dir).glob("rank-*.jsonl")}

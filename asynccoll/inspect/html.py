@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..sched import Schedule
-from .render import (
+from .graph import (
     EDGE_STYLE,
     KIND_COLOR,
     dep_class,

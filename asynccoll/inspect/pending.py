@@ -3,100 +3,30 @@
 Two sources of evidence:
 
 - **traces** (:func:`explain`): the ``pending`` snapshots ranks wrote into a trace directory when
-  a collective timed out or on a signal, plus their schedules and completed executions;
-- **live executors** (:func:`explain_executors`, :func:`dump_pending`): executors of this process
-  registered with :func:`register_executor` (the Communicator registers its own).
+  a collective timed out or on ``SIGUSR1``, plus their schedules and completed executions;
+- **live executors** (:func:`explain_executors`): executors of this process, e.g. the ranks of an
+  in-process world, or those a :class:`~asynccoll.sched.LiveOps` tracks.
 
 For the stuck execution of each collective, every pending receive is followed to the peer's
 matching send; a rank that is waited on and has not joined the execution (no snapshot, never
 armed, or armed but never started from inside and not activated from outside) is named as a
-**culprit**. ``install_signal_handler()`` makes ``kill -USR1 PID`` print :func:`dump_pending` and
-write snapshots to the registered trace writers.
+**culprit**. Recording snapshots and dumping live executors on a signal are the engine's job
+(:mod:`asynccoll.sched.tracefile`, :mod:`asynccoll.sched.live`); a Communicator installs the
+``SIGUSR1`` handler (``asynccoll inspect pending DIR --pid PID`` sends the signal).
 """
 
 from __future__ import annotations
 
-import signal
-import sys
-import threading
-import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from types import FrameType
-from typing import IO, Any
+from typing import Any
 
 from ..sched import Executor, Schedule
-from .render import match_messages
-from .tracefile import RankTrace, TraceWriter, live_record
+from ..sched.tracefile import pending_snapshot
+from .graph import match_messages
+from .tracefile import RankTrace
 
-__all__ = ["Explanation", "dump_pending", "explain", "explain_executors",
-           "install_signal_handler", "live_executors", "register_executor",
-           "render_explanations", "snapshot", "unregister_executor"]
-
-_live: weakref.WeakKeyDictionary[Executor, TraceWriter | None] = weakref.WeakKeyDictionary()
-_live_lock = threading.Lock()
-
-
-def register_executor(ex: Executor, writer: TraceWriter | None = None) -> None:
-    """Track ``ex`` (weakly: a dropped executor disappears) for :func:`dump_pending`;
-    ``writer`` receives its snapshot on a dump."""
-    with _live_lock:
-        _live[ex] = writer
-
-
-def unregister_executor(ex: Executor) -> None:
-    """Stop tracking ``ex`` (no error if it was not tracked)."""
-    with _live_lock:
-        _live.pop(ex, None)
-
-
-def live_executors() -> list[Executor]:
-    """The tracked executors, ordered by (rank, sched_id)."""
-    with _live_lock:
-        exs = list(_live.keys())
-    return sorted(exs, key=lambda e: (e.schedule.rank, e.sched_id))
-
-
-def snapshot(ex: Executor) -> dict[str, Any]:
-    """The in-memory ``pending`` record of ``ex``'s current execution (as written to traces)."""
-    return {"type": "pending", "sched_id": ex.sched_id, "execution": ex.execution,
-            "pending": [list(p) for p in ex.pending()], "record": live_record(ex)}
-
-
-def dump_pending(stream: IO[str] | None = None, *, write_traces: bool = True) -> str:
-    """Describe every pending op of every live executor; also write each executor's snapshot
-    to its registered trace writer. Returns the text (and writes it to ``stream`` if given)."""
-    lines = []
-    with _live_lock:
-        items = list(_live.items())
-    items.sort(key=lambda kv: (kv[0].schedule.rank, kv[0].sched_id))
-    for ex, writer in items:
-        s = ex.schedule
-        head = (f"rank {s.rank} {s.name or 'schedule'} (sched_id {ex.sched_id}) execution "
-                f"{ex.execution}")
-        if ex.test() or not ex.pending():
-            lines.append(f"{head}: nothing pending (last completed {ex.completed})")
-        else:
-            lines.append(f"{head}: pending")
-            lines.extend(f"  {d}" for _, _, d in ex.pending())
-        if write_traces and writer is not None:
-            writer.write_pending(ex, reason="dump")
-    text = "\n".join(lines or ["no live executors"]) + "\n"
-    if stream is not None:
-        stream.write(text)
-        stream.flush()
-    return text
-
-
-def install_signal_handler(signum: int = signal.SIGUSR1,
-                           stream: IO[str] | None = None) -> Any:
-    """On ``signum``, write :func:`dump_pending` to ``stream`` (default stderr). Main thread
-    only (``ValueError`` otherwise). Returns the previous handler."""
-
-    def handler(sig: int, frame: FrameType | None) -> None:
-        dump_pending(stream or sys.stderr)
-
-    return signal.signal(signum, handler)
+__all__ = ["Explanation", "explain", "explain_executors", "render_explanations"]
 
 
 # -- the analysis ----------------------------------------------------------------------------
@@ -279,7 +209,7 @@ def explain_executors(executors: Iterable[Executor]) -> list[Explanation]:
             not ex.test() for ex in exs) else min(ex.execution for ex in exs)
         scheds = {ex.schedule.rank: ex.schedule for ex in exs}
         snaps: dict[int, Mapping[str, Any] | None] = {
-            ex.schedule.rank: snapshot(ex) for ex in exs if ex.execution == e}
+            ex.schedule.rank: pending_snapshot(ex) for ex in exs if ex.execution == e}
         done = {ex.schedule.rank: set(range(ex.completed + 1)) for ex in exs}
         out.append(_explain_one(sid, exs[0].schedule.name or f"sched {sid}", e, world, scheds,
                                 snaps, done))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..sched import Schedule
-from .render import KIND_COLOR, match_messages, op_label
+from .graph import KIND_COLOR, match_messages, op_label
 from .tracefile import RankTrace
 
 __all__ = ["Slice", "Timeline", "perfetto_json", "timeline", "timeline_page", "timeline_png",

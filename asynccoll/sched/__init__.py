@@ -1,9 +1,13 @@
-"""The schedule engine: ops, dependencies, schedules, the executor and traces."""
+"""The schedule engine: ops, dependencies, schedules, the executor, the kernel registry, trace
+recording and the live-op registry."""
 
 from .executor import Executor
-from .kernels import KERNELS, Payload, register_kernel
+from .kernels import BUILTIN_KERNELS, Kernel, KernelRegistry, Payload, register_kernel
+from .live import DumpSignal, LiveOps
 from .schedule import BufRef, Op, Schedule, SlotSpec
 from .trace import Trace
+from .tracefile import TraceWriter
 
-__all__ = ["KERNELS", "BufRef", "Executor", "Op", "Payload", "Schedule", "SlotSpec", "Trace",
+__all__ = ["BUILTIN_KERNELS", "BufRef", "DumpSignal", "Executor", "Kernel", "KernelRegistry",
+           "LiveOps", "Op", "Payload", "Schedule", "SlotSpec", "Trace", "TraceWriter",
            "register_kernel"]

@@ -27,8 +27,8 @@ import numpy as np
 from ..buffers import as_bytes, dtype_to_wire, is_cupy
 from ..errors import CollectiveTimeoutError, ExecutionError, ScheduleError, TransportClosedError
 from ..transport.base import Transport
-from ..transport.frames import PROTOCOL_VERSION, Format, Header, Kind, Message
-from .kernels import KERNELS, Kernel, Payload
+from ..transport.frames import Format, Kind, Message
+from .kernels import BUILTIN_KERNELS, Kernel, Payload
 from .schedule import BufRef, Schedule
 from .trace import Trace
 
@@ -40,6 +40,8 @@ _NAN = float("nan")
 _DENSE = int(Format.DENSE)
 _NO_MSGS: tuple[Message, ...] = ()
 _MSG_KIND = {"data": int(Kind.DATA), "activation": int(Kind.ACTIVATION)}
+_ACTIVATION, _RAW = int(Kind.ACTIVATION), int(Format.RAW)
+_NO_PAYLOAD = memoryview(b"")
 
 
 class Executor:
@@ -51,8 +53,11 @@ class Executor:
     execution ``e`` completed and before the next is armed. ``trace_capacity`` executions are
     kept in :attr:`trace`; ``trace_sink`` receives each finished execution's record.
     ``offload_bytes``: kernels whose output exceeds this run in the loop's executor.
+    ``kernels``: the registry the compute ops' kernels are looked up in, once, here (default
+    :data:`~asynccoll.sched.BUILTIN_KERNELS`; a Communicator passes its ``kernels``).
 
-    Raises :class:`ScheduleError` for an uncommitted schedule, ``ValueError`` for a transport of
+    Raises :class:`ScheduleError` for an uncommitted schedule or a kernel ``kernels`` lacks,
+    ``ValueError`` for a transport of
     another rank or world size, and ``ValueError``/``TypeError`` naming the slot for a missing or
     ill-fitting buffer. Costs per op fired: a few list stores and, for messages, one transport
     call; no task and no polling.
@@ -63,7 +68,8 @@ class Executor:
                  persistent: bool = False, on_complete: Callable[[int], None] | None = None,
                  trace_capacity: int = 64,
                  trace_sink: Callable[[dict[str, Any]], None] | None = None,
-                 offload_bytes: int = 4 << 20) -> None:
+                 offload_bytes: int = 4 << 20,
+                 kernels: Mapping[str, Kernel] | None = None) -> None:
         if not schedule.committed:
             raise ScheduleError(f"schedule {schedule.name!r} must be committed before execution")
         if transport.rank != schedule.rank or transport.world_size != schedule.world_size:
@@ -86,8 +92,8 @@ class Executor:
         self._recv_sources = [i for i, op in enumerate(ops) if not op.deps and op.kind == "recv"]
         assert schedule.final is not None
         self._final = schedule.final
-        self._kernels: list[Kernel | None] = [
-            KERNELS[op.kernel] if op.kind == "compute" else None for op in ops]
+        self._kernels = _resolve_kernels(schedule, BUILTIN_KERNELS if kernels is None
+                                         else kernels)
         self.trace = Trace(n, trace_capacity, trace_sink)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: deque[int] = deque()
@@ -170,14 +176,14 @@ class Executor:
             else:
                 self._views.append(())
         # What the hot path needs per message op, resolved once here rather than per firing.
-        rank, sid = self.schedule.rank, self.sched_id
+        sid = self.sched_id
         self._sendinfo: list[tuple[Any, ...]] = []
         self._recvinfo: list[tuple[int, int, Any]] = []
         for op, v in zip(self.schedule.ops, self._views, strict=True):
             if op.kind == "send":
-                # (peer, header fields before the execution, tag, after the tag, ...)
-                self._sendinfo.append((op.peer, PROTOCOL_VERSION, _MSG_KIND[op.msg], sid, op.tag,
-                                       rank, op.payload_from, *v))
+                # (peer, kind, sched, tag, payload_from, arr, wire, dtype, shape, length)
+                self._sendinfo.append((op.peer, _MSG_KIND[op.msg], sid, op.tag, op.payload_from,
+                                       v[0], _NO_PAYLOAD if v[1] is None else v[1], *v[2:]))
             else:
                 self._sendinfo.append(())
             self._recvinfo.append((op.peer, op.tag, v[1]) if op.kind == "recv" else (0, 0, None))
@@ -274,7 +280,18 @@ class Executor:
             self._done.set_exception(TransportClosedError("executor closed"))
             self._done.exception()
         self._ready.clear()
-        self.transport.matcher.forget(self.sched_id)
+        self.transport.forget(self.sched_id)
+
+    def activate(self, execution: int, tag: int) -> None:
+        """Deliver an activation message to this rank itself for ``execution`` under ``tag``
+        (a forced activation: the schedule's receive on ``tag`` from this rank then fires).
+
+        A failed self-send (the transport closed, say) is swallowed: the caller waiting for the
+        execution then times out naming it. Costs one self-send, no payload.
+        """
+        fut = self.transport.post_frame(self.schedule.rank, _ACTIVATION, self.sched_id,
+                                        execution, tag, _NO_PAYLOAD, fmt=_RAW)
+        fut.add_done_callback(_swallow)
 
     # -- the engine --------------------------------------------------------------------------
     def _arm(self) -> None:
@@ -333,7 +350,7 @@ class Executor:
             self._run_kernel(i, e)
 
     def _post_send(self, i: int, e: int) -> None:
-        (peer, version, msg_kind, sid, tag, rank, payload_from, arr, wire, dtype, shape,
+        (peer, msg_kind, sid, tag, payload_from, arr, wire, dtype, shape,
          length) = self._sendinfo[i]
         fmt = _DENSE
         if payload_from >= 0:
@@ -344,11 +361,10 @@ class Executor:
                 return
             wire = as_bytes(p.data, "kernel payload")
             dtype, shape, fmt, length = p.dtype, p.shape, p.fmt, len(wire)
-        elif wire is not None and arr is not wire and isinstance(wire, np.ndarray):
+        elif arr is not wire and isinstance(wire, np.ndarray):
             arr.get(out=wire)  # CuPy over a host-only transport: stage through host memory
             wire = wire.view(np.uint8).data
-        h = Header(version, msg_kind, sid, e, tag, rank, dtype, shape, fmt, length)
-        fut = self.transport.post_send(peer, h, b"" if wire is None else wire)
+        fut = self.transport.post_frame(peer, msg_kind, sid, e, tag, wire, dtype, shape, fmt)
         if fut.done():
             self._send_done(e, i, length, fut)
         else:
@@ -482,3 +498,24 @@ class Executor:
     def _store_trace(self) -> None:
         self.trace.store(self.execution, self._t_posted, self._t_fired, self._t_done,
                          self._nbytes)
+
+
+def _resolve_kernels(schedule: Schedule, kernels: Mapping[str, Kernel]) -> list[Kernel | None]:
+    """Each op's kernel (``None`` for non-compute ops); ScheduleError names a missing one."""
+    out: list[Kernel | None] = []
+    for i, op in enumerate(schedule.ops):
+        if op.kind != "compute":
+            out.append(None)
+            continue
+        fn = kernels.get(op.kernel)
+        if fn is None:
+            raise ScheduleError(f"op {i} {op.describe()}: kernel {op.kernel!r} is not in the "
+                                f"executor's registry (registered: {sorted(kernels)})")
+        out.append(fn)
+    return out
+
+
+def _swallow(fut: asyncio.Future[None]) -> None:
+    """Retrieve a self-send's outcome so that a failure is not logged as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import ScheduleError
+from .kernels import BUILTIN_KERNELS
 
 __all__ = ["BufRef", "Op", "Schedule", "SlotSpec"]
 
@@ -233,15 +234,16 @@ class Schedule:
 
         Checks: known kinds, dependencies in range, thresholds in 1..n (0 for sources),
         acyclic, peers in 0..P-1, buffers declared and slices within declared slots, kernels
-        registered (``kernels``: the names to accept, default the registry's).
+        registered in ``kernels`` (a :class:`~asynccoll.sched.KernelRegistry`, or any iterable
+        of the names to accept; default :data:`~asynccoll.sched.BUILTIN_KERNELS`).
         """
         if self.committed:
             return self
-        if kernels is None:
-            from .kernels import KERNELS
+        self._commit(set(BUILTIN_KERNELS if kernels is None else kernels))
+        return self
 
-            kernels = KERNELS
-        known = set(kernels)
+    def _commit(self, known: set[str] | None) -> None:
+        """Validate and freeze; ``known=None`` accepts any kernel name."""
         if self.final is None:
             has_succ = {d for op in self.ops for d in op.deps}
             sinks = [i for i in range(len(self.ops)) if i not in has_succ]
@@ -253,9 +255,8 @@ class Schedule:
             raise ScheduleError(f"final op {self.final} is not an op id (0..{n - 1})")
         self._check_acyclic()
         self.committed = True
-        return self
 
-    def _check_op(self, i: int, op: Op, n: int, kernels: set[str]) -> None:
+    def _check_op(self, i: int, op: Op, n: int, kernels: set[str] | None) -> None:
         where = f"op {i} {op.describe()}"
         if op.kind not in OP_KINDS:
             raise ScheduleError(f"{where}: unknown kind {op.kind!r}; expected one of {OP_KINDS}")
@@ -285,7 +286,7 @@ class Schedule:
                 if op.payload_from not in op.deps:
                     raise ScheduleError(f"{where}: payload_from op must be a dependency")
         if op.kind == "compute":
-            if op.kernel not in kernels:
+            if kernels is not None and op.kernel not in kernels:
                 raise ScheduleError(f"{where}: unknown kernel {op.kernel!r}; registered: "
                                     f"{sorted(kernels)}")
             for r in op.recvs:
@@ -362,9 +363,14 @@ class Schedule:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Schedule:
+    def from_dict(cls, d: Mapping[str, Any], kernels: Iterable[str] | None = None) -> Schedule:
         """The schedule :meth:`to_dict` described (committed again if it was); raises
-        :class:`ScheduleError` for a dict of another format or an invalid schedule."""
+        :class:`ScheduleError` for a dict of another format or an invalid schedule.
+
+        A committed schedule's kernel names are checked against ``kernels`` when given; by
+        default any name is accepted, since a schedule read back (from a trace, say) may name
+        kernels this process has no registry for (an executor checks them against its own).
+        """
         if d.get("format") != "asynccoll.schedule/1":
             raise ScheduleError(f"not a schedule dict (format {d.get('format')!r})")
         s = cls(d["rank"], d["world_size"], d.get("name", ""),
@@ -373,7 +379,7 @@ class Schedule:
         s.final = d.get("final")
         s.meta = copy.deepcopy(dict(d.get("meta", {})))
         if d.get("committed"):
-            s.commit()
+            s._commit(None if kernels is None else set(kernels))
         return s
 
     def __eq__(self, other: object) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ..sched import Executor, Schedule
+from ..sched import Executor, Kernel, Schedule
 from ..transport.inproc import InprocFabric, InprocTransport
 from .conformance import check_transport
 from .world import local_world
@@ -41,9 +41,11 @@ async def inproc_world(world_size: int, *, delay: float = 0.0, seed: int = 0,
 
 async def run_schedules(transports: Sequence[Any], schedules: Sequence[Schedule],
                         buffers: Sequence[Mapping[str, Any]], *, sched_id: int = 1,
-                        executions: int = 1, timeout: float = 30.0) -> list[Executor]:
-    """Run ``executions`` executions of each rank's schedule; return the executors."""
-    exs = [Executor(s, t, b, sched_id=sched_id) for s, t, b in
+                        executions: int = 1, timeout: float = 30.0,
+                        kernels: Mapping[str, Kernel] | None = None) -> list[Executor]:
+    """Run ``executions`` executions of each rank's schedule; return the executors.
+    ``kernels``: the executors' kernel registry (default: the built-ins)."""
+    exs = [Executor(s, t, b, sched_id=sched_id, kernels=kernels) for s, t, b in
            zip(schedules, transports, buffers, strict=True)]
     for _ in range(executions):
         futs = [ex.start() for ex in exs]

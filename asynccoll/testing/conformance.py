@@ -9,9 +9,12 @@ wrong; every wait is bounded, so a hang fails instead of blocking.
 The checks (see :data:`CHECKS`): payload sizes from 0 B to 64 MiB in several dtypes, receives
 posted before and after arrival, receives of unknown length (``buf=None``), order of frames with
 the same key, different tags matched out of order, sends to oneself, many concurrent messages,
-a large payload not stalling a small one on another key, ``close()`` failing pending operations
-with :class:`TransportClosedError`, posting after ``close()``, a peer's close failing pending
-receives with :class:`PeerLostError`, and argument checking.
+a large payload not stalling a small one on another key, headers built by ``post_frame``,
+``close()`` failing pending operations with :class:`TransportClosedError`, posting, listening and
+connecting after ``close()``, a peer's close failing pending receives with :class:`PeerLostError`,
+and argument checking, which every transport must do alike (the same exception types): a peer
+outside ``0..P-1`` on send and receive (``ValueError``), a forged source (``ValueError``), a
+payload shorter than its header says (``ValueError``), a second ``listen()`` (``RuntimeError``).
 """
 
 from __future__ import annotations
@@ -300,6 +303,33 @@ async def check_large_does_not_stall_small(make_pair: MakePair, max_size: int) -
 
 
 @_check
+async def check_post_frame(make_pair: MakePair, max_size: int) -> None:
+    """``post_frame`` builds the header: this rank as source, the protocol version, the kind,
+    key, dtype, shape and format given, the payload's length; to a peer and to oneself."""
+    async with make_pair() as (t0, t1):
+        x = _data(min(40_000, max_size), "float32", 5)
+        for dst, execution in ((1, 3), (0, 4)):
+            dest = t1 if dst == 1 else t0
+            r = dest.post_recv(0, SCHED, execution, 11, np.empty_like(x))
+            sent = t0.post_frame(dst, int(Kind.ACTIVATION), SCHED, execution, 11,
+                                 x.view(np.uint8).data, dtype_to_wire(x.dtype), x.shape,
+                                 int(Format.DENSE))
+            await _within(sent, f"post_frame to rank {dst}")
+            m = await _within(r, f"receive of a post_frame to rank {dst}")
+            want = Header(PROTOCOL_VERSION, int(Kind.ACTIVATION), SCHED, execution, 11, 0,
+                          dtype_to_wire(x.dtype), x.shape, int(Format.DENSE), x.nbytes)
+            _expect(tuple(m.header) == tuple(want),
+                    f"post_frame to rank {dst}: header {tuple(m.header)}, expected {want}")
+            _expect(_same(x, m.payload), f"post_frame to rank {dst}: payload differs")
+        r = t1.post_recv(0, SCHED, 0, 12, None)
+        await _within(t0.post_frame(1, int(Kind.DATA), SCHED, 0, 12, b"", fmt=int(Format.RAW)),
+                      "empty post_frame")
+        m = await _within(r, "receive of an empty post_frame")
+        _expect(m.header.length == 0 and len(m.payload) == 0 and m.header.dtype == ""
+                and tuple(m.header.shape) == (), f"empty post_frame arrived as {m.header}")
+
+
+@_check
 async def check_close_fails_pending(make_pair: MakePair, max_size: int) -> None:
     """``close()`` fails pending receives with TransportClosedError; pending sends finish or
     fail with it; nothing hangs."""
@@ -323,7 +353,7 @@ async def check_close_fails_pending(make_pair: MakePair, max_size: int) -> None:
 async def check_post_after_close(make_pair: MakePair, max_size: int) -> None:
     """After ``close()`` posts fail with TransportClosedError and close() is idempotent."""
     x = _data(8)
-    async with make_pair() as (t0, _t1):
+    async with make_pair() as (t0, t1):
         await t0.close()
         await _post_fails(lambda: t0.post_recv(1, SCHED, 0, 1, None), TransportClosedError,
                           "post_recv after close()")
@@ -331,7 +361,12 @@ async def check_post_after_close(make_pair: MakePair, max_size: int) -> None:
                           "post_send after close()")
         await _post_fails(lambda: t0.post_send(0, _header(0, 1, x), x), TransportClosedError,
                           "self post_send after close()")
+        await _post_fails(lambda: t0.post_frame(1, int(Kind.DATA), SCHED, 0, 1, x),
+                          TransportClosedError, "post_frame after close()")
         await _within(t0.close(), "second close()")
+        await _fails_with(t0.listen(), TransportClosedError, "listen() after close()")
+        await _fails_with(t0.connect({1: t1.address}), TransportClosedError,
+                          "connect() after close()")
 
 
 @_check
@@ -359,18 +394,71 @@ async def check_peer_close(make_pair: MakePair, max_size: int) -> None:
 
 @_check
 async def check_bad_arguments(make_pair: MakePair, max_size: int) -> None:
-    """Bad receive arguments raise ValueError at once."""
-    async with make_pair() as (t0, _t1):
+    """Bad receive and send arguments raise ValueError at once, and nothing is sent: a peer out
+    of range, a forged source, a short payload, a read-only or non-contiguous buffer."""
+    x = _data(8)
+    async with make_pair() as (t0, t1):
         cases: list[tuple[Callable[[], Any], str]] = [
-            (lambda: t0.post_recv(2, SCHED, 0, 1, None), "src out of range"),
-            (lambda: t0.post_recv(-1, SCHED, 0, 1, None), "negative src"),
-            (lambda: t0.post_recv(1, SCHED, 0, 1, bytes(8)), "read-only buffer"),
+            (lambda: t0.post_recv(2, SCHED, 0, 1, None), "post_recv with src out of range"),
+            (lambda: t0.post_recv(-1, SCHED, 0, 1, None), "post_recv with a negative src"),
+            (lambda: t0.post_recv(1, SCHED, 0, 1, bytes(8)), "post_recv into a read-only buffer"),
             (lambda: t0.post_recv(1, SCHED, 0, 1, np.zeros((4, 4))[:, 1]),
-             "non-contiguous buffer"),
+             "post_recv into a non-contiguous buffer"),
+            (lambda: t0.post_send(2, _header(0, 1, x), x), "post_send with dst out of range"),
+            (lambda: t0.post_send(-1, _header(0, 1, x), x), "post_send with a negative dst"),
+            (lambda: t0.post_send(1, _header(1, 1, x), x), "post_send with a forged source"),
+            (lambda: t0.post_send(0, _header(1, 1, x), x),
+             "post_send to oneself with a forged source"),
+            (lambda: t0.post_send(1, _header(0, 1, x), x[:3]), "post_send of a short payload"),
+            (lambda: t0.post_frame(2, int(Kind.DATA), SCHED, 0, 1, x),
+             "post_frame with dst out of range"),
+            (lambda: t0.post_frame(-1, int(Kind.DATA), SCHED, 0, 1, x),
+             "post_frame with a negative dst"),
+            (lambda: t0.post_frame(1, int(Kind.DATA), SCHED, 0, 1, np.zeros((4, 4))[:, 1]),
+             "post_frame of a non-contiguous payload"),
         ]
         for call, what in cases:
             try:
                 call()
             except ValueError:
                 continue
-            raise AssertionError(f"post_recv with {what} did not raise ValueError")
+            raise AssertionError(f"{what} did not raise ValueError")
+        # nothing of the refused sends arrived; a good frame on the same key still does
+        r = t1.post_recv(0, SCHED, 0, 1, None)
+        await _within(t0.post_send(1, _header(0, 1, x), x), "a send after refused ones")
+        m = await _within(r, "the receive after refused sends")
+        _expect(_same(x, m.payload), "a refused send was delivered")
+        _expect(t1.matcher.held_count == 0, "a refused send is held at the receiver")
+
+
+@_check
+async def check_listen_twice(make_pair: MakePair, max_size: int) -> None:
+    """A second ``listen()`` raises RuntimeError and leaves the transport working."""
+    async with make_pair() as (t0, t1):
+        for t in (t0, t1):
+            address = t.address
+            try:
+                await _within(t.listen(), "a second listen()")
+            except RuntimeError:
+                pass
+            else:
+                raise AssertionError(f"rank {t.rank}: a second listen() did not raise "
+                                     "RuntimeError")
+            _expect(t.address == address, f"rank {t.rank}: a second listen() changed the "
+                    f"address from {address!r} to {t.address!r}")
+        x = _data(16)
+        (m,) = await _exchange(t0, t1, [x], [3])
+        _expect(_same(x, m.payload), "payload differs after a refused listen()")
+
+
+@_check
+async def check_connect_arguments(make_pair: MakePair, max_size: int) -> None:
+    """``connect`` refuses a peer rank outside ``0..P-1`` (ValueError) before connecting."""
+    async with make_pair() as (t0, _t1):
+        for rank in (2, -1):
+            try:
+                await _within(t0.connect({rank: t0.address}, timeout=1.0),
+                              f"connect to rank {rank}")
+            except ValueError:
+                continue
+            raise AssertionError(f"connect to rank {rank} did not raise ValueError")

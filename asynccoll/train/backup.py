@@ -58,6 +58,6 @@ class BackupSGD(EagerSGD):
 
     def _divisor(self, res: PartialResult) -> int:
         if self.average == "contributions":
-            return res.count
+            return 1  # each round already averaged by its own count (accumulate="mean")
         # accumulate=True folds missed rounds in: each of them averaged by P - b.
         return self.world_size - self.backups

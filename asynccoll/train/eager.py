@@ -9,7 +9,11 @@ round carries it (§5: "the stale gradient is then stored in the send buffer"): 
 never dropped and never counted twice.
 
 **Averaging.** ``average="world"`` divides the summed gradient by P (the paper);
-``"contributions"`` by the number of local gradients summed (``PartialResult.count``).
+``"contributions"`` by the number of local gradients summed (``PartialResult.count``). With
+``accumulate=True`` a rank that receives several rounds at once averages *each round by its own
+count* and sums those averages (the handle's ``accumulate="mean"``), exactly what the ranks that
+received the rounds one by one applied; dividing the summed rounds by the summed counts would
+make its step smaller and the replicas drift apart.
 
 **Replicas.** With ``accumulate=False`` (the paper) a rank that missed rounds applies only the
 latest result, so replicas drift apart; ``sync_every`` re-synchronises them. With
@@ -104,8 +108,9 @@ class EagerSGD:
         self._stale_run = 0
         self._h = None
         if mode != "sync":
-            self._h = comm.partial_allreduce(mode, like=self.params, accumulate=self.accumulate,
-                                             quorum=quorum, seed=seed, name=name)
+            self._h = comm.partial_allreduce(
+                mode, like=self.params, quorum=quorum, seed=seed, name=name,
+                accumulate="mean" if self._mean_rounds() else self.accumulate)
         n = self.params.size
         self._sync_buf = np.empty(n + 2, self.params.dtype)
         # Where a list of gradients is fused (the collective copies it, so it can be reused).
@@ -117,9 +122,13 @@ class EagerSGD:
         """The partial allreduce's ``combine`` hook for this step (None: add to the buffer)."""
         return None
 
+    def _mean_rounds(self) -> bool:
+        """Whether accumulated rounds are averaged each by its own count (module doc)."""
+        return self.accumulate and self.average == "contributions"
+
     def _divisor(self, res: PartialResult) -> int:
         if self.average == "contributions":
-            return res.count
+            return 1 if self._mean_rounds() else res.count
         return self.world_size
 
     def _step_lr(self, res: PartialResult) -> float:

@@ -95,6 +95,11 @@ class RNA(EagerSGD):
 
         return combine
 
+    def _mean_rounds(self) -> bool:
+        # Averaging by contributors with the lr scaled by them: per round the step is
+        # lr * c/P * sum/c = lr * sum / P, so summed rounds need no per-round averaging.
+        return False
+
     def _divisor(self, res: PartialResult) -> int:
         # W = 1 / sum(w): each contributing rank counts once (its weighted mean).
         return len(res.contributors)

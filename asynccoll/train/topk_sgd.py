@@ -15,10 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..collectives.sparse.feedback import ErrorFeedback
-from ..collectives.sparse.schedules import SparseAllreduce
 from ..collectives.sparse.streams import to_dense
 from ..comm.communicator import Communicator
-from ..comm.partial import stable_id
 from .bucket import ParamBucket
 from .info import StepInfo
 from .updaters import SGD
@@ -31,9 +29,11 @@ class TopKSGD:
 
     ``k`` or ``density``: entries sent per step (per bucket with ``bucket``). ``quantize``: 2, 4
     or 8 bits of QSGD on the sent values (buckets of ``qbucket``). ``name``: distinct per
-    optimizer, equal on every rank. NumPy parameters only (the sparse path is host-side).
-    Raises ``ValueError`` naming a bad argument. Costs per step: a top-k selection over N
-    entries and one sparse allreduce.
+    optimizer, equal on every rank (the name of its :meth:`Communicator.sparse_allreduce_handle
+    <asynccoll.Communicator.sparse_allreduce_handle>`). ``timeout``: per step (default: the
+    communicator's). NumPy parameters only (the sparse path is host-side). Raises
+    ``ValueError`` naming a bad argument. Costs per step: a top-k selection over N entries and
+    one sparse allreduce.
     """
 
     def __init__(self, comm: Communicator, params: Any, lr: float, *, k: int | None = None,
@@ -54,8 +54,8 @@ class TopKSGD:
                                       seed=seed * 65537 + comm.rank)
         span = n if bucket is None else bucket
         expect = min(1.0, self.feedback.k / span) if span else 1.0
-        self._allreduce = SparseAllreduce(comm.transport, n, self.params.dtype,
-                                          sched_id=stable_id(name, 3), density=expect)
+        self._allreduce = comm.sparse_allreduce_handle(n, self.params.dtype, name=name,
+                                                       density=expect, timeout=timeout)
         self.timeout = timeout
         self.world_size = comm.size
         self.steps = 0
@@ -65,7 +65,7 @@ class TopKSGD:
         sparse allreduce raises."""
         g = self.bucket.flatten(grads)
         sent = self.feedback.compress(g)
-        total = await self.comm._run(self._allreduce.run(sent, timeout=self.timeout))
+        total = await self._allreduce(sent)
         P = self.world_size
         self.updater.apply(self.params, to_dense(total) / P)
         s = self.steps
@@ -75,7 +75,4 @@ class TopKSGD:
 
     async def finish(self) -> None:
         """Release the sparse allreduce's executor (the residual is not sent)."""
-        await self.comm._run(self._close())
-
-    async def _close(self) -> None:
-        self._allreduce.close()
+        await self._allreduce.close()

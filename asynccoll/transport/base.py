@@ -2,9 +2,22 @@
 
 A message is a **frame** (:mod:`.frames`: a small msgpack header followed by ``length`` payload
 bytes). Frames are matched to receives by ``(source, schedule id, execution, tag)`` in
-:class:`Matcher` (:mod:`.matching`), shared by every transport, so that inproc, tcp and ucx
-behave the same. A concrete transport only moves bytes: it asks the matcher where a payload goes
-(:meth:`Matcher.begin`), writes it there, and says so (:meth:`Matcher.complete`).
+:class:`~.matching.Matcher`, shared by every transport, so that inproc, tcp and ucx behave the
+same. A concrete transport only moves bytes: it asks the matcher where a payload goes
+(:meth:`~.matching.Matcher.begin`), writes it there, and says so
+(:meth:`~.matching.Matcher.complete`).
+
+The interface validates once. The public methods of :class:`Transport` check their arguments and
+the transport's state, then call the backend's private hooks (``_listen``, ``_connect``,
+``_post_send``, ``_post_recv``, ``_close``), so that no backend can accept what another refuses:
+
+* a peer (``dst``, ``src``, a key of ``connect``'s ``peers``) outside ``0..P-1``: ``ValueError``
+  naming the argument;
+* a header whose source is not this rank (a forged source): ``ValueError``;
+* a payload shorter than ``header.length``: ``ValueError``;
+* a second :meth:`~Transport.listen`: ``RuntimeError``;
+* anything after :meth:`~Transport.close`: :class:`TransportClosedError` (raised by the
+  coroutines, carried by the futures of the posting methods).
 """
 
 from __future__ import annotations
@@ -16,29 +29,39 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ..buffers import as_bytes
-from ..errors import PeerLostError, ProtocolError
-from .frames import Header, Limits, Message
+from ..errors import PeerLostError, ProtocolError, TransportClosedError
+from .frames import PROTOCOL_VERSION, Format, Header, Limits, Message
 from .matching import Matcher, Slot
 
 __all__ = ["Transport", "lost"]
 
 log = logging.getLogger("asynccoll.transport")
 
+_DENSE = int(Format.DENSE)
+
 
 class Transport(abc.ABC):
     """Point-to-point messaging for one rank.
 
     Lifecycle: ``await listen()`` (returns the address to publish), ``await connect(peers)``,
-    then any number of :meth:`post_send` / :meth:`post_recv`, then ``await close()``.
+    then any number of :meth:`post_frame` / :meth:`post_send` / :meth:`post_recv`, then
+    ``await close()``.
 
-    Both posting methods return at once with a future, so that the engine needs no task per
+    The posting methods return at once with a future, so that the engine needs no task per
     message. A send's future resolves when its payload buffer may be reused (the bytes are
     with the transport or the peer), or fails with :class:`PeerLostError` /
     :class:`TransportClosedError`. A cancelled send may already have sent part of its frame;
-    the connection is then closed, since the stream cannot be resynchronised.
+    the connection is then closed, since the stream cannot be resynchronised. Bad arguments
+    raise at once (see the module docstring); a closed transport fails the returned future.
+
+    ``supports_device``: whether payloads and receive buffers may be device (CuPy) arrays;
+    otherwise the caller stages them through host memory. ``matcher``: the receive matcher
+    (its counters, :attr:`~.matching.Matcher.held_count` and friends, are for tests and
+    diagnostics).
     """
 
     scheme: ClassVar[str]
+    supports_device: ClassVar[bool] = False
 
     def __init__(self, rank: int, world_size: int, *, limits: Limits | None = None) -> None:
         if world_size < 1:
@@ -49,40 +72,173 @@ class Transport(abc.ABC):
         self.world_size = world_size
         self.limits = limits or Limits()
         self.matcher = Matcher(rank, self.limits)
+        self._listening = False
+        self._closed = False
 
     @property
     @abc.abstractmethod
     def address(self) -> str:
         """The address peers connect to (valid after :meth:`listen`)."""
 
-    @abc.abstractmethod
-    async def listen(self, address: str) -> str:
-        """Start accepting connections at ``address``; return the concrete address."""
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has been called."""
+        return self._closed
 
-    @abc.abstractmethod
+    # -- the public interface: checks, then the backend's hook ---------------------------------
+    async def listen(self, address: str | None = None) -> str:
+        """Start accepting connections at ``address`` (``None``: the backend's default);
+        return the concrete address to publish.
+
+        Raises ``RuntimeError`` when called a second time, :class:`TransportClosedError` after
+        :meth:`close`, ``ValueError`` for an address of another scheme or form.
+        """
+        if self._closed:
+            raise TransportClosedError("transport closed")
+        if self._listening:
+            raise RuntimeError(f"rank {self.rank} already listens at {self.address or '...'}; "
+                               "listen() may be called once")
+        self._listening = True
+        try:
+            return await self._listen(address)
+        except BaseException:
+            self._listening = False  # nothing listens: a later listen() may try again
+            raise
+
     async def connect(self, peers: Mapping[int, str], timeout: float = 30.0) -> None:
-        """Connect to every peer in ``peers`` (rank -> address) within ``timeout`` seconds."""
+        """Connect to every peer in ``peers`` (rank -> address) within ``timeout`` seconds.
 
-    @abc.abstractmethod
+        This rank's own entry, if any, is ignored. Raises ``ValueError`` for a rank outside
+        ``0..P-1`` or a ``timeout`` <= 0, :class:`PeerLostError` naming a rank not reached in
+        time, :class:`TransportClosedError` after :meth:`close`.
+        """
+        if self._closed:
+            raise TransportClosedError("transport closed")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        for rank in peers:
+            if not 0 <= rank < self.world_size:
+                raise ValueError(f"peers: rank {rank} outside 0..{self.world_size - 1}")
+        await self._connect({r: a for r, a in peers.items() if r != self.rank}, timeout)
+
+    def post_frame(self, dst: int, kind: int, sched: int, execution: int, tag: int,
+                   payload: Any, dtype: str = "", shape: tuple[int, ...] = (),
+                   fmt: int = _DENSE) -> asyncio.Future[None]:
+        """Send ``payload`` to ``dst`` in a frame whose header this transport builds.
+
+        The header carries the protocol version, ``kind`` (a :class:`~.frames.Kind`), the key
+        ``(this rank, sched, execution, tag)``, ``dtype``/``shape``/``fmt`` (a
+        :class:`~.frames.Format`) as given, and the payload's length; the caller cannot forge
+        the source. ``payload``: a contiguous buffer (a 1-D byte ``memoryview`` is the cheapest)
+        or, when :attr:`supports_device`, a CuPy array. This is the engine's send path: it costs
+        one header tuple and the backend's send, nothing else. Raises ``ValueError`` for a
+        ``dst`` outside ``0..P-1`` or a non-contiguous payload.
+        """
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"dst must be in 0..{self.world_size - 1}, got {dst}")
+        view = self._send_view(payload)
+        if self._closed:
+            return self._refused()
+        h = Header(PROTOCOL_VERSION, kind, sched, execution, tag, self.rank, dtype, shape, fmt,
+                   view.nbytes)
+        if dst == self.rank:
+            return self._loopback(h, view)
+        return self._post_send(dst, h, view)
+
     def post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
-        """Send ``header`` + ``payload`` (a contiguous buffer of ``header.length`` bytes)."""
+        """Send a frame with a header the caller made (tests, tools): the first
+        ``header.length`` bytes of ``payload`` follow ``header``.
+
+        Prefer :meth:`post_frame`, which builds the header. Raises ``ValueError`` for a ``dst``
+        outside ``0..P-1``, a ``header.src`` that is not this rank, or a payload shorter than
+        ``header.length``.
+        """
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"dst must be in 0..{self.world_size - 1}, got {dst}")
+        if header.src != self.rank:
+            raise ValueError(f"header.src must be this rank {self.rank}, got {header.src}")
+        view = self._send_view(payload)
+        if view.nbytes != header.length:
+            if view.nbytes < header.length:
+                raise ValueError(f"payload has {view.nbytes} bytes, header.length is "
+                                 f"{header.length}")
+            view = view[:header.length]
+        if self._closed:
+            return self._refused()
+        if dst == self.rank:
+            return self._loopback(header, view)
+        return self._post_send(dst, header, view)
 
     def post_recv(self, src: int, sched: int, execution: int, tag: int,
                   buf: Any = None) -> asyncio.Future[Message]:
-        """Receive the frame keyed ``(src, sched, execution, tag)`` into ``buf`` (or a new one)."""
+        """Receive the frame keyed ``(src, sched, execution, tag)`` into ``buf`` (or a new one).
+
+        The future resolves to the :class:`~.frames.Message` (its payload a view of ``buf``),
+        or fails with :class:`PeerLostError` / :class:`TransportClosedError`, or
+        :class:`~asynccoll.errors.ProtocolError` when the message overflows ``buf``. Raises
+        ``ValueError`` for a ``src`` outside ``0..P-1`` or a read-only or non-contiguous
+        ``buf``.
+        """
         if not 0 <= src < self.world_size:
             raise ValueError(f"src must be in 0..{self.world_size - 1}, got {src}")
-        view = None if buf is None else _writable_bytes(buf)
-        return self.matcher.post(src, sched, execution, tag, view)
+        return self._post_recv(src, sched, execution, tag, buf)
 
     def finish(self, sched: int, execution: int) -> int:
-        """Retire the receives of finished executions (see :meth:`Matcher.finish`)."""
+        """Retire the receives of finished executions (see
+        :meth:`~.matching.Matcher.finish`)."""
         return self.matcher.finish(sched, execution)
 
-    @abc.abstractmethod
-    async def close(self) -> None:
-        """Close every connection; pending operations fail with TransportClosedError."""
+    def forget(self, sched: int) -> None:
+        """Drop every receive and held message of schedule ``sched`` (its executor closed)."""
+        self.matcher.forget(sched)
 
+    async def close(self) -> None:
+        """Close every connection; pending operations fail with :class:`TransportClosedError`.
+
+        Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.matcher.close(TransportClosedError("transport closed"))
+        await self._close()
+
+    # -- the backend's hooks -------------------------------------------------------------------
+    @abc.abstractmethod
+    async def _listen(self, address: str | None) -> str:
+        """Start accepting connections (called once, while open)."""
+
+    @abc.abstractmethod
+    async def _connect(self, peers: Mapping[int, str], timeout: float) -> None:
+        """Connect to ``peers`` (ranks checked, this rank left out, ``timeout`` > 0)."""
+
+    @abc.abstractmethod
+    def _post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
+        """Send a frame to another rank (``dst`` checked and not this rank, the transport
+        open, ``payload`` exactly ``header.length`` bytes as :meth:`_send_view` made it)."""
+
+    def _post_recv(self, src: int, sched: int, execution: int, tag: int,
+                   buf: Any) -> asyncio.Future[Message]:
+        """Post a receive (``src`` checked); a closed matcher fails it."""
+        view = None if buf is None else as_bytes(buf, "receive buffer", writable=True)
+        return self.matcher.post(src, sched, execution, tag, view)
+
+    @abc.abstractmethod
+    async def _close(self) -> None:
+        """Release the backend's resources (called once; the matcher is closed already)."""
+
+    def _send_view(self, payload: Any) -> Any:
+        """The bytes of a payload as the backend sends them (here a flat host byte view;
+        a transport that carries device memory overrides this). ``nbytes`` and slicing are in
+        bytes."""
+        return as_bytes(payload, "payload")
+
+    def _copy_into(self, slot: Slot, payload: Any) -> None:
+        """Copy ``payload`` (exactly the slot's length, from :meth:`_send_view`) into
+        ``slot`` (host memory here; a transport that carries device memory overrides this)."""
+        slot.view[:] = payload
+
+    # -- internals -----------------------------------------------------------------------------
     def _loopback(self, header: Header, payload: Any) -> asyncio.Future[None]:
         """Deliver a frame to this rank itself (one copy)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -92,23 +248,16 @@ class Transport(abc.ABC):
             fut.set_exception(exc)
             return fut
         if header.length:
-            self._copy_into(slot, payload, header.length)
+            self._copy_into(slot, payload)
         self.matcher.complete(slot)
         fut.set_result(None)
         return fut
 
-    def _copy_into(self, slot: Slot, payload: Any, n: int) -> None:
-        """Copy the first ``n`` bytes of ``payload`` into ``slot`` (host memory here;
-        a transport that carries device memory overrides this)."""
-        slot.view[:] = _readable_bytes(payload)[:n]
-
-
-def _writable_bytes(buf: Any) -> memoryview:
-    return as_bytes(buf, "receive buffer", writable=True)
-
-
-def _readable_bytes(buf: Any) -> memoryview:
-    return as_bytes(buf, "send buffer")
+    @staticmethod
+    def _refused() -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.set_exception(TransportClosedError("transport closed"))
+        return fut
 
 
 def lost(rank: int, reason: str, cause: BaseException | None = None) -> PeerLostError:

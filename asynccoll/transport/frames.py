@@ -2,8 +2,7 @@
 
 A message is a **frame**: a small msgpack header followed by ``length`` payload bytes. A header
 is validated (lengths bounded, ranks in range, dtype on the allow list, shape consistent with the
-length) before any payload is accepted. Everything here is re-exported by
-:mod:`asynccoll.transport.base`.
+length) before any payload is accepted.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Frames are matched to receives by ``(source, schedule id, execution, tag)``; a receive may be
 posted before or after its message arrives. A concrete transport only moves bytes: it asks the
 :class:`Matcher` where a payload goes (:meth:`Matcher.begin`), writes it there, and says so
-(:meth:`Matcher.complete`). Re-exported by :mod:`asynccoll.transport.base`.
+(:meth:`Matcher.complete`). :class:`HeldOrder` keeps early frames of one key in arrival order
+for a transport whose payloads may finish out of order.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ExecutionError, ProtocolError, TransportClosedError
 from .frames import Header, Kind, Limits, Message
 
-__all__ = ["Matcher", "Slot"]
+__all__ = ["HeldOrder", "Matcher", "Slot", "fail_quietly"]
 
 log = logging.getLogger("asynccoll.transport")
 
@@ -229,7 +231,7 @@ class Matcher:
         for key in [k for k in self._posted if k[0] == rank]:
             for p in self._posted.pop(key):
                 failed += not p.fut.done()
-                _fail_quietly(p.fut, exc)
+                fail_quietly(p.fut, exc)
             self._unindex(key)
         return failed
 
@@ -238,7 +240,7 @@ class Matcher:
         self._closed = exc or TransportClosedError("transport closed")
         for q in self._posted.values():
             for p in q:
-                _fail_quietly(p.fut, self._closed)
+                fail_quietly(p.fut, self._closed)
         self._posted.clear()
         self._held.clear()
         self._keys.clear()
@@ -297,7 +299,7 @@ class Matcher:
         fut.set_result(Message(h, view))
 
 
-def _fail_quietly(fut: asyncio.Future[Any], exc: BaseException) -> None:
+def fail_quietly(fut: asyncio.Future[Any], exc: BaseException) -> None:
     """Fail ``fut``; its owner's callback still sees the error, but an owner that has gone
     (its loop stopped before the callback ran) does not make asyncio log a warning."""
     if not fut.done():
@@ -310,3 +312,47 @@ def _scratch(n: int) -> memoryview:
     if n <= len(_SCRATCH):
         return _SCRATCH[:n]
     return memoryview(bytearray(n))
+
+
+class HeldOrder:
+    """Hands finished frames to ``complete`` so that held frames of one key queue in arrival
+    order, although their payloads may finish out of order (a small inline frame overtakes a
+    large one still streaming). Frames bound to a posted receive need no order and pass at once.
+    """
+
+    def __init__(self, complete: Callable[[Slot], None]) -> None:
+        self._complete = complete
+        self._queues: dict[Key, deque[list[Any]]] = {}
+
+    def reserve(self, slot: Slot) -> list[Any] | None:
+        """Take ``slot``'s place in its key's queue before its payload streams in."""
+        if slot.posted is not None or slot.discard:
+            return None
+        entry: list[Any] = [slot, False]
+        self._queues.setdefault(_key(slot.header), deque()).append(entry)
+        return entry
+
+    def done(self, slot: Slot, entry: list[Any] | None, lost: bool = False) -> None:
+        """``slot``'s payload is complete (or ``lost``: drop it without blocking the queue)."""
+        key = _key(slot.header)
+        q = self._queues.get(key)
+        if entry is None:
+            if q is None or slot.posted is not None or slot.discard:
+                self._complete(slot)
+                return
+            entry = [slot, True]
+            q.append(entry)
+        entry[1] = True
+        if lost:
+            entry[0] = None
+        assert q is not None
+        while q and q[0][1]:
+            ready = q.popleft()[0]
+            if ready is not None:
+                self._complete(ready)
+        if not q:
+            del self._queues[key]
+
+
+def _key(h: Header) -> Key:
+    return (h.src, h.sched, h.execution, h.tag)

@@ -31,13 +31,13 @@ from ..errors import (
     TransportError,
 )
 from . import auth
-from .base import Transport, _readable_bytes, log, lost
+from .base import Transport, log, lost
 from .frames import Header, Limits, encode_header
-from .matching import _fail_quietly
+from .matching import fail_quietly
 from .registry import parse_address
-from .tcp_wire import CHUNK, SMALL, PeerClosed, TcpConnection
+from .tcp_wire import PeerClosed, TcpConnection
 
-__all__ = ["CHUNK", "SMALL", "TcpStats", "TcpTransport"]
+__all__ = ["TcpStats", "TcpTransport"]
 
 
 @dataclass
@@ -59,6 +59,12 @@ class TcpTransport(Transport):
     handshake (an idle or slow client is dropped after it). Errors: :class:`PeerLostError` when a
     peer cannot be reached in time, drops, or breaks the protocol; :class:`AuthenticationError`
     when a peer fails the handshake; :class:`TransportClosedError` after :meth:`close`.
+    :meth:`listen` defaults to ``tcp://127.0.0.1:0`` (port 0: a free port, published in the
+    address returned). :meth:`connect` dials the peers of higher rank and waits for those of
+    lower rank to dial in; a rank that only dials (rank 0, say) need not listen.
+
+    It is the :class:`~asynccoll.transport.tcp_wire.ConnectionOwner` of its connections: the
+    methods under "called by connections" are theirs, not the application's.
     """
 
     scheme = "tcp"
@@ -78,7 +84,6 @@ class TcpTransport(Transport):
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._lost: dict[int, PeerLostError] = {}
         self._streaming_bytes = 0  # unsolicited payloads being received (see tcp_wire)
-        self._closed = False
 
     @property
     def address(self) -> str:
@@ -89,13 +94,9 @@ class TcpTransport(Transport):
         """The ranks connected now."""
         return sorted(self._conns)
 
-    async def listen(self, address: str = "tcp://127.0.0.1:0") -> str:
-        """Accept connections at ``address``; port 0 picks a free one. Returns the address with
-        the concrete port. Raises :class:`TransportError` when the address cannot be bound."""
-        if self._closed:
-            raise TransportClosedError("transport closed")
-        if self._server is not None:
-            raise ValueError(f"already listening on {self._address}")
+    async def _listen(self, address: str | None) -> str:
+        # port 0 picks a free one; the address returned has the concrete port
+        address = address or "tcp://127.0.0.1:0"
         host, port = _host_port(address)
         loop = asyncio.get_running_loop()
         try:
@@ -103,33 +104,20 @@ class TcpTransport(Transport):
             # would get a different free port on each, and only one can be published
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                            flags=socket.AI_PASSIVE)
-            self._server = await loop.create_server(lambda: TcpConnection(self, None),
-                                                    str(infos[0][4][0]), port)
+            self._server = await loop.create_server(
+                lambda: TcpConnection(self, None, self._secret), str(infos[0][4][0]), port)
         except OSError as exc:
             raise TransportError(f"cannot listen on {address}: {exc}") from exc
         bound = self._server.sockets[0].getsockname()[1]
         self._address = f"tcp://{_join_host(host)}:{bound}"
         return self._address
 
-    async def connect(self, peers: Mapping[int, str], timeout: float = 30.0) -> None:
-        """Connect to every rank in ``peers`` within ``timeout`` seconds.
-
-        Dials the peers of higher rank (retrying refused connections with jittered exponential
-        backoff) and waits for those of lower rank to dial in. Raises :class:`PeerLostError`
-        naming a rank that could not be reached in time, :class:`AuthenticationError` when one
-        fails the handshake.
-        """
-        if self._closed:
-            raise TransportClosedError("transport closed")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {timeout}")
+    async def _connect(self, peers: Mapping[int, str], timeout: float) -> None:
+        # Dial the peers of higher rank (retrying refused connections with jittered exponential
+        # backoff) and wait for those of lower rank to dial in.
         deadline = asyncio.get_running_loop().time() + timeout
         jobs = []
         for rank, addr in peers.items():
-            if not 0 <= rank < self.world_size:
-                raise ValueError(f"peers: rank {rank} outside 0..{self.world_size - 1}")
-            if rank == self.rank:
-                continue
             if rank > self.rank:
                 jobs.append(self._dial(rank, addr, deadline, timeout))
             else:
@@ -148,7 +136,7 @@ class TcpTransport(Transport):
                 raise TransportClosedError("transport closed")
             if rank in self._lost:
                 raise self._lost[rank]
-            conn = TcpConnection(self, rank)
+            conn = TcpConnection(self, rank, self._secret)
             try:
                 await asyncio.wait_for(loop.create_connection(_factory(conn), host, port),
                                        max(deadline - loop.time(), 0.001))
@@ -182,47 +170,24 @@ class TcpTransport(Transport):
         except asyncio.TimeoutError as exc:
             raise lost(rank, f"rank {rank} did not connect within {timeout} s", exc) from exc
 
-    def post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
-        """Queue ``header`` + the first ``header.length`` bytes of ``payload`` for ``dst``.
-
-        Returns at once; the future resolves when every byte is in the kernel (reuse the buffer
-        then), or fails with :class:`PeerLostError` / :class:`TransportClosedError`. Raises
-        ``ValueError`` for a bad ``dst``, a ``header.src`` that is not this rank, or a payload
-        shorter than ``header.length``.
-        """
+    def _post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
+        # The future resolves when every byte is in the kernel (the buffer may be reused then).
         loop = asyncio.get_running_loop()
-        if self._closed:
-            return _failed(loop, TransportClosedError("transport closed"))
-        if not 0 <= dst < self.world_size:
-            raise ValueError(f"dst must be in 0..{self.world_size - 1}, got {dst}")
-        if header.src != self.rank:
-            raise ValueError(f"header.src must be this rank {self.rank}, got {header.src}")
-        if dst == self.rank:
-            return self._loopback(header, payload)
-        view = _readable_bytes(payload)
-        if len(view) < header.length:
-            raise ValueError(f"payload has {len(view)} bytes, header.length is {header.length}")
         conn = self._conns.get(dst)
         if conn is None:
             return _failed(loop, self._lost.get(dst) or PeerLostError(dst, "not connected"))
         fut: asyncio.Future[None] = loop.create_future()
-        conn.send(fut, encode_header(header), view[: header.length])
+        conn.send(fut, encode_header(header), payload)
         return fut
 
-    async def close(self) -> None:
-        """Close every connection; pending sends and receives fail with
-        :class:`TransportClosedError`. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    async def _close(self) -> None:
         exc = TransportClosedError("transport closed")
-        self.matcher.close(exc)
         for conn in [*self._conns.values(), *self._pending]:
             conn.close_by_owner(exc)
         self._conns.clear()
         self._pending.clear()
         for w in self._waiters.values():
-            _fail_quietly(w, exc)
+            fail_quietly(w, exc)
         self._waiters.clear()
         if self._server is not None:
             self._server.close()
@@ -231,25 +196,31 @@ class TcpTransport(Transport):
             except asyncio.TimeoutError:  # a connection still closing; it goes on its own
                 pass
 
-    # -- called by connections ---------------------------------------------------------------
-    def _check_new(self, rank: int) -> None:
-        if self._closed:
+    # -- called by connections (the ConnectionOwner protocol of tcp_wire) --------------------
+    def connection_opened(self, conn: TcpConnection) -> None:
+        self._pending.add(conn)
+
+    def check_peer(self, rank: int) -> None:
+        if self.closed:
             raise AuthenticationError("transport closed")
         if rank in self._conns:
             raise AuthenticationError(f"rank {rank} is already connected")
         if rank in self._lost:
             raise AuthenticationError(f"rank {rank} was lost; reconnecting is not supported")
 
-    def _register(self, conn: TcpConnection) -> None:
-        self._check_new(conn.peer)
+    def connection_ready(self, conn: TcpConnection) -> None:
+        self.check_peer(conn.peer)
+        self._pending.discard(conn)
         self._conns[conn.peer] = conn
         self.stats.connections += 1
         w = self._waiters.pop(conn.peer, None)
         if w is not None and not w.done():
             w.set_result(None)
 
-    def _peer_lost(self, conn: TcpConnection, cause: BaseException) -> BaseException:
-        """Retire ``conn``'s peer; return the exception its pending operations fail with."""
+    def connection_closed(self, conn: TcpConnection, cause: BaseException) -> BaseException:
+        self._pending.discard(conn)
+        if not conn.authed:
+            return cause
         if self._closed or self._conns.get(conn.peer) is not conn:
             return cause if isinstance(cause, TransportClosedError) else TransportClosedError(
                 "transport closed")
@@ -272,17 +243,26 @@ class TcpTransport(Transport):
                     exc.reason, waiting)
         return exc
 
-    def _rejected(self, conn: TcpConnection, reason: str) -> None:
+    def frame_rejected(self, conn: TcpConnection, reason: str) -> None:
         self.stats.frames_rejected += 1
         self.stats.reasons.append(reason)
         log.warning("tcp rank %d: closing the connection of rank %d: %s", self.rank, conn.peer,
                     reason)
 
-    def _refused(self, conn: TcpConnection, reason: str) -> None:
+    def handshake_failed(self, conn: TcpConnection, reason: str) -> None:
         self.stats.handshakes_rejected += 1
         self.stats.reasons.append(reason)
-        peer = conn.tr.get_extra_info("peername") if conn.tr is not None else None
-        log.warning("tcp rank %d: refusing connection from %s: %s", self.rank, peer, reason)
+        log.warning("tcp rank %d: refusing connection from %s: %s", self.rank, conn.peername,
+                    reason)
+
+    def reserve_unsolicited(self, nbytes: int) -> None:
+        if self._streaming_bytes + nbytes > self.limits.max_held_bytes:
+            raise ProtocolError(
+                f"unsolicited messages streaming in exceed {self.limits.max_held_bytes} bytes")
+        self._streaming_bytes += nbytes
+
+    def release_unsolicited(self, nbytes: int) -> None:
+        self._streaming_bytes -= nbytes
 
 
 def _factory(conn: TcpConnection) -> Callable[[], TcpConnection]:

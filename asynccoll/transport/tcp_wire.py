@@ -1,12 +1,12 @@
 """The connection protocol of ``tcp://``: the handshake, then framed records both ways.
 
-One :class:`TcpConnection` per connected pair of ranks, owned by a
-:class:`~asynccoll.transport.tcp.TcpTransport`. It runs the handshake of
-:mod:`asynccoll.transport.auth` (bounded in time; nothing is read as a frame before it succeeds)
-and then carries *records*, each a 12-byte prefix ``<III`` = (header length, message id, payload
-bytes in this record) and then:
+One :class:`TcpConnection` per connected pair of ranks, owned by a :class:`ConnectionOwner` (a
+:class:`~asynccoll.transport.tcp.TcpTransport`, which this module knows only through that
+protocol). It runs the handshake of :mod:`asynccoll.transport.auth` (bounded in time; nothing is
+read as a frame before it succeeds) and then carries *records*, each a 12-byte prefix ``<III`` =
+(header length, message id, payload bytes in this record) and then:
 
-* header length > 0: a new message: its msgpack :class:`~asynccoll.transport.base.Header` and the
+* header length > 0: a new message: its msgpack :class:`~asynccoll.transport.frames.Header` and the
   first piece of its payload;
 * header length = 0: the next piece of the payload of the message with that id.
 
@@ -32,17 +32,14 @@ import asyncio
 import socket
 import struct
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 from ..errors import AuthenticationError, PeerLostError, ProtocolError, TransportError
 from . import auth
-from .frames import Header, decode_header
-from .matching import Slot, _fail_quietly
+from .frames import Header, Limits, decode_header
+from .matching import Matcher, Slot, fail_quietly
 
-if TYPE_CHECKING:
-    from .tcp import TcpTransport
-
-__all__ = ["CHUNK", "SMALL", "TcpConnection"]
+__all__ = ["CHUNK", "SMALL", "ConnectionOwner", "PeerClosed", "TcpConnection"]
 
 _RECORD = struct.Struct("<III")  # header length (0: continuation), message id, payload bytes
 CHUNK = 1 << 20  #: largest payload piece per record
@@ -55,9 +52,61 @@ _MAX_INFLIGHT = 256  # messages a receiver accepts as partly received at once
 _HELLO, _CHALLENGE, _PROOF, _ACCEPT, _HEAD, _HEADER, _PAYLOAD, _DEAD = range(8)
 
 
-
 class PeerClosed(ConnectionResetError):
     """The peer closed its end in order (EOF with no error): how a job ends, not a crash."""
+
+
+class ConnectionOwner(Protocol):
+    """What a :class:`TcpConnection` needs from the transport that owns it.
+
+    The owner knows every connection (so that it can close them), which rank each authenticated
+    one belongs to, and the budget of unsolicited bytes shared by all of them; it logs and
+    counts what the connections refuse.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def matcher(self) -> Matcher: ...
+
+    @property
+    def handshake_timeout(self) -> float: ...
+
+    def connection_opened(self, conn: TcpConnection) -> None:
+        """``conn`` is open and starts its handshake."""
+
+    def check_peer(self, rank: int) -> None:
+        """Raise :class:`AuthenticationError` unless a connection of ``rank`` may be admitted
+        (asked before the handshake proves anything, to refuse early)."""
+
+    def connection_ready(self, conn: TcpConnection) -> None:
+        """``conn`` authenticated ``conn.peer``: it now carries that rank's frames. Raises
+        :class:`AuthenticationError` to refuse it, as :meth:`check_peer`."""
+
+    def connection_closed(self, conn: TcpConnection, cause: BaseException) -> BaseException:
+        """``conn`` is closed because of ``cause``; return what its pending operations fail
+        with (for an authenticated one: its peer is lost)."""
+
+    def handshake_failed(self, conn: TcpConnection, reason: str) -> None:
+        """``conn`` is closed before or during its handshake (log and count it)."""
+
+    def frame_rejected(self, conn: TcpConnection, reason: str) -> None:
+        """An authenticated ``conn`` is closed for a bad frame or a limit (log and count it)."""
+
+    def reserve_unsolicited(self, nbytes: int) -> None:
+        """``nbytes`` of a message no receive waits for start streaming in; raise
+        :class:`ProtocolError` when that exceeds the transport's bound."""
+
+    def release_unsolicited(self, nbytes: int) -> None:
+        """Bytes reserved by :meth:`reserve_unsolicited` are no longer streaming."""
+
 
 class _Out:
     """One queued send."""
@@ -86,10 +135,15 @@ class _In:
 
 
 class TcpConnection(asyncio.BufferedProtocol):
-    """One connection: the handshake, then records in both directions (see the module)."""
+    """One connection: the handshake, then records in both directions (see the module).
 
-    def __init__(self, owner: TcpTransport, peer: int | None) -> None:
+    ``peer``: the rank this side dials, or ``None`` for an accepted connection (the handshake
+    names it). ``secret``: the job secret the handshake proves knowledge of.
+    """
+
+    def __init__(self, owner: ConnectionOwner, peer: int | None, secret: bytes) -> None:
         self.owner = owner
+        self._secret = secret
         self.connector = peer is not None
         self.peer = -1 if peer is None else peer
         self.authed = False
@@ -121,6 +175,11 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._turn = True
         self._next_id = 0
 
+    @property
+    def peername(self) -> object:
+        """The remote socket address (for logs), ``None`` before the connection is made."""
+        return self.tr.get_extra_info("peername") if self.tr is not None else None
+
     # -- connection events -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses but have its methods
@@ -134,7 +193,7 @@ class TcpConnection(asyncio.BufferedProtocol):
         # High-water mark 0: a write that the kernel does not take in full pauses us, and
         # resume_writing comes when the buffer is empty, i.e. when every byte is in the kernel.
         tr.set_write_buffer_limits(high=0, low=0)
-        self.owner._pending.add(self)
+        self.owner.connection_opened(self)
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self.owner.handshake_timeout, self._handshake_expired)
         if self.connector:
@@ -147,20 +206,20 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._state = _DEAD
         if self._timer is not None:
             self._timer.cancel()
-        self.owner._pending.discard(self)
         cause: BaseException = self.error or exc or PeerClosed("connection closed by the peer")
+        failure = self.owner.connection_closed(self, cause)
         if not self.authed:
             if self.error is None:
-                self.owner._refused(self, f"connection closed during the handshake (state {was})")
+                self.owner.handshake_failed(
+                    self, f"connection closed during the handshake (state {was})")
             if not self.ready.done():
                 err = cause if isinstance(cause, TransportError) else AuthenticationError(
                     f"rank {self.peer} closed the connection during the handshake "
                     "(wrong secret or refused)")
                 if err is not cause:
                     err.__cause__ = cause
-                _fail_quietly(self.ready, err)
+                fail_quietly(self.ready, err)
             return
-        failure = self.owner._peer_lost(self, cause)
         self._fail_all(failure)
 
     def pause_writing(self) -> None:
@@ -299,12 +358,8 @@ class TcpConnection(asyncio.BufferedProtocol):
         if cur.slot.posted is None and not cur.slot.discard:
             # the matcher bounds what it holds once complete; bound what streams in too, or
             # a peer could start many large unsolicited messages at once
+            o.reserve_unsolicited(h.length)
             cur.held = h.length
-            o._streaming_bytes += h.length
-            if o._streaming_bytes > o.limits.max_held_bytes:
-                o._streaming_bytes -= h.length
-                raise ProtocolError(
-                    f"unsolicited messages streaming in exceed {o.limits.max_held_bytes} bytes")
         self._inflight[self._msgid] = cur
         if self._nbytes:
             self._start_payload(cur)
@@ -325,7 +380,7 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._state, self._need = _HEAD, _RECORD.size
         if cur.pos == cur.slot.header.length:
             del self._inflight[cur.msgid]
-            self.owner._streaming_bytes -= cur.held
+            self.owner.release_unsolicited(cur.held)
             self.owner.matcher.complete(cur.slot)
 
     def _on_handshake(self, st: int, chunk: memoryview) -> None:
@@ -342,10 +397,10 @@ class TcpConnection(asyncio.BufferedProtocol):
                 raise AuthenticationError(
                     f"peer claims rank {hello.rank} and wants rank {hello.wanted}; rank "
                     f"{o.rank} accepts connections from ranks 0..{o.rank - 1} only")
-            o._check_new(hello.rank)
+            o.check_peer(hello.rank)
             self._nonce_c = hello.nonce
             self._nonce_a = auth.new_nonce()
-            mac = auth.acceptor_mac(o._secret, self.peer, o.rank, o.world_size, self._nonce_c,
+            mac = auth.acceptor_mac(self._secret, self.peer, o.rank, o.world_size, self._nonce_c,
                                     self._nonce_a)
             tr.write(auth.make_challenge(o.rank, o.world_size, self._nonce_a, mac))
             self._state, self._need = _PROOF, auth.PROOF_SIZE
@@ -356,30 +411,32 @@ class TcpConnection(asyncio.BufferedProtocol):
                     f"expected rank {self.peer} of {o.world_size}, reached rank {ch.rank} of "
                     f"{ch.world_size}")
             self._nonce_a = ch.nonce
-            auth.verify(auth.acceptor_mac(o._secret, o.rank, self.peer, o.world_size,
+            auth.verify(auth.acceptor_mac(self._secret, o.rank, self.peer, o.world_size,
                                           self._nonce_c, self._nonce_a), ch.mac,
                         f"rank {self.peer}")
-            tr.write(auth.connector_mac(o._secret, o.rank, self.peer, o.world_size,
+            tr.write(auth.connector_mac(self._secret, o.rank, self.peer, o.world_size,
                                         self._nonce_c, self._nonce_a))
             self._state, self._need = _ACCEPT, auth.ACCEPT_SIZE
         elif st == _PROOF:
-            auth.verify(auth.connector_mac(o._secret, self.peer, o.rank, o.world_size,
+            auth.verify(auth.connector_mac(self._secret, self.peer, o.rank, o.world_size,
                                            self._nonce_c, self._nonce_a), chunk,
                         f"connection claiming rank {self.peer}")
-            o._register(self)
+            self._ready()
             tr.write(auth.ACCEPT)
             self._authenticated()
         elif st == _ACCEPT:
             if bytes(chunk) != auth.ACCEPT:
                 raise AuthenticationError(f"rank {self.peer} did not accept the handshake")
-            o._register(self)
+            self._ready()
             self._authenticated()
 
-    def _authenticated(self) -> None:
+    def _ready(self) -> None:
+        self.owner.connection_ready(self)
         self.authed = True
+
+    def _authenticated(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self.owner._pending.discard(self)
         self._state, self._need = _HEAD, _RECORD.size
         if not self.ready.done():
             self.ready.set_result(None)
@@ -484,9 +541,9 @@ class TcpConnection(asyncio.BufferedProtocol):
             return
         self.error = exc
         if not self.authed:
-            self.owner._refused(self, str(exc))
+            self.owner.handshake_failed(self, str(exc))
         elif isinstance(exc, ProtocolError):
-            self.owner._rejected(self, str(exc))
+            self.owner.frame_rejected(self, str(exc))
         self._state = _DEAD
         if self.tr is not None:
             self.tr.abort()
@@ -498,20 +555,20 @@ class TcpConnection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         self._fail_all(exc)
-        _fail_quietly(self.ready, exc)
+        fail_quietly(self.ready, exc)
         if self.tr is not None:
             self.tr.close()
 
     def _fail_all(self, exc: BaseException) -> None:
         for cur in self._inflight.values():
-            self.owner._streaming_bytes -= cur.held
+            self.owner.release_unsolicited(cur.held)
             if cur.slot.posted is not None:
-                _fail_quietly(cur.slot.posted.fut, exc)
+                fail_quietly(cur.slot.posted.fut, exc)
         self._inflight.clear()
         self._cur = None
         for q in (self._queue, self._active, self._written):
             for out in q:
-                _fail_quietly(out.fut, exc)
+                fail_quietly(out.fut, exc)
         self._queue.clear()
         self._active.clear()
         self._written = []

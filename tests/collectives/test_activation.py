@@ -114,14 +114,15 @@ async def run_activation(P: int, initiators: set[int], executions: int = 2,
     sent: list[int] = []
     async with inproc_world(P, delay=delay, seed=seed) as ts:
         for t in ts:
-            orig = t.post_send
+            orig = t.post_frame
 
-            def counting(dst, header, payload, _orig=orig):  # type: ignore[no-untyped-def]
-                if header.kind == Kind.ACTIVATION:
-                    sent.append(header.execution)
-                return _orig(dst, header, payload)
+            def counting(dst, kind, sched, execution, tag, payload, *args,  # type: ignore[no-untyped-def]
+                         _orig=orig, **kw):
+                if kind == Kind.ACTIVATION:
+                    sent.append(execution)
+                return _orig(dst, kind, sched, execution, tag, payload, *args, **kw)
 
-            t.post_send = counting  # type: ignore[method-assign]
+            t.post_frame = counting  # type: ignore[method-assign]
         sid = next(_ids)
         exs = [Executor(activation_broadcast(r, P), t, {}, sched_id=sid, persistent=True)
                for r, t in enumerate(ts)]

@@ -19,7 +19,8 @@ from asynccoll.collectives.partial import (
     meta_len,
     packs_meta,
 )
-from asynccoll.sched import KERNELS, Schedule
+from asynccoll.collectives.partial import PARTIAL_KERNELS as KERNELS
+from asynccoll.sched import Schedule
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 7, 16])

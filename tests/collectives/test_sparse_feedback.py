@@ -10,7 +10,7 @@ import pytest
 
 from asynccoll.collectives.sparse import SparseVector
 from asynccoll.collectives.sparse.feedback import ErrorFeedback
-from asynccoll.collectives.sparse.schedules import sparse_allreduce
+from asynccoll.comm.sparse import sparse_allreduce
 from asynccoll.testing import inproc_world
 
 

@@ -32,7 +32,7 @@ def rank_input(rank: int, case: int) -> np.ndarray:
 
 async def _child_main(kind: str, rank: int, P: int, addr_q: Any, peers_q: Any) -> list[Any]:
     from asynccoll.collectives.sparse import to_dense
-    from asynccoll.collectives.sparse.schedules import sparse_allreduce
+    from asynccoll.comm.sparse import sparse_allreduce
 
     if kind == "tcp":
         from asynccoll.transport.tcp import TcpTransport

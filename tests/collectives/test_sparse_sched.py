@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 
 from asynccoll.collectives.sparse import SparseVector, default_delta, from_dense, to_dense
+from asynccoll.collectives.sparse.kernels import SPARSE_KERNELS
 from asynccoll.collectives.sparse.schedules import (
     ALGORITHMS,
-    SparseAllreduce,
     append_sparse_allreduce,
     build_sparse_allreduce,
     choose_algorithm,
     load_stream,
     partition,
     read_result,
-    sparse_allreduce,
     sparse_tags,
 )
+from asynccoll.comm.sparse import SparseAllreduce, sparse_allreduce
 from asynccoll.errors import ExecutionError
 from asynccoll.sched import Executor, Schedule, SlotSpec, register_kernel
 from asynccoll.testing import inproc_world
@@ -393,7 +393,9 @@ def _load_kernel(out: Any, inputs: Any, params: Any, msgs: Any) -> None:
     load_stream(out, inputs[0], int(params["n"]), np.float32, float(params["delta"]))
 
 
-register_kernel("test.sparse_load", _load_kernel, replace=True)
+#: the sparse allreduce's kernels and this module's loader
+KERNELS = SPARSE_KERNELS.extended()
+register_kernel(KERNELS, "test.sparse_load", _load_kernel)
 
 
 @pytest.mark.timeout(30)
@@ -417,13 +419,13 @@ async def test_appended_after_a_snapshot_op(algorithm: str) -> None:
                 s, N, np.float32, algorithm=algorithm, prefix=pre, tag_base=100, after=[load])
             assert src_slot == src
             s.final = done
-            s.commit()
+            s.commit(KERNELS)
             assert all(o.tag == 0 or 100 <= o.tag < 100 + sparse_tags(P) for o in s.ops
                        if o.kind in ("send", "recv"))
             bufs = {k: np.empty(v.count or 0, np.dtype(v.dtype or "u1"))
                     for k, v in s.slots.items()}
             bufs["x"][:] = xs[r]
-            exs.append(Executor(s, t, bufs, sched_id=77))
+            exs.append(Executor(s, t, bufs, sched_id=77, kernels=KERNELS))
             bufs_all.append(bufs)
             results.append(res)
         await asyncio.wait_for(asyncio.gather(*[ex.start() for ex in exs]), 10)

@@ -155,6 +155,20 @@ def test_blocking_twins() -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_blocking_close_closes_the_handles_and_is_idempotent() -> None:
+    async with local_world(2) as comms:
+        c = comms[1]
+        h = c.partial_allreduce("solo", like=np.zeros(2), name="blk-close")
+        await asyncio.to_thread(c.blocking.close)
+        await asyncio.to_thread(c.blocking.close)
+        assert c.closed
+        with pytest.raises(TransportClosedError):
+            await h(np.ones(2))
+        with pytest.raises(TransportClosedError):
+            await c.barrier()
+
+
+@pytest.mark.timeout(30)
 async def test_bad_arguments() -> None:
     async with local_world(2) as comms:
         c = comms[0]

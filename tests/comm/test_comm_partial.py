@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asynccoll import PartialAllreduce, PartialResult
+from asynccoll import PartialAllreduce, PartialResult, TransportClosedError
 from asynccoll.collectives.partial import SNAPSHOTS, initiators
 from asynccoll.testing import local_world
 
@@ -365,3 +365,45 @@ async def test_dtypes_and_ops_packed_or_not(dtype: str, op: str) -> None:
         (r0,) = await gather(hs[0](xs[0]))
         assert np.array_equal(r0.value, xs[0])
         await gather(*(h.flush() for h in hs))
+
+
+@pytest.mark.timeout(30)
+async def test_close_stops_one_handle_and_a_waiting_call() -> None:
+    async with local_world(2) as comms:
+        hs = handles(comms, "majority", name="closing")
+        (i,) = initiators("majority", 0, 2, hs[0].seed)
+        waiting = asyncio.ensure_future(hs[1 - i](v(1 - i)))  # waits for its initiator
+        await asyncio.sleep(0.05)
+        await hs[1 - i].close()
+        await hs[1 - i].close()  # idempotent
+        with pytest.raises(TransportClosedError):
+            await gather(waiting)
+        with pytest.raises(TransportClosedError, match="closing"):
+            await hs[1 - i](v(1 - i))
+        assert "PartialAllreduce('majority', name='closing', shape=(2,)" in repr(hs[i])
+        full = await gather(*(c.allreduce(v(r)) for r, c in enumerate(comms)))
+        assert np.array_equal(full[0], total([0, 1]))  # the communicator goes on
+
+
+@pytest.mark.timeout(30)
+async def test_accumulate_mean_averages_each_execution_and_checks_its_arguments() -> None:
+    async with local_world(2, progress="inline") as comms:
+        for bad, match in (("bogus", "accumulate must be"), ("mean", "floating-point")):
+            with pytest.raises(ValueError, match=match):
+                comms[0].partial_allreduce("solo", like=np.zeros(2, np.int32), accumulate=bad)
+        hs = [c.partial_allreduce("solo", like=np.zeros(2), accumulate="mean", name="m")
+              for c in comms]
+        r0 = await asyncio.gather(hs[0](np.full(2, 1.0)), hs[1](np.full(2, 2.0)))
+        assert [r.count for r in r0] == [2, 2]
+        np.testing.assert_allclose(r0[0].value, 1.5)  # one execution: its sum / its count
+        await hs[0](np.full(2, 4.0))                  # execution 1: rank 0 alone
+        late = await hs[1](np.full(2, 16.0))          # returns execution 1 at once
+        assert not late.included
+        np.testing.assert_allclose(late.value, 4.0)
+        await hs[0](np.full(2, 8.0))                  # execution 2: 8 + rank 1's 16, count 2
+        await hs[0](np.full(2, 32.0))                 # execution 3: rank 0 alone
+        r = await hs[1](np.zeros(2))                  # gets executions 2 and 3 at once
+        assert r.missed == 2
+        assert r.count == 3
+        # (8 + 16)/2 + 32/1 = 44, where sum/count would give 56/3
+        np.testing.assert_allclose(r.value, 44.0)

@@ -180,6 +180,48 @@ async def test_blocking_twin_from_threads() -> None:
         assert to_dense(rs[0]).tolist() == [1, 1, 1, 0, 0, 0, 0, 0, 0]
 
 
+# -- comm.sparse_allreduce_handle --------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+async def test_handle_sums_like_the_collective_and_keeps_its_schedule() -> None:
+    P, n = 3, 40
+    async with local_world(P) as comms:
+        hs = [c.sparse_allreduce_handle(n, np.float32, name="grads", density=0.05) for c in comms]
+        assert (hs[0].algorithm, hs[0].name) == ("ssar_recursive_double", "grads")
+        for ci, xs in enumerate(cases(P, n, 11)):
+            rs = await gather(*(h(x) for h, x in zip(hs, xs, strict=True)))
+            assert_same_everywhere(rs)
+            assert np.array_equal(to_dense(rs[0]), np.sum(xs, axis=0)), ci
+        # a name is one handle, taken until the handle is closed
+        with pytest.raises(ValueError, match="already used"):
+            comms[0].sparse_allreduce_handle(n, name="grads")
+        with pytest.raises(TypeError, match="x must"):
+            await hs[0]([1.0])
+        with pytest.raises(ValueError, match="40"):
+            await hs[0](np.zeros(n + 1, np.float32))
+        await gather(*(h.close() for h in hs))
+        with pytest.raises(TransportClosedError, match="grads"):
+            await hs[0](np.zeros(n, np.float32))
+        again = [c.sparse_allreduce_handle(n, name="grads") for c in comms]
+        rs = await gather(*(h(np.ones(n, np.float32)) for h in again))
+        assert np.array_equal(to_dense(rs[0]), np.full(n, P, np.float32))
+
+
+@pytest.mark.timeout(30)
+async def test_handle_closes_after_a_timeout_and_with_the_communicator() -> None:
+    async with local_world(2, progress="inline", timeout=5) as comms:
+        h0, h1 = (c.sparse_allreduce_handle(8, timeout=0.2) for c in comms)
+        with pytest.raises(CollectiveTimeoutError):
+            await h0(np.ones(8, np.float32))  # rank 1 never calls
+        with pytest.raises(TransportClosedError):
+            await h0(np.ones(8, np.float32))
+        with pytest.raises(ValueError, match="density"):
+            comms[0].sparse_allreduce_handle(8, density=2.0)
+        await comms[1].close()
+        with pytest.raises(TransportClosedError):
+            await h1(np.ones(8, np.float32))
+
+
 # -- sparse contributions in partial collectives ----------------------------------------------
 
 N = 16  # delta = 8 for float64 with int32 indices: accumulated data turns dense

@@ -11,7 +11,7 @@ import numpy as np
 
 from asynccoll import Executor, Schedule
 from asynccoll.inspect.kinds import build_all
-from asynccoll.inspect.tracefile import TraceWriter
+from asynccoll.sched import TraceWriter
 from asynccoll.testing import inproc_world
 
 

@@ -1,5 +1,6 @@
 """Explaining hangs: a collective one rank never calls is explained naming that rank, from
-trace snapshots and from live executors; the live-executor registry and the signal dump."""
+trace snapshots and from live executors; the live-op registry (:class:`asynccoll.sched.LiveOps`)
+and its signal dump."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import gc
 import io
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,17 +18,10 @@ from inspect_helpers import buffers_for
 from asynccoll import CollectiveTimeoutError, Executor
 from asynccoll.cli import main
 from asynccoll.inspect.kinds import available_kinds, build_all
-from asynccoll.inspect.pending import (
-    dump_pending,
-    explain,
-    explain_executors,
-    install_signal_handler,
-    live_executors,
-    register_executor,
-    render_explanations,
-    unregister_executor,
-)
-from asynccoll.inspect.tracefile import TraceWriter, load_dir, trace_path
+from asynccoll.inspect.pending import explain, explain_executors, render_explanations
+from asynccoll.inspect.tracefile import load_dir
+from asynccoll.sched import LiveOps, TraceWriter
+from asynccoll.sched.tracefile import trace_path
 from asynccoll.testing import inproc_world
 
 HUNG = [k for k in ("example-doubling", "allreduce") if k in available_kinds()]
@@ -99,10 +94,12 @@ async def test_cli_pending(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 async def test_registry_dump_and_signal(tmp_path: Path) -> None:
     scheds = build_all("example-doubling", 2, 64)
     w = TraceWriter(tmp_path, 0, 2)
+    live = LiveOps()
+    dump_pending, live_executors = live.dump, live.executors
     async with inproc_world(2) as ts:
         exs = [Executor(s, ts[r], buffers_for(s), sched_id=5) for r, s in enumerate(scheds)]
-        register_executor(exs[0], w)
-        register_executor(exs[1])
+        live.add(exs[0], w)
+        live.add(exs[1])
         try:
             exs[0].start()
             await asyncio.sleep(0.01)  # let rank 0's send be delivered
@@ -112,18 +109,19 @@ async def test_registry_dump_and_signal(tmp_path: Path) -> None:
             assert "rank 1 example-doubling (sched_id 5) execution 0: nothing pending" in text
             assert load_dir(tmp_path)[0].pending[5][0]["reason"] == "dump"
             stream = io.StringIO()
-            old = install_signal_handler(signal.SIGUSR1, stream)
+            handler = live.install_signal_handler(signal.SIGUSR1, stream=stream,
+                                                  loop=asyncio.get_running_loop())
             try:
                 os.kill(os.getpid(), signal.SIGUSR1)
-                await asyncio.sleep(0)  # the handler runs between bytecodes of this thread
+                await asyncio.sleep(0)  # the handler schedules the dump on this loop
                 assert "waiting for rank 1" in stream.getvalue()
             finally:
-                signal.signal(signal.SIGUSR1, old)
+                handler.restore()
             fut0 = exs[0].current  # before rank 1 starts: it may complete synchronously
             await asyncio.wait_for(asyncio.gather(fut0, exs[1].start()), 5)
             assert "nothing pending" in dump_pending(write_traces=False).splitlines()[0]
         finally:
-            unregister_executor(exs[0])
+            live.discard(exs[0])
             for ex in exs:
                 ex.close()
             w.close()
@@ -133,3 +131,47 @@ async def test_registry_dump_and_signal(tmp_path: Path) -> None:
     del exs, ex, fut0
     gc.collect()
     assert ident not in {id(x) for x in live_executors()}  # weakly held: gone with its executor
+
+
+def test_signal_handlers_chain_and_restore() -> None:
+    """Several owners in one process all dump; closing restores the handler found at install,
+    even when they close out of order."""
+    before = signal.getsignal(signal.SIGUSR1)
+    streams = [io.StringIO(), io.StringIO()]
+    lives = [LiveOps(), LiveOps()]
+    first = lives[0].install_signal_handler(stream=streams[0])
+    second = lives[1].install_signal_handler(stream=streams[1])
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # no loop: each dumps in the handler
+        assert [s.getvalue() for s in streams] == ["no live executors\n"] * 2
+        first.restore()  # out of order: the second stays installed, forwarding
+        second.restore()
+        assert signal.getsignal(signal.SIGUSR1) == before
+    finally:
+        first.restore()
+        second.restore()
+        signal.signal(signal.SIGUSR1, before)
+
+
+def test_restore_off_the_main_thread_takes_effect_at_the_next_signal() -> None:
+    """A blocking close runs on the progress thread, where handlers cannot be installed: the
+    handler then stops dumping, and the next signal puts back (and goes to) the previous one."""
+    seen: list[int] = []
+
+    def prev(sig: int, frame: object) -> None:
+        seen.append(sig)
+
+    before = signal.signal(signal.SIGUSR1, prev)
+    try:
+        stream = io.StringIO()
+        handler = LiveOps().install_signal_handler(stream=stream)
+        t = threading.Thread(target=handler.restore)
+        t.start()
+        t.join(5)
+        assert signal.getsignal(signal.SIGUSR1) is not prev  # still installed, inactive
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]
+        assert stream.getvalue() == ""
+        assert signal.getsignal(signal.SIGUSR1) is prev  # put back at that signal
+    finally:
+        signal.signal(signal.SIGUSR1, before)

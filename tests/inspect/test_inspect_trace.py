@@ -14,11 +14,14 @@ import pytest
 from inspect_helpers import traced_run
 
 from asynccoll.cli import main
+from asynccoll.errors import TraceFormatError
 from asynccoll.inspect.kinds import build_all
 from asynccoll.inspect.perfetto import perfetto_json, timeline_page
 from asynccoll.inspect.render import match_messages
 from asynccoll.inspect.summary import execution_detail, render_execution, summarize
-from asynccoll.inspect.tracefile import TraceFormatError, TraceWriter, load_dir, trace_path
+from asynccoll.inspect.tracefile import load_dir
+from asynccoll.sched import TraceWriter
+from asynccoll.sched.tracefile import trace_path
 
 
 def validate_trace_events(doc: dict[str, Any]) -> dict[str, int]:

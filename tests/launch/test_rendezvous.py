@@ -154,7 +154,7 @@ async def test_a_world_mismatch_fails_the_waiting_ranks_at_once() -> None:
         first = asyncio.create_task(rendezvous(a, timeout=20.0, generation=0))
         await asyncio.sleep(0.3)
         t0 = asyncio.get_running_loop().time()
-        with pytest.raises(RendezvousError, match="world size 4 but the job's first rank has 3$"):
+        with pytest.raises(RendezvousError, match=r"world size 4 but the job's first rank has 3$"):
             await rendezvous(b, timeout=20.0, generation=0)
         with pytest.raises(RendezvousError, match="aborted: rank 2 has world size 4"):
             await first

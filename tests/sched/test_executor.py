@@ -20,12 +20,15 @@ from asynccoll import (
     TransportClosedError,
     register_kernel,
 )
-from asynccoll.sched import Payload
+from asynccoll.sched import BUILTIN_KERNELS, Payload
 from asynccoll.testing import inproc_world, run_schedules
 from asynccoll.transport import PROTOCOL_VERSION, Format, Header, Kind
 from asynccoll.transport.inproc import InprocTransport
 
 pytestmark = pytest.mark.timeout(20)
+
+#: the built-ins and this module's test kernels (registered below), passed to commit/Executor
+KERNELS = BUILTIN_KERNELS.extended()
 
 FIRES: list[tuple[int, Any]] = []
 
@@ -35,7 +38,7 @@ def _record(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     FIRES.append((params["rank"], [m.header.src for m in msgs]))
 
 
-register_kernel("test_record", _record, replace=True)
+register_kernel(KERNELS, "test_record", _record)
 
 
 def _hdr(src: int = 1, sched: int = 1, execution: int = 0, tag: int = 0) -> Header:
@@ -77,7 +80,8 @@ async def test_or_activation_with_simultaneous_initiators_fires_once() -> None:
         act = t.compute("test_record", deps=recvs, k=1, recvs=recvs, rank=3)
         fwd = t.send(4, None, tag=1, msg="activation", deps=act)
         t.final = t.nop(deps=[act, fwd])
-        target = Executor(t.commit(), ts[3], sched_id=5, persistent=True)
+        target = Executor(t.commit(KERNELS), ts[3], sched_id=5, persistent=True,
+                          kernels=KERNELS)
         f = Schedule(4, P, "leaf")
         f.recv(3, None, tag=1, msg="activation")
         leaf = Executor(f.commit(), ts[4], sched_id=5, persistent=True)
@@ -110,7 +114,7 @@ async def test_k_of_n_fires_after_k_and_ignores_the_rest() -> None:
         recvs = [s.recv(r, None, tag=0) for r in (1, 2, 3)]
         q = s.compute("test_record", deps=recvs, k=2, recvs=recvs, rank=0)
         s.final = q
-        ex = Executor(s.commit(), ts[0], sched_id=2)
+        ex = Executor(s.commit(KERNELS), ts[0], sched_id=2, kernels=KERNELS)
         done = ex.start()
         sends = []
         for r in (2, 3):
@@ -140,7 +144,7 @@ async def test_start_is_idempotent_and_wait_test() -> None:
         s = Schedule(0, 2)
         src = s.compute("test_record", rank=0)
         rcv = s.recv(1, None)
-        ex = Executor(s.commit(), ts[0], sched_id=1)
+        ex = Executor(s.commit(KERNELS), ts[0], sched_id=1, kernels=KERNELS)
         f2, f3 = ex.start(), ex.start()  # the same pending execution, started once
         assert f2 is f3
         assert not ex.test()
@@ -195,7 +199,7 @@ def _boom(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     raise RuntimeError("kernel exploded")
 
 
-register_kernel("test_boom", _boom, replace=True)
+register_kernel(KERNELS, "test_boom", _boom)
 
 
 @pytest.mark.parametrize("offload_bytes", [1 << 30, 0])
@@ -203,8 +207,8 @@ async def test_kernel_failure_names_the_op(offload_bytes: int) -> None:
     async with inproc_world(1) as (t,):
         s = Schedule(0, 1, "k", {"x": 4})
         s.compute("test_boom", ["x"], "x")
-        ex = Executor(s.commit(), t, {"x": np.zeros(4)}, sched_id=1,
-                      offload_bytes=offload_bytes)
+        ex = Executor(s.commit(KERNELS), t, {"x": np.zeros(4)}, sched_id=1,
+                      offload_bytes=offload_bytes, kernels=KERNELS)
         with pytest.raises(ExecutionError, match=r"op 0 compute.*kernel exploded") as info:
             await asyncio.wait_for(ex.start(), 5)
         assert isinstance(info.value.__cause__, RuntimeError)
@@ -277,8 +281,8 @@ def _unpack(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     out[np.frombuffer(msgs[0].payload, np.int32)] = 1
 
 
-register_kernel("test_pack", _pack, replace=True)
-register_kernel("test_unpack", _unpack, replace=True)
+register_kernel(KERNELS, "test_pack", _pack)
+register_kernel(KERNELS, "test_unpack", _unpack)
 
 
 async def test_payload_of_runtime_length() -> None:
@@ -291,7 +295,8 @@ async def test_payload_of_runtime_length() -> None:
         s1.compute("test_unpack", [], "y", deps=r, recvs=[r])
         x = np.array([0, 3, 0, 0, 1, 0, 0, 2], np.float32)
         y = np.zeros(8, np.float32)
-        exs = await run_schedules(ts, [s0.commit(), s1.commit()], [{"x": x}, {"y": y}])
+        exs = await run_schedules(ts, [s0.commit(KERNELS), s1.commit(KERNELS)],
+                                  [{"x": x}, {"y": y}], kernels=KERNELS)
         assert y.tolist() == [0, 1, 0, 0, 1, 0, 0, 1]
         assert exs[0].trace.record(0)["ops"][1][3] == 12  # three int32 indices went out
 
@@ -389,3 +394,26 @@ async def test_pending_is_empty_once_complete() -> None:
         assert await asyncio.wait_for(fut, 1) == 0
         assert ex.pending() == []  # the receive from rank 2 was retired, not pending
         assert ts[0].matcher.posted_count == 0
+
+
+@pytest.mark.timeout(10)
+async def test_activate_fires_the_receive_of_a_forced_activation() -> None:
+    """``Executor.activate`` delivers an activation message to this rank itself: the schedule's
+    receive on that tag from itself fires, for the execution named, and nothing else."""
+    async with inproc_world(2) as (t0, _t1):
+        s = Schedule(0, 2, "forced", {})
+        forced = s.recv(0, None, 5, msg="activation")
+        s.nop(deps=[forced])
+        s.commit()
+        ex = Executor(s, t0, {}, sched_id=9, persistent=True)
+        fut = ex.current
+        await asyncio.sleep(0.01)
+        assert not fut.done()
+        ex.activate(1, 5)  # a later execution's activation is held, not taken by this one
+        await asyncio.sleep(0.01)
+        assert not fut.done()
+        ex.activate(0, 5)
+        assert await asyncio.wait_for(fut, 1) == 0
+        await asyncio.sleep(0.01)
+        assert ex.execution == 2  # the held activation completed execution 1 once it was armed
+        ex.close()

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from asynccoll import register_kernel
-from asynccoll.sched import KERNELS
+from asynccoll.sched import BUILTIN_KERNELS
+
+KERNELS = BUILTIN_KERNELS
 
 
 @pytest.mark.parametrize(("name", "expect"), [
@@ -51,8 +53,38 @@ def test_copy_and_zero() -> None:
 
 
 def test_register_refuses_to_shadow_unless_asked() -> None:
+    mine = KERNELS.extended()  # a registry of one's own: the shared ones are frozen
     with pytest.raises(ValueError, match="'sum' is already registered"):
-        register_kernel("sum", KERNELS["max"])
+        register_kernel(mine, "sum", KERNELS["max"])
     fn = KERNELS["copy"]
-    assert register_kernel("test_alias_copy", fn) is fn
-    assert register_kernel("test_alias_copy", fn, replace=True) is fn
+    assert register_kernel(mine, "test_alias_copy", fn) is fn
+    assert register_kernel(mine, "test_alias_copy", fn, replace=True) is fn
+
+
+def test_shared_registries_are_frozen_and_extended_copies_are_not() -> None:
+    with pytest.raises(TypeError, match="frozen"):
+        register_kernel(BUILTIN_KERNELS, "mine", KERNELS["copy"])
+    mine = BUILTIN_KERNELS.extended({"mine": KERNELS["copy"]})
+    assert not mine.frozen
+    assert "mine" in mine
+    assert "mine" not in BUILTIN_KERNELS
+    assert mine.register("more", KERNELS["zero"]) is KERNELS["zero"]
+    with pytest.raises(ValueError, match="'sum' is already registered"):
+        BUILTIN_KERNELS.extended({"sum": KERNELS["max"]})
+    assert BUILTIN_KERNELS.extended({"sum": KERNELS["max"]}, replace=True)["sum"] \
+        is KERNELS["max"]
+    assert BUILTIN_KERNELS.extended(BUILTIN_KERNELS) == BUILTIN_KERNELS  # same kernels: fine
+    with pytest.raises(TypeError, match="KernelRegistry"):
+        register_kernel({}, "x", KERNELS["copy"])  # type: ignore[arg-type]
+
+
+def test_importing_registers_nothing() -> None:
+    """Kernel registries are values: the collectives' one is built from their modules' values,
+    and importing them adds nothing to the built-ins."""
+    from asynccoll.collectives import KERNELS as ALL
+    from asynccoll.collectives import PARTIAL_KERNELS, SPARSE_KERNELS, SPARSE_PARTIAL_KERNELS
+
+    assert sorted(BUILTIN_KERNELS) == ["copy", "max", "min", "prod", "reduce", "sum", "zero"]
+    assert ALL.frozen
+    assert set(ALL) == set(PARTIAL_KERNELS) | set(SPARSE_KERNELS) | set(SPARSE_PARTIAL_KERNELS)
+    assert {"partial_snapshot", "partial_sparse_snapshot", "sparse.merge"} <= set(ALL)

@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asynccoll import Executor, Schedule, register_kernel
+from asynccoll.sched import BUILTIN_KERNELS
 from asynccoll.testing import inproc_world
 
 pytestmark = pytest.mark.timeout(90)
@@ -48,7 +49,9 @@ def _tally_sum(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
             np.add(out, x, out=out)
 
 
-register_kernel("test_tally_sum", _tally_sum, replace=True)
+#: the built-ins and the probe kernel, passed to commit and to the executors
+KERNELS = BUILTIN_KERNELS.extended()
+register_kernel(KERNELS, "test_tally_sum", _tally_sum)
 
 
 def _check_threshold_order(s: Schedule, rec: dict[str, Any]) -> None:
@@ -95,7 +98,7 @@ def local_dags(draw: st.DrawFn) -> Local:
         fired.append(f)
         completed.append(f and kind != "recv")
     s.final = s.nop(deps=[i for i in range(n) if completed[i]], label="final")
-    return Local(s.commit(), fired, completed, computes)
+    return Local(s.commit(KERNELS), fired, completed, computes)
 
 
 @settings(max_examples=150)
@@ -106,7 +109,7 @@ def test_single_rank_fires_the_fixpoint_once(dag: Local, persistent: bool) -> No
     async def main() -> list[dict[str, Any]]:
         async with inproc_world(1) as (t,):
             ex = Executor(dag.schedule, t, {"x": np.zeros(1)}, sched_id=3,
-                          persistent=persistent)
+                          persistent=persistent, kernels=KERNELS)
             for e in range(executions):
                 assert await asyncio.wait_for(ex.start(), 5) == e
                 for i in dag.computes:
@@ -190,7 +193,7 @@ def split(g: Global) -> list[Schedule]:
                              rank=r, task=t)
     for s in ss:
         s.final = s.nop(deps=range(len(s.ops)), label="final")
-        s.commit()
+        s.commit(KERNELS)
     return ss
 
 
@@ -227,7 +230,7 @@ async def run_split(g: Global, executions: int) -> tuple[list[Schedule], list[Ex
                     bufs[r][f"init{t}"][:] = init_value(t, e + 1)
 
             exs.append(Executor(s, ts[r], bufs[r], sched_id=9, persistent=True,
-                                on_complete=on_complete))
+                                on_complete=on_complete, kernels=KERNELS))
         pauses = [[rng.random() * 2 * g.delay for _ in range(executions)]
                   for _ in range(g.world)]
 

@@ -90,14 +90,14 @@ def test_a_broken_transport_fails_the_suite() -> None:
     @asynccontextmanager
     async def corrupting_pair() -> AsyncIterator[tuple[Transport, Transport]]:
         async with inproc_pair() as (t0, t1):
-            orig = t1._deliver  # type: ignore[attr-defined]
+            orig = t1.arrive  # type: ignore[attr-defined]
 
             def deliver(header: Any, data: memoryview) -> Any:
                 if len(data):
                     data = memoryview(bytes(data)[::-1])
                 return orig(header, data)
 
-            t1._deliver = deliver  # type: ignore[attr-defined]
+            t1.arrive = deliver  # type: ignore[attr-defined]
             yield t0, t1
 
     with pytest.raises(AssertionError, match="sizes"):

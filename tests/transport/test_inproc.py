@@ -47,16 +47,29 @@ async def test_listen_rejects_other_schemes_and_double_listen() -> None:
     with pytest.raises(ValueError, match="cannot listen on 'tcp://"):
         await t.listen("tcp://127.0.0.1:1")
     async with inproc_world(1) as (t0,):
-        dup = InprocTransport(0, 1, fabric=t0._fabric)
+        dup = InprocTransport(0, 1, fabric=t0.fabric)
         with pytest.raises(ValueError, match="rank 0 already listens"):
             await dup.listen()
 
 
-def test_fabric_names_are_unique() -> None:
-    f = InprocFabric("unique-name-test")
-    with pytest.raises(ValueError, match="already exists"):
-        InprocFabric("unique-name-test")
+async def test_fabric_names_are_unique_per_loop() -> None:
+    f = InprocFabric.get("unique-name-test")
+    assert InprocFabric.get("unique-name-test") is f  # one name, one fabric on this loop
+    owned = InprocFabric("unique-name-test")  # its creator passes it on; no name finds it
+    assert owned is not f
     assert InprocFabric.get("unique-name-test") is f
+    elsewhere = await asyncio.to_thread(asyncio.run, _named("unique-name-test"))
+    assert elsewhere is not f  # another loop, another namespace
+
+
+async def _named(name: str) -> InprocFabric:
+    return InprocFabric.get(name)
+
+
+async def test_worlds_own_their_fabrics() -> None:
+    async with inproc_world(2) as (a, b):
+        assert a.fabric is b.fabric is not None
+        assert InprocFabric.get(a.fabric.name) is not a.fabric  # not registered by name
 
 
 async def test_connect_waits_for_a_peer_that_listens_later(world: Any) -> None:

@@ -1,4 +1,4 @@
-"""The compute kernels of the sparse allreduce schedules (``sparse.*``), registered on import.
+"""The compute kernels of the sparse allreduce schedules (``sparse.*``): :data:`SPARSE_KERNELS`.
 
 Each reads stream buffers from its input slots and received frames from its messages, writes
 its result into its output slot and returns it as the payload of the next send (see
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...buffers import dtype_to_wire
-from ...sched import Payload, register_kernel
+from ...sched import BUILTIN_KERNELS, Payload
 from ...transport.frames import Format
 from . import quantize as qsgd
 from .streams import (
@@ -31,7 +31,7 @@ from .streams import (
 )
 from .streams import _Union as Union
 
-__all__ = ["partition"]
+__all__ = ["SPARSE_KERNELS", "partition"]
 
 
 def partition(size: int, world_size: int) -> list[tuple[int, int]]:
@@ -222,9 +222,8 @@ def _k_dequantize(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     qsgd.dequantize(q, out=out)
 
 
-for _name, _fn in (("sparse.emit", _k_emit), ("sparse.store", _k_store),
-                   ("sparse.merge", _k_merge), ("sparse.piece", _k_piece),
-                   ("sparse.reduce", _k_reduce), ("sparse.assemble", _k_assemble),
-                   ("sparse.reduce_dense", _k_reduce_dense),
-                   ("sparse.dequantize", _k_dequantize)):
-    register_kernel(_name, _fn, replace=True)
+#: the kernels a sparse allreduce schedule names: the built-ins and ``sparse.*`` (frozen)
+SPARSE_KERNELS = BUILTIN_KERNELS.extended({
+    "sparse.emit": _k_emit, "sparse.store": _k_store, "sparse.merge": _k_merge,
+    "sparse.piece": _k_piece, "sparse.reduce": _k_reduce, "sparse.assemble": _k_assemble,
+    "sparse.reduce_dense": _k_reduce_dense, "sparse.dequantize": _k_dequantize}).freeze()

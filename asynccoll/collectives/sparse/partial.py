@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 
 from ...buffers import dtype_to_wire
-from ...sched import Schedule, SlotSpec, register_kernel
-from ...sched.kernels import KERNELS
+from ...sched import Schedule, SlotSpec
 from ..dense import build_allreduce
 from ..partial import (
     STATE_LEN,
@@ -40,10 +39,12 @@ from ..partial import (
     signature,
     write_meta,
 )
+from .kernels import SPARSE_KERNELS
 from .schedules import ALGORITHMS, append_sparse_allreduce, sparse_tags
 from .streams import default_delta, index_dtype, stream_capacity
 
-__all__ = ["PREFIX", "build_sparse_partial_allreduce", "sparse_signature", "stream_nbytes"]
+__all__ = ["PREFIX", "SPARSE_PARTIAL_KERNELS", "build_sparse_partial_allreduce",
+           "sparse_signature", "stream_nbytes"]
 
 #: the prefix of the sparse allreduce's slots in the schedule
 PREFIX = "sp_"
@@ -111,7 +112,7 @@ def build_sparse_partial_allreduce(rank: int, world_size: int, size: int, dtype:
     s.meta["partial"] = {"kind": kind, "op": "sum", "quorum": k, "count": int(size),
                          "dtype": dtype_to_wire(dt), "packed": False, "sparse": True}
     s.meta.update(result=res, capacity=cap, algorithm=algorithm, delta=d)
-    return s.commit()
+    return s.commit(SPARSE_PARTIAL_KERNELS)
 
 
 def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
@@ -128,5 +129,6 @@ def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     write_meta(meta, state, params)
 
 
-if "partial_sparse_snapshot" not in KERNELS:
-    register_kernel("partial_sparse_snapshot", _snapshot)
+#: the kernels a sparse partial allreduce schedule names: the sparse allreduce's
+#: (:data:`~.kernels.SPARSE_KERNELS`, built-ins included) and ``partial_sparse_snapshot``
+SPARSE_PARTIAL_KERNELS = SPARSE_KERNELS.extended({"partial_sparse_snapshot": _snapshot}).freeze()

@@ -1,4 +1,4 @@
-"""Sparse allreduce schedules (SparCML §5.3) and the :func:`sparse_allreduce` entry point.
+"""Sparse allreduce schedules (SparCML §5.3): builders, the algorithm choice, stream I/O.
 
 Three algorithms, for every world size P >= 1:
 
@@ -41,12 +41,11 @@ from typing import Any
 
 import numpy as np
 
-from ...buffers import dtype_to_wire, is_cupy
-from ...sched import Executor, Schedule, SlotSpec
+from ...buffers import dtype_to_wire
+from ...sched import Schedule, SlotSpec
 from ...sched.schedule import BufRef
-from ...transport.base import Transport
 from . import quantize as qsgd
-from .kernels import partition
+from .kernels import SPARSE_KERNELS, partition
 from .streams import (
     SparseVector,
     default_delta,
@@ -58,9 +57,8 @@ from .streams import (
     write_piece,
 )
 
-__all__ = ["ALGORITHMS", "SparseAllreduce", "append_sparse_allreduce", "build_sparse_allreduce",
-           "choose_algorithm", "load_stream", "partition", "read_result", "sparse_allreduce",
-           "sparse_tags"]
+__all__ = ["ALGORITHMS", "append_sparse_allreduce", "build_sparse_allreduce", "choose_algorithm",
+           "load_stream", "partition", "read_result", "sparse_tags"]
 
 ALGORITHMS = ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather")
 
@@ -166,17 +164,18 @@ def build_sparse_allreduce(rank: int, world_size: int, size: int, dtype: Any = n
                            quantize: int | None = None, bucket: int = 512) -> Schedule:
     """The committed schedule of ``rank`` for a sparse allreduce of length-``size`` vectors.
 
-    Slots (all bound by :class:`SparseAllreduce`): stream buffers of bytes (``s0``/``s1``/``in``,
-    ``stg``, ``blk``, ``res``), ``out`` (dense result, DSAR) and ``seed`` (one uint64 per
-    execution, for quantisation). ``schedule.meta["input"]`` and ``["result"]`` name the slots
-    of the input stream and of the result. Raises ``ValueError`` naming a bad argument.
+    Slots (all bound by the runtime, :class:`asynccoll.comm.sparse.SparseAllreduce`): stream
+    buffers of bytes (``s0``/``s1``/``in``, ``stg``, ``blk``, ``res``), ``out`` (dense result,
+    DSAR) and ``seed`` (one uint64 per execution, for quantisation). ``schedule.meta["input"]``
+    and ``["result"]`` name the slots of the input stream and of the result. Raises
+    ``ValueError`` naming a bad argument.
     """
     s = Schedule(rank, world_size, f"sparse_allreduce/{algorithm}")
     done, src, res = append_sparse_allreduce(s, size, dtype, algorithm=algorithm, delta=delta,
                                              quantize=quantize, bucket=bucket)
     s.meta.update(s.meta["sparse"][""], input=src, result=res)
     s.final = done
-    return s.commit()
+    return s.commit(SPARSE_KERNELS)
 
 
 class _Ctx:
@@ -302,141 +301,3 @@ def read_result(buf: np.ndarray, size: int, dtype: Any) -> SparseVector | np.nda
         return buf
     res = read_stream(buf, size, dtype)
     return res.without_zeros() if isinstance(res, SparseVector) else res
-
-
-# -- running it --------------------------------------------------------------------------------
-
-class SparseAllreduce:
-    """A sparse allreduce of length-``size`` vectors for the rank of ``transport``, reusable.
-
-    Every rank must construct it with the same ``size``, ``dtype``, algorithm, ``delta``,
-    ``quantize`` and ``sched_id``. :meth:`run` may be called repeatedly (one execution each, in
-    the same order on every rank); each run binds fresh buffers, so earlier results stay valid
-    and are never copied. After a failed or timed-out run, :meth:`close` it.
-    """
-
-    def __init__(self, transport: Transport, size: int, dtype: Any = np.float32, *,
-                 sched_id: int, density: float | None = None, algorithm: str | None = None,
-                 delta: float | None = None, quantize: int | None = None, bucket: int = 512,
-                 seed: int = 0) -> None:
-        dt = np.dtype(dtype)
-        if algorithm is None:
-            algorithm = "dsar_split_allgather" if quantize is not None else \
-                choose_algorithm(density, transport.world_size, size, dt, delta)
-        self.transport = transport
-        self.size = size
-        self.dtype = dt
-        self.seed = seed
-        self.schedule = build_sparse_allreduce(transport.rank, transport.world_size, size, dt,
-                                               algorithm=algorithm, delta=delta,
-                                               quantize=quantize, bucket=bucket)
-        self.algorithm = algorithm
-        md = self.schedule.meta["delta"]
-        self.delta = math.inf if md is None else float(md)
-        self.sched_id = sched_id
-        self.executor: Executor | None = None
-        self.runs = 0
-
-    def _buffers(self, x: SparseVector | np.ndarray) -> dict[str, np.ndarray]:
-        bufs: dict[str, np.ndarray] = {}
-        for slot, spec in self.schedule.slots.items():
-            assert spec.count is not None
-            bufs[slot] = np.empty(spec.count, np.dtype(spec.dtype or "u1"))
-        load_stream(bufs[self.schedule.meta["input"]], x, self.size, self.dtype, self.delta)
-        if "seed" in bufs:
-            bufs["seed"][0] = np.uint64((self.seed * 1_000_003 + self.runs) % (1 << 63))
-        return bufs
-
-    def _check(self, x: Any) -> SparseVector | np.ndarray:
-        if isinstance(x, SparseVector):
-            if x.size != self.size:
-                raise ValueError(f"x has size {x.size}, the allreduce expects {self.size}")
-            if x.values.dtype != self.dtype:
-                raise ValueError(f"x has dtype {x.values.dtype}, the allreduce expects "
-                                 f"{self.dtype}")
-            return x
-        if not isinstance(x, np.ndarray):
-            raise TypeError(f"x must be a SparseVector or a NumPy array, got "
-                            f"{type(x).__name__}")
-        if not x.flags.c_contiguous:
-            raise ValueError("x must be C-contiguous")
-        if x.size != self.size or x.dtype != self.dtype:
-            raise ValueError(f"x has {x.size} entries of {x.dtype}, the allreduce expects "
-                             f"{self.size} of {self.dtype}")
-        return x.reshape(-1)
-
-    async def run(self, x: SparseVector | np.ndarray, *, timeout: float | None = None
-                  ) -> SparseVector | np.ndarray:
-        """Sum ``x`` over all ranks; the result as the module docstring describes.
-
-        Raises ``TypeError``/``ValueError`` naming ``x``, :class:`CollectiveTimeoutError`
-        listing what is awaited, or the execution's error (``ExecutionError``,
-        ``PeerLostError``).
-        """
-        x = self._check(x)
-        bufs = self._buffers(x)
-        if self.executor is None:
-            self.executor = Executor(self.schedule, self.transport, bufs,
-                                     sched_id=self.sched_id)
-        else:
-            self.executor.bind(bufs)
-        self.executor.start()
-        await self.executor.wait(timeout)
-        self.runs += 1
-        return read_result(bufs[self.schedule.meta["result"]], self.size, self.dtype)
-
-    def close(self) -> None:
-        """Stop the executor and retire its receives."""
-        if self.executor is not None:
-            self.executor.close()
-
-
-def _host(a: Any) -> np.ndarray:
-    out: np.ndarray = a.get()
-    return out
-
-
-async def sparse_allreduce(transport: Transport, x: SparseVector | np.ndarray, *,
-                           sched_id: int, density: float | None = None,
-                           algorithm: str | None = None, quantize: int | None = None,
-                           delta: float | None = None, bucket: int = 512, seed: int = 0,
-                           timeout: float | None = None) -> SparseVector | np.ndarray:
-    """Sum sparse (or sparsified dense) ``x`` over every rank of ``transport``.
-
-    ``x``: a :class:`SparseVector` or a 1-D NumPy array (its nonzeros are the contribution; a
-    CuPy array is staged through host memory and the result returned as CuPy).
-    ``density``: the expected fraction of nonzeros per rank, the same on every rank, to choose
-    the algorithm (:func:`choose_algorithm`); ``algorithm`` overrides it. ``quantize``: 2, 4 or
-    8 to QSGD-quantise the dense stage (implies ``dsar_split_allgather``). ``delta``: the
-    switch point (default ``N*isize/(c+isize)``; ``0`` always dense, ``math.inf`` never).
-    ``sched_id`` must be the same on every rank and unused by concurrent collectives.
-
-    Returns a SparseVector while the reduction stayed sparse, else a dense array (see the
-    module docstring); bitwise identical on every rank. Raises as :meth:`SparseAllreduce.run`.
-    """
-    cupy_in = is_cupy(x) or (isinstance(x, SparseVector) and is_cupy(x.values))
-    if cupy_in:
-        x = SparseVector(_host(x.indices), _host(x.values), x.size) \
-            if isinstance(x, SparseVector) else _host(x)
-    if isinstance(x, SparseVector):
-        size, dt = x.size, x.values.dtype
-    elif isinstance(x, np.ndarray):
-        size, dt = x.size, x.dtype
-    else:
-        raise TypeError(f"x must be a SparseVector or an array, got {type(x).__name__}")
-    op = SparseAllreduce(transport, size, dt, sched_id=sched_id, density=density,
-                         algorithm=algorithm, delta=delta, quantize=quantize, bucket=bucket,
-                         seed=seed)
-    try:
-        res = await op.run(x, timeout=timeout)
-    finally:
-        op.close()
-    if cupy_in:
-        import cupy
-
-        if isinstance(res, SparseVector):
-            return SparseVector(cupy.asarray(res.indices), cupy.asarray(res.values), res.size,
-                                check=False)
-        dev: np.ndarray = cupy.asarray(res)
-        return dev
-    return res

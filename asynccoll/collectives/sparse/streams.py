@@ -1,7 +1,8 @@
 """Sparse vectors and sparse streams (SparCML §5.1): representation, top-k, vectorised merges.
 
-The representation, its constructors and top-k live in :mod:`.sparse_vector` and are
-re-exported here; this module adds the merges and the stream format. A :class:`SparseVector`
+The representation, its constructors, top-k and the two-way sum :func:`add` live in
+:mod:`.vector` and are re-exported here; this module adds the many-way merges and the stream
+format. A :class:`SparseVector`
 holds the nonzeros of a length-``size`` vector as sorted unique
 ``indices`` (``int32`` when ``size < 2**31``, else ``int64``) and ``values`` of a numeric dtype.
 Sums of sparse vectors switch to a dense array once the result holds more than
@@ -34,6 +35,7 @@ from .vector import (
     SparseVector,
     _coalesce,
     _dense_arg,
+    add,
     bucket_topk,
     default_delta,
     from_dense,
@@ -42,6 +44,7 @@ from .vector import (
     to_dense,
     topk,
 )
+from .vector import _Union as _Union  # re-exported for the merge kernels (.kernels)
 
 __all__ = [
     "Piece",
@@ -70,67 +73,6 @@ __all__ = [
 
 _HDR = 16
 # -- merges ------------------------------------------------------------------------------------
-
-class _Union:
-    """The sorted union of two sorted unique index sets, before its values are summed.
-
-    One stable sort of the concatenation (two sorted runs: linear-time in practice) puts
-    ``a``'s entry of a shared index right before ``b``'s; ``size`` is the union's size.
-    """
-
-    __slots__ = ("dup", "idx", "size", "vals")
-
-    def __init__(self, ia: np.ndarray, va: np.ndarray, ib: np.ndarray, vb: np.ndarray,
-                 dtype: np.dtype[Any]) -> None:
-        c = np.concatenate((ia, ib))
-        order = np.argsort(c, kind="stable")
-        self.idx = c[order]
-        self.vals = np.concatenate((va.astype(dtype, copy=False),
-                                    vb.astype(dtype, copy=False)))[order]
-        #: positions i whose index repeats at i + 1 (a's entry, then b's)
-        self.dup = np.flatnonzero(self.idx[1:] == self.idx[:-1])
-        self.size = int(self.idx.size - self.dup.size)
-
-    def write(self, oi: np.ndarray, ov: np.ndarray) -> None:
-        """Write the union into ``oi``/``ov`` (sized ``self.size``); shared indices get
-        ``a + b``, which equals ``b + a`` bit for bit."""
-        if not self.dup.size:
-            oi[:] = self.idx
-            ov[:] = self.vals
-            return
-        self.vals[self.dup] += self.vals[self.dup + 1]
-        keep = np.ones(self.idx.size, dtype=bool)
-        keep[self.dup + 1] = False
-        np.compress(keep, self.idx, out=oi)
-        np.compress(keep, self.vals, out=ov)
-
-
-def add(a: SparseVector, b: SparseVector, delta: float | None = None
-        ) -> SparseVector | np.ndarray:
-    """``a + b``: a SparseVector while the union has at most ``delta`` entries, else dense.
-
-    ``delta`` defaults to :func:`default_delta`. Commutative bit for bit. Costs
-    O(|a| + |b|) sparse (a stable sort of two sorted runs), O(N) when the result is dense.
-    """
-    if a.size != b.size:
-        raise ValueError(f"sizes differ: {a.size} and {b.size}")
-    dt = np.result_type(a.values.dtype, b.values.dtype)
-    if delta is None:
-        delta = default_delta(a.size, dt)
-    if a.nnz + b.nnz > delta:  # |H1| + |H2| bounds the union; only then count it
-        u = _Union(a.indices, a.values, b.indices, b.values, dt)
-        if u.size > delta:
-            out = np.zeros(a.size, dt)
-            out[a.indices] += a.values
-            out[b.indices] += b.values
-            return out
-    else:
-        u = _Union(a.indices, a.values, b.indices, b.values, dt)
-    oi = np.empty(u.size, a.indices.dtype)
-    ov = np.empty(u.size, dt)
-    u.write(oi, ov)
-    return SparseVector(oi, ov, a.size, check=False)
-
 
 #: a part of a vector: sparse (global indices) or a dense array of the range's entries
 Piece: TypeAlias = "SparseVector | np.ndarray"

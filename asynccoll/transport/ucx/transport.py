@@ -34,6 +34,10 @@ Design (the reasons are measured; see ``docs/transports.md``):
   operation that needs the rank. A peer that fails the handshake, sends a malformed frame or
   exceeds the limits is disconnected with a logged reason. :meth:`UcxTransport.close` says
   goodbye first, so that frames already sent are read and peers learn of an orderly close.
+
+The machinery under it lives beside it: :mod:`.progress` (the event-loop progress engine),
+:mod:`.handshake` (authentication and what a connection settles), :mod:`.library` (the lazy
+``ucxx`` import and the UCX settings of each context), :mod:`.device` (CuPy memory views).
 """
 
 from __future__ import annotations
@@ -42,12 +46,10 @@ import asyncio
 import functools
 import logging
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-import numpy as np
-
-from ...buffers import is_cupy
+from ...buffers import as_bytes, is_cupy
 from ...errors import (
     AuthenticationError,
     PeerLostError,
@@ -56,30 +58,24 @@ from ...errors import (
     TransportError,
 )
 from .. import auth
-from ..base import Transport, _readable_bytes
+from ..base import Transport, lost
 from ..frames import Header, Limits, Message, decode_header, encode_header
-from ..matching import Slot
+from ..matching import HeldOrder, Slot
 from ..registry import parse_address
-from .support import (
-    DeviceView,
-    HeldOrder,
-    Link,
-    Progress,
-    handshake_acceptor,
-    handshake_connector,
-    ignore,
-    load,
-    target,
-)
+from .device import DeviceView, byte_view, target
+from .handshake import Link, handshake_acceptor, handshake_connector
+from .library import context_options, load
+from .progress import Progress
 
-__all__ = ["PROGRESS_MODES", "UcxTransport"]
+__all__ = ["PREFIX", "PROGRESS_MODES", "UcxTransport"]
 
 log = logging.getLogger("asynccoll.transport.ucx")
 
 #: progress modes this transport implements (see the module docstring for why only this one)
 PROGRESS_MODES = ("blocking",)
 
-_PREFIX = struct.Struct("<HB")  # header length, flags
+#: what a header message starts with: (header length, flags); then the msgpack header
+PREFIX = struct.Struct("<HB")
 _INLINE = 1  # flag: the payload follows the header in the same message
 _BYE = 2  # flag, no header: the sender is closing; nothing follows
 _BYE_ACK = 4  # flag, no header: the answer to _BYE, sent after every frame before it was read
@@ -88,6 +84,7 @@ _BYE_ACK = 4  # flag, no header: the answer to _BYE, sent after every frame befo
 _EAGER_BYTES = 8192
 _CLOSE_S = 0.5  # how long close() lets the endpoint closes progress
 _CLOSE_NS = 100_000_000  # how long cancelling in-flight requests may take
+
 
 class _Peer:
     """One authenticated endpoint and the tags of its two directions."""
@@ -128,7 +125,8 @@ class UcxTransport(Transport):
     ``secret``: the job secret (at least 16 bytes) every connection must prove knowledge of.
     ``progress_mode``: ``"blocking"`` (the default and only mode; see the module docstring).
     ``ucx_options``: UCX configuration for this transport's context, without the ``UCX_``
-    prefix (``{"TLS": "tcp,self"}``); environment variables ``UCX_*`` apply first.
+    prefix (``{"TLS": "tcp,self"}``), over :data:`.library.DEFAULT_OPTIONS`; both override the
+    environment variables ``UCX_*``.
     ``shared_memory``: between two ranks on one host that both ask for it, frames travel over a
     second endpoint made from the peer's UCX worker address without endpoint error handling, on
     which UCX picks shared memory (sysv/posix, and cma for large messages) instead of TCP; the
@@ -138,7 +136,10 @@ class UcxTransport(Transport):
     ``handshake_timeout``: seconds an accepted connection may take to authenticate.
 
     The transport must be used from one event loop; ``listen`` and ``connect`` bind it to the
-    running loop. Connections: the lower rank of each pair dials the higher one (as tcp://).
+    running loop. :meth:`listen` defaults to ``ucx://127.0.0.1:0`` (port 0: a free one); UCX
+    listens on every interface and the host given is the one published; it raises
+    :class:`TransportError` when UCX cannot listen (the port is taken, say). Connections: the
+    lower rank of each pair dials the higher one (as tcp://), retrying until the deadline.
     """
 
     scheme = "ucx"
@@ -152,19 +153,15 @@ class UcxTransport(Transport):
         mode = "blocking" if progress_mode is None else progress_mode
         if mode not in PROGRESS_MODES:
             raise ValueError(f"progress_mode must be one of {PROGRESS_MODES}, got {mode!r}")
-        if ucx_options is not None and not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in ucx_options.items()):
-            raise TypeError("ucx_options must map str to str")
+        self._options = context_options(ucx_options)
         if handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout}")
         load()
         self.progress_mode = mode
         self.shared_memory = bool(shared_memory)
-        self._options = dict(ucx_options or {})
         self._handshake_timeout = handshake_timeout
-        self._hbytes = _PREFIX.size + self.limits.max_header_bytes + _EAGER_BYTES
+        self._hbytes = PREFIX.size + self.limits.max_header_bytes + _EAGER_BYTES
         self._address = ""
-        self._closed = False
         self._context: Any = None
         self._worker: Any = None
         self._listener: Any = None
@@ -175,6 +172,7 @@ class UcxTransport(Transport):
         self._tasks: set[asyncio.Task[None]] = set()
         self._dropped: list[Any] = []
         self._order = HeldOrder(self.matcher.complete)
+        self._on_send_error = self._send_failed  # bound once, not per send: each _Send holds it
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- setup -------------------------------------------------------------------------------
@@ -203,16 +201,10 @@ class UcxTransport(Transport):
             raise RuntimeError("a UcxTransport must be used from the loop that started it")
         return self._progress
 
-    async def listen(self, address: str = "ucx://127.0.0.1:0") -> str:
-        """Accept connections on ``host:port`` (port 0: any free one); return the address.
-
-        UCX listens on every interface of the host; ``host`` is the address published to
-        peers. Raises ``ValueError`` for an address that is not ``ucx://HOST:PORT`` and
-        :class:`TransportError` when UCX cannot listen (the port is taken, say).
-        """
+    async def _listen(self, address: str | None) -> str:
+        # UCX listens on every interface of the host; ``host`` is the address published
+        address = address or "ucx://127.0.0.1:0"
         host, port = _split(address, "address")
-        if self._listener is not None:
-            raise RuntimeError(f"already listening on {self._address}")
         self._start()
         lib = load().lib
         try:
@@ -226,25 +218,16 @@ class UcxTransport(Transport):
         self._address = f"ucx://{host}:{self._listener.port}"
         return self._address
 
-    async def connect(self, peers: Mapping[int, str], timeout: float = 30.0) -> None:
-        """Connect to every rank in ``peers`` within ``timeout`` seconds.
-
-        Ranks above this one are dialled (retrying with backoff until the deadline); ranks
-        below connect to us, and this waits for them. Raises :class:`PeerLostError` naming a
-        rank not connected in time and :class:`AuthenticationError` when a peer fails the
-        handshake.
-        """
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {timeout}")
+    async def _connect(self, peers: Mapping[int, str], timeout: float) -> None:
+        # Ranks above this one are dialled (retrying with backoff until the deadline); ranks
+        # below connect to us, and this waits for them.
         self._start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         dials = []
         for rank, addr in peers.items():
-            if not 0 <= rank < self.world_size:
-                raise ValueError(f"peer rank {rank} outside 0..{self.world_size - 1}")
             _split(addr, f"peer {rank} address")
-            if rank == self.rank or rank in self._peers:
+            if rank in self._peers:
                 continue
             if rank > self.rank:
                 dials.append(self._dial(rank, addr, deadline))
@@ -288,7 +271,7 @@ class UcxTransport(Transport):
                 if self._closed:
                     raise TransportClosedError("transport closed while connecting") from exc
                 if loop.time() + delay >= deadline:
-                    raise _lost(rank, f"could not connect to {address}: {exc!r}", exc) from exc
+                    raise lost(rank, f"could not connect to {address}: {exc!r}", exc) from exc
                 log.debug("rank %d: connecting to rank %d at %s: %r; retrying", self.rank, rank,
                           address, exc)
                 await asyncio.sleep(delay)
@@ -369,15 +352,15 @@ class UcxTransport(Transport):
             self._lose(p, "receive failed", exc)
             return
         raw = memoryview(p.hbuf)
-        hlen, flags = _PREFIX.unpack_from(raw)
+        hlen, flags = PREFIX.unpack_from(raw)
         if flags & (_BYE | _BYE_ACK) and not hlen:
             self._on_bye(p, flags)
             return
-        start = _PREFIX.size + hlen
+        start = PREFIX.size + hlen
         try:
             if start > len(raw):
                 raise ProtocolError(f"header length {hlen} exceeds the message")
-            h = decode_header(raw[_PREFIX.size:start], self.world_size, self.limits)
+            h = decode_header(raw[PREFIX.size:start], self.world_size, self.limits)
             if h.src != p.rank:
                 raise ProtocolError(f"frame claims source rank {h.src}")
             if flags & _INLINE and start + h.length > len(raw):
@@ -410,10 +393,10 @@ class UcxTransport(Transport):
         self._post_header_recv(p)  # our own goodbye's answer may still come
 
     def _send_control(self, p: _Peer, flags: int) -> None:
-        msg = _PREFIX.pack(0, flags)
+        msg = PREFIX.pack(0, flags)
         arr = load().Array(msg)
         assert self._progress is not None
-        self._progress.watch(p.tx.tag_send(arr, p.send_htag), functools.partial(ignore, arr))
+        self._progress.watch(p.tx.tag_send(arr, p.send_htag), functools.partial(_ignore, arr))
 
     def _on_payload(self, p: _Peer, slot: Slot, entry: list[Any] | None, _arr: Any,
                     exc: BaseException | None) -> None:
@@ -427,82 +410,60 @@ class UcxTransport(Transport):
             slot.posted.fut.set_exception(err)
         self._lose(p, "payload receive failed", exc)
 
-    def post_recv(self, src: int, sched: int, execution: int, tag: int,
-                  buf: Any = None) -> asyncio.Future[Message]:
-        """As :meth:`Transport.post_recv`; ``buf`` may also be a CuPy array (device memory)."""
+    def _post_recv(self, src: int, sched: int, execution: int, tag: int,
+                   buf: Any) -> asyncio.Future[Message]:
+        # ``buf`` may also be a CuPy array: the payload lands in device memory
         if is_cupy(buf):
-            if not 0 <= src < self.world_size:
-                raise ValueError(f"src must be in 0..{self.world_size - 1}, got {src}")
-            if not buf.flags.c_contiguous:
-                raise ValueError("receive buffer must be C-contiguous")
-            view: Any = DeviceView(buf.reshape(-1).view(np.uint8))
+            view: Any = DeviceView(byte_view(buf, "receive buffer"))
             return self.matcher.post(src, sched, execution, tag, view)
-        return super().post_recv(src, sched, execution, tag, buf)
+        return super()._post_recv(src, sched, execution, tag, buf)
 
     # -- sending -----------------------------------------------------------------------------
-    def post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
-        """Send a frame; the future resolves once UCX no longer needs ``payload``.
+    def _send_view(self, payload: Any) -> Any:
+        if is_cupy(payload):
+            return byte_view(payload, "payload")  # sent from device memory
+        return as_bytes(payload, "payload")
 
-        Payloads up to about 8 KiB are copied into the header message; larger ones (and CuPy
-        arrays, sent from device memory) go as a second message straight from ``payload``.
-        """
-        if not 0 <= dst < self.world_size:
-            raise ValueError(f"dst must be in 0..{self.world_size - 1}, got {dst}")
-        if header.src != self.rank:
-            raise ValueError(f"header.src is {header.src}, but this is rank {self.rank}")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        if self._closed:
-            fut.set_exception(TransportClosedError("transport closed"))
-            return fut
-        if dst == self.rank:
-            return self._loopback(header, payload)
+    def _post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
+        # The future resolves once UCX no longer needs ``payload``. Payloads up to about 8 KiB
+        # are copied into the header message; larger ones (and device memory) go as a second
+        # message straight from ``payload``.
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         p = self._peers.get(dst)
         if p is None or p.lost is not None:
             fut.set_exception(p.lost if p is not None and p.lost is not None
                               else PeerLostError(dst, "not connected"))
             return fut
-        device = is_cupy(payload)
-        if device:
-            if int(payload.nbytes) != header.length:
-                raise ValueError(f"payload has {payload.nbytes} bytes, header says "
-                                 f"{header.length}")
-            data: Any = payload
-        else:
-            data = _readable_bytes(payload)
-            if len(data) < header.length:
-                raise ValueError(f"payload has {len(data)} bytes, header says {header.length}")
-            data = data[:header.length]
+        device = type(payload) is not memoryview and is_cupy(payload)
         enc = encode_header(header)
-        size = _PREFIX.size + len(enc)
+        size = PREFIX.size + len(enc)
         inline = not device and size + header.length <= _EAGER_BYTES
         if inline:
-            msg = b"".join((_PREFIX.pack(len(enc), _INLINE), enc, data))
+            msg = b"".join((PREFIX.pack(len(enc), _INLINE), enc, payload))
         else:
-            msg = _PREFIX.pack(len(enc), 0) + enc
+            msg = PREFIX.pack(len(enc), 0) + enc
         arr = load().Array
         assert self._progress is not None
         two = not inline and header.length > 0
         # UCX reads through the Arrays (and their buffers) until the requests complete: a
         # collected Array crashes the process, so the _Send holds them.
-        arrs: tuple[Any, ...] = (arr(msg), arr(data)) if two else (arr(msg),)
-        done = _Send(self, p, fut, len(arrs), (msg, data, arrs))
+        arrs: tuple[Any, ...] = (arr(msg), arr(payload)) if two else (arr(msg),)
+        done = _Send(self._on_send_error, p, fut, len(arrs), (msg, payload, arrs))
         p.sends.add(done)
         self._progress.watch(p.tx.tag_send(arrs[0], p.send_htag), done)
         if two:
             self._progress.watch(p.tx.tag_send(arrs[1], p.send_ptag), done)
         return fut
 
-    def _copy_into(self, slot: Slot, payload: Any, n: int) -> None:
+    def _copy_into(self, slot: Slot, payload: Any) -> None:
         if not is_cupy(payload):
-            super()._copy_into(slot, payload, n)
+            super()._copy_into(slot, payload)
             return
-        src = payload.reshape(-1).view(np.uint8)[:n]
         view = slot.view
         if isinstance(view, DeviceView):
-            view.array[...] = src
+            view.array[...] = payload
         else:
-            view[:] = src.get().data
+            view[:] = payload.get().data
 
     # -- failures and closing ----------------------------------------------------------------
     def _map(self, rank: int, reason: str, exc: BaseException) -> BaseException:
@@ -510,7 +471,12 @@ class UcxTransport(Transport):
             return TransportClosedError("transport closed")
         if isinstance(exc, (PeerLostError, TransportClosedError)):
             return exc
-        return _lost(rank, f"{reason}: {exc}", exc)
+        return lost(rank, f"{reason}: {exc}", exc)
+
+    def _send_failed(self, p: _Peer, exc: BaseException) -> BaseException:
+        err = self._map(p.rank, "send failed", exc)
+        self._lose(p, "send failed", exc)
+        return err
 
     def _on_ep_error(self, rank: int) -> None:
         # Called by UCX (inside progress) when the endpoint fails or is closed.
@@ -554,17 +520,10 @@ class UcxTransport(Transport):
         self._lose(p, "protocol error", err)
         self._drop_ep(p.ep)
 
-    async def close(self) -> None:
-        """Close every endpoint, the listener, the worker and the context.
-
-        Pending operations fail with :class:`TransportClosedError`. Idempotent. Takes a few
-        round trips, at most 0.5 s when peers do not answer.
-        """
-        if self._closed:
-            return
-        self._closed = True
+    async def _close(self) -> None:
+        # Every endpoint, the listener, the worker and the context. Takes a few round trips,
+        # at most 0.5 s when peers do not answer.
         exc = TransportClosedError("transport closed")
-        self.matcher.close(exc)
         for t in list(self._tasks):
             t.cancel()
         self._listener = None
@@ -612,13 +571,16 @@ class UcxTransport(Transport):
 
 
 class _Send:
-    """Completion of one frame's one or two UCX sends; holds the buffers UCX reads until then."""
+    """Completion of one frame's one or two UCX sends; holds the buffers UCX reads until then.
 
-    __slots__ = ("fut", "keep", "left", "peer", "transport")
+    ``failed(peer, exc)`` retires the peer after a failed send and returns the error for ``fut``.
+    """
 
-    def __init__(self, transport: UcxTransport, peer: _Peer, fut: asyncio.Future[None],
-                 left: int, keep: tuple[Any, ...]) -> None:
-        self.transport = transport
+    __slots__ = ("failed", "fut", "keep", "left", "peer")
+
+    def __init__(self, failed: Callable[[_Peer, BaseException], BaseException], peer: _Peer,
+                 fut: asyncio.Future[None], left: int, keep: tuple[Any, ...]) -> None:
+        self.failed = failed
         self.peer = peer
         self.fut = fut
         self.left = left
@@ -631,9 +593,7 @@ class _Send:
         if self.fut.done():
             return
         if exc is not None:
-            t = self.transport
-            self.fut.set_exception(t._map(self.peer.rank, "send failed", exc))
-            t._lose(self.peer, "send failed", exc)
+            self.fut.set_exception(self.failed(self.peer, exc))
         elif self.left == 0:
             self.fut.set_result(None)
             self.keep = ()
@@ -650,7 +610,5 @@ def _split(address: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _lost(rank: int, reason: str, cause: BaseException) -> PeerLostError:
-    exc = PeerLostError(rank, reason)
-    exc.__cause__ = cause
-    return exc
+def _ignore(_keep: Any, _exc: BaseException | None) -> None:
+    """Completion of a control message: nothing to do (``_keep`` holds its buffer till now)."""
