@@ -42,7 +42,7 @@ class BlockingCollectives:
     """
 
     def __init__(self, comm: _Collectives, engine: ProgressEngine,
-                 close: Callable[[], None]) -> None:
+                 close: Callable[[float | None], None]) -> None:
         self._comm = comm
         self._engine = engine
         self._close = close
@@ -85,6 +85,7 @@ class BlockingCollectives:
     def quorum_allreduce(self, x: Any, k: int, timeout: float | None = None) -> PartialResult:
         return self._do(self._comm.quorum_allreduce(x, k, timeout))
 
-    def close(self) -> None:
-        """:meth:`Communicator.close` for code without an event loop."""
-        self._close()
+    def close(self, timeout: float | None = None) -> None:
+        """:meth:`Communicator.close` (collective; ``timeout`` as there) for code without an
+        event loop."""
+        self._close(timeout)

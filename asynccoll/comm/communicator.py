@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import signal
 import threading
 from collections.abc import Callable, Coroutine
@@ -45,12 +46,13 @@ from ..collectives._plan import check_op
 from ..collectives.dense import block_bounds, scratch_buffers
 from ..collectives.partial import check_kind
 from ..collectives.sparse.streams import SparseVector
-from ..errors import TransportClosedError
+from ..errors import PeerLostError, TransportClosedError
 from ..results import PartialResult
 from ..sched import DumpSignal, Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
 from .blocking import BlockingCollectives
 from .contribution import Contribution, DenseContribution, SparseContribution
+from .membership import DEFAULT_CLOSE_TIMEOUT, Membership
 from .partial import PartialAllreduce, stable_id
 from .progress import ProgressEngine
 from .sparse import SparseAllreduceHandle, SparseOps, as_host, to_device
@@ -59,6 +61,7 @@ __all__ = ["Communicator"]
 
 T = TypeVar("T")
 
+log = logging.getLogger("asynccoll.comm")
 
 #: below this many bytes a cached collective copies through its own buffer instead of
 #: rebinding the executor to the caller's array (rebinding costs O(ops) Python work).
@@ -98,14 +101,20 @@ class Communicator:
 
     def __init__(self, transport: Transport, *, progress: ProgressEngine | None = None,
                  timeout: float | None = None, close_transport: bool = True,
-                 trace: str | None = None, kernels: KernelRegistry | None = None) -> None:
+                 trace: str | None = None, kernels: KernelRegistry | None = None,
+                 close_timeout: float = DEFAULT_CLOSE_TIMEOUT) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a Transport, got {type(transport).__name__}")
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 or None, got {timeout!r}")
+        if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) \
+                or not close_timeout >= 0:
+            raise ValueError(f"close_timeout must be seconds >= 0, got {close_timeout!r}")
         self.transport = transport
         self._engine = (progress or ProgressEngine.inline()).acquire()
         self.timeout = timeout
+        #: how long :meth:`close` waits for the other ranks to close too (seconds)
+        self.close_timeout = float(close_timeout)
         self._close_transport = close_transport
         self._dense: dict[tuple[Any, ...], _Dense] = {}
         self._next_id = itertools.count(1)
@@ -127,6 +136,10 @@ class Communicator:
         if threading.current_thread() is threading.main_thread() \
                 and hasattr(signal, "SIGUSR1"):
             self._dump_signal = self.live.install_signal_handler(loop=self._engine.loop)
+        #: who is in the job: losses learned and told, goodbyes at close
+        self.membership = Membership(transport, self.live)
+        if self.size > 1:
+            self._engine.call(lambda: self.membership.watch(lambda: self._closed))
 
     # -- identity and lifecycle --------------------------------------------------------------
     @property
@@ -145,6 +158,19 @@ class Communicator:
         return self._engine.mode
 
     @property
+    def lost(self) -> PeerLostError | None:
+        """The first loss of a rank this rank learned of (``None`` while every rank is there).
+
+        A rank that sees a peer's connection break (a crash, a kill, a close without goodbye)
+        tells every other rank at once, so every rank learns of a lost rank within a round
+        trip, however far from it, and the error names the rank lost. From then on every
+        collective under way fails, and every new one raises, with :class:`PeerLostError`
+        naming it (a synchronous collective cannot complete without it; ``close()`` still
+        works). Costs nothing while no rank is lost: one receive posted per peer.
+        """
+        return self.membership.lost
+
+    @property
     def closed(self) -> bool:
         """Whether :meth:`close` has been called; every collective raises after it."""
         return self._closed
@@ -156,25 +182,40 @@ class Communicator:
     async def __aenter__(self) -> Communicator:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, tp: type[BaseException] | None, *exc: object) -> None:
+        # Leaving on an exception is an abort: do not keep the peers waiting for our goodbye;
+        # they learn of it as a lost peer at once.
+        await self.close(timeout=None if tp is None else 0)
 
-    async def close(self) -> None:
-        """Cancel every execution under way (waiting calls fail with TransportClosedError),
-        close the transport, and stop and join the progress thread. Idempotent."""
+    async def close(self, timeout: float | None = None) -> None:
+        """Close collectively and in order, as ``MPI_Finalize`` does; idempotent.
+
+        Every rank should call it (``async with`` does) after its last collective. Until
+        every other rank has closed too (or is lost), this rank keeps serving them: its
+        persistent partial collectives still answer activations and contribute, so a rank
+        that finishes first never makes a slower one's last collective fail, and an orderly
+        exit is never reported as a loss. It then waits for the executions under way here to
+        complete, logs a warning for each partial handle that still holds contributions no
+        execution took (call ``await h.flush()`` before closing to include them), cancels what
+        is left (waiting calls fail with TransportClosedError), closes the transport and stops
+        the progress thread. ``timeout``: the most it waits for the other ranks (default
+        :attr:`close_timeout`, 30 s unless set; ``0``: close at once, as on an exception
+        inside ``async with``).
+        """
         if self._closed:
             return
         self._closed = True
         if self._dump_signal is not None:
             self._dump_signal.restore()
+        wait = self.close_timeout if timeout is None else timeout
         try:
             if not self._engine.closed:
-                await self._engine.run(self._close_on_loop())
+                await self._engine.run(self._close_on_loop(wait))
         finally:
             if not self._engine.on_loop():
                 self._engine.release()
 
-    def _close_blocking(self) -> None:
+    def _close_blocking(self, timeout: float | None = None) -> None:
         """:meth:`close` for code without an event loop (``comm.blocking.close()``)."""
         if self._closed:
             return
@@ -182,12 +223,16 @@ class Communicator:
             self._dump_signal.restore()  # on this thread, which may be the main one
         try:
             if not self._engine.closed:
-                self._engine.run_blocking(self.close())  # on the loop: close does not release
+                # on the loop: close does not release
+                self._engine.run_blocking(self.close(timeout))
         finally:
             self._closed = True
             self._engine.release()
 
-    async def _close_on_loop(self) -> None:
+    async def _close_on_loop(self, wait: float = 0.0) -> None:
+        if wait > 0 and self.size > 1 and not self.transport.closed:
+            await self.membership.goodbye(wait)
+        self.membership.stop()
         for h in self._handles.values():
             await h.close()
         for d in self._dense.values():
@@ -202,6 +247,10 @@ class Communicator:
     def _check_open(self) -> None:
         if self._closed:
             raise TransportClosedError("communicator is closed")
+        lost = self.membership.lost
+        if lost is not None:
+            raise PeerLostError(lost.rank, lost.reason)
+
 
     async def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._closed:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,8 @@ from .contribution import Combine, Contribution
 from .progress import ProgressEngine
 
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]
+
+log = logging.getLogger("asynccoll.comm")
 
 
 def stable_id(text: str, space: int) -> int:
@@ -341,4 +344,9 @@ class PartialAllreduce:
     async def _close(self) -> None:
         if not self._closed:
             self._closed = True
+            left = int(self._state[COUNT])
+            if left and self._ex.error is None:
+                log.warning("rank %d: partial allreduce %r closed holding %d contribution(s) "
+                            "that no execution took; call 'await h.flush()' before closing to "
+                            "include them", self.rank, self.name, left)
             self._ex.close()  # a waiting call fails with TransportClosedError

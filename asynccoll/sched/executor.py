@@ -240,6 +240,20 @@ class Executor:
                 f"{self.schedule.name or 'schedule'} not complete after {timeout} s; waiting on: "
                 + "; ".join(d for _, _, d in self.pending()), self.pending()) from None
 
+    def abort(self, exc: BaseException) -> None:
+        """Fail the execution under way (or armed) with ``exc``; every later :meth:`start`
+        raises it, and a persistent executor does not re-arm. No-op once closed or failed."""
+        if not self._closed and self._error is None:
+            self._fail(exc)
+
+    @property
+    def in_flight(self) -> bool:
+        """True while the armed execution has begun (started here, or an op of it completed:
+        an activation or data arrived) and has not completed or failed. O(ops)."""
+        if not self._armed or self._done is None or self._done.done():
+            return False
+        return self._started or any(t == t for t in self._t_done)  # not NaN: completed
+
     @property
     def error(self) -> BaseException | None:
         """The error that failed this executor, or None; every later start() raises it."""

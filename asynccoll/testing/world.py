@@ -50,10 +50,19 @@ async def local_world(world_size: int, transport: str = "inproc", *, progress: s
         ts = await engine.run(_connect(world_size, transport, delay, seed, link_delay))
         comms = [Communicator(t, progress=engine, timeout=timeout, trace=trace) for t in ts]
         yield comms
-    finally:
+    except BaseException:
+        # The body failed: abort (no goodbyes to wait for), as ``async with comm`` does.
         try:
             for c in comms:
-                await c.close()
+                await c.close(timeout=0)
+        finally:
+            engine.release()
+        raise
+    else:
+        # Closing is collective: every rank says goodbye at once, or each would wait for
+        # the ones after it.
+        try:
+            await asyncio.gather(*(c.close() for c in comms))
         finally:
             engine.release()
 

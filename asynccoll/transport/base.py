@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from ..buffers import as_bytes
@@ -74,6 +74,7 @@ class Transport(abc.ABC):
         self.matcher = Matcher(rank, self.limits)
         self._listening = False
         self._closed = False
+        self._loss_listeners: list[Callable[[int, PeerLostError], None]] = []
 
     @property
     @abc.abstractmethod
@@ -84,6 +85,24 @@ class Transport(abc.ABC):
     def closed(self) -> bool:
         """True once :meth:`close` has been called."""
         return self._closed
+
+    def on_peer_lost(self, callback: Callable[[int, PeerLostError], None]) -> None:
+        """Call ``callback(rank, error)`` on the transport's loop each time a connected peer
+        is lost (its connection broke or closed; the transport cannot tell a crash from an
+        exit, the layer above can). Not called for losses after :meth:`close`."""
+        self._loss_listeners.append(callback)
+
+    def _peer_lost(self, rank: int, exc: BaseException) -> int:
+        """For the backends: fail every receive from ``rank`` with ``exc`` and tell the
+        listeners (of a :class:`PeerLostError`); returns how many receives failed."""
+        waiting = self.matcher.fail_peer(rank, exc)
+        if not self._closed and isinstance(exc, PeerLostError):
+            for cb in list(self._loss_listeners):
+                try:
+                    cb(rank, exc)
+                except Exception:  # a listener's bug must not break the transport
+                    log.exception("rank %d: a peer-loss listener failed", self.rank)
+        return waiting
 
     # -- the public interface: checks, then the backend's hook ---------------------------------
     async def listen(self, address: str | None = None) -> str:

@@ -170,7 +170,7 @@ class InprocTransport(Transport):
         :class:`PeerLostError`."""
         self._peers.pop(rank, None)
         self._gone.add(rank)
-        self.matcher.fail_peer(rank, PeerLostError(rank, "peer closed"))
+        self._peer_lost(rank, PeerLostError(rank, "peer closed"))
 
     def _post_send(self, dst: int, header: Header, payload: Any) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()

@@ -231,7 +231,7 @@ class TcpTransport(Transport):
             exc = lost(conn.peer, str(cause) or type(cause).__name__, cause)
         self._lost[conn.peer] = exc
         self.stats.peers_lost += 1
-        waiting = self.matcher.fail_peer(conn.peer, exc)
+        waiting = self._peer_lost(conn.peer, exc)
         if not isinstance(conn.error, ProtocolError):  # a rejected frame was logged already
             # An orderly close (EOF, no error) is how a job ends: ranks close at different
             # times, and persistent schedules keep receives armed. Whoever awaits one of them

@@ -159,8 +159,9 @@ async def test_blocking_close_closes_the_handles_and_is_idempotent() -> None:
     async with local_world(2) as comms:
         c = comms[1]
         h = c.partial_allreduce("solo", like=np.zeros(2), name="blk-close")
-        await asyncio.to_thread(c.blocking.close)
-        await asyncio.to_thread(c.blocking.close)
+        # timeout=0: rank 0 closes only at the end of the block, so do not wait for it
+        await asyncio.to_thread(c.blocking.close, 0)
+        await asyncio.to_thread(c.blocking.close, 0)
         assert c.closed
         with pytest.raises(TransportClosedError):
             await h(np.ones(2))
@@ -258,7 +259,9 @@ async def test_busy_and_closed() -> None:
         await asyncio.sleep(0.05)
         with pytest.raises(BusyError):
             await h(np.ones(2))
-        await comms[0].close()  # closing cancels the waiting call, never hangs
+        # close(timeout=0): at once, without waiting for rank 1 to close too (which it does
+        # only at the end of the block); it cancels the waiting call, never hangs
+        await comms[0].close(timeout=0)
         with pytest.raises(TransportClosedError):
             await asyncio.wait_for(t, 5)
         with pytest.raises(TransportClosedError):

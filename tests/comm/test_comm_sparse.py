@@ -164,7 +164,7 @@ async def test_timeout_then_clean_close() -> None:
         with pytest.raises(CollectiveTimeoutError):
             await comms[0].sparse_allreduce(x, timeout=0.2)  # rank 1 never calls
         assert not comms[0]._sparse._entries  # the failed op was dropped
-        await comms[0].close()
+        await comms[0].close(timeout=0)  # rank 1 closes only at the end of the block
         with pytest.raises(TransportClosedError):
             await comms[0].sparse_allreduce(x)
 
@@ -217,7 +217,7 @@ async def test_handle_closes_after_a_timeout_and_with_the_communicator() -> None
             await h0(np.ones(8, np.float32))
         with pytest.raises(ValueError, match="density"):
             comms[0].sparse_allreduce_handle(8, density=2.0)
-        await comms[1].close()
+        await comms[1].close(timeout=0)  # rank 0 closes only at the end of the block
         with pytest.raises(TransportClosedError):
             await h1(np.ones(8, np.float32))
 

@@ -500,7 +500,7 @@ class UcxTransport(Transport):
         exc = PeerLostError(p.rank, reason) if cause is None else self._map(p.rank, reason, cause)
         p.lost = exc
         log.info("rank %d: lost rank %d: %s", self.rank, p.rank, exc)
-        self.matcher.fail_peer(p.rank, exc)
+        self._peer_lost(p.rank, exc)
         # Sends on a shared-memory endpoint (no error handling) would never learn of it; fail
         # what is still in flight once the completions UCX already has are reaped.
         assert self._loop is not None

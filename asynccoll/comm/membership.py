@@ -1,0 +1,155 @@
+"""Who is still in the job: lost ranks told to everyone, and the goodbyes of an orderly close.
+
+A transport only sees its own connections: when rank L is killed, the ranks connected to it
+learn it at once, and a rank that only waits for another survivor learns nothing until that
+survivor gives up too, and then blames the wrong rank. So a rank that sees a peer lost tells
+every other rank (a notice frame on a reserved schedule id), and a rank that learns of a loss
+fails every execution under way with a :class:`~asynccoll.PeerLostError` naming the rank
+lost. Over the same channel, closing is collective: :meth:`Membership.goodbye` tells every peer
+this rank is closing and waits (serving them meanwhile) until each has said the same.
+
+Costs nothing while nobody is lost: one receive posted per peer, and no work per collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from ..errors import PeerLostError
+from ..sched import LiveOps
+from ..transport.base import Transport
+from ..transport.frames import Kind, Message
+
+__all__ = ["CLOSE_SCHED", "DEFAULT_CLOSE_TIMEOUT", "LOST_SCHED", "Membership"]
+
+log = logging.getLogger("asynccoll.comm")
+
+#: seconds :meth:`Communicator.close` waits by default for the other ranks to close too
+DEFAULT_CLOSE_TIMEOUT = 30.0
+#: the schedule id of the goodbye frames (no schedule has it: counters count from 1 and named
+#: handles' ids are at or above ``4 << 60``)
+CLOSE_SCHED = 3 << 60
+#: the schedule id of the loss notices; execution = the sender's notice count, payload = the
+#: lost rank as one int64
+LOST_SCHED = CLOSE_SCHED + 1
+_NOTHING = memoryview(b"")
+
+
+def _quiet(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a frame to a peer already gone is no error
+
+
+class Membership:
+    """The lost ranks and the goodbyes of one rank's communicator, on the transport's loop.
+
+    ``live``: the executors to fail when a rank is lost.
+    """
+
+    def __init__(self, transport: Transport, live: LiveOps) -> None:
+        self.transport = transport
+        self.live = live
+        #: the first loss this rank learned of, or None
+        self.lost: PeerLostError | None = None
+        self._closing: Callable[[], bool] = lambda: False
+        self._sent = 0
+        self._recvs: dict[int, asyncio.Future[Message]] = {}
+
+    @property
+    def _peers(self) -> list[int]:
+        t = self.transport
+        return [r for r in range(t.world_size) if r != t.rank]
+
+    # -- losses ------------------------------------------------------------------------------
+    def watch(self, closing: Callable[[], bool]) -> None:
+        """Start: listen for the transport's losses and the peers' notices. ``closing()`` says
+        whether the communicator is closing (a peer that leaves then is no loss)."""
+        self._closing = closing
+        self.transport.on_peer_lost(self._on_peer_lost)
+        for r in self._peers:
+            self._post_recv(r, 0)
+
+    def stop(self) -> None:
+        """Stop listening for notices (the communicator closes)."""
+        for f in self._recvs.values():
+            f.cancel()
+        self._recvs.clear()
+
+    def _post_recv(self, src: int, seq: int) -> None:
+        fut = self.transport.post_recv(src, LOST_SCHED, seq, 0)
+        self._recvs[src] = fut
+        fut.add_done_callback(functools.partial(self._on_notice, src, seq))
+
+    def _on_notice(self, src: int, seq: int, fut: asyncio.Future[Message]) -> None:
+        if fut.cancelled() or fut.exception() is not None or self._closing():
+            return  # src itself is gone (its loss comes on its own), or we close
+        payload = fut.result().payload
+        self._post_recv(src, seq + 1)
+        if len(payload) != 8:
+            log.warning("rank %d: a malformed loss notice from rank %d; ignored",
+                        self.transport.rank, src)
+            return
+        lost = int(np.frombuffer(payload, np.int64)[0])
+        if 0 <= lost < self.transport.world_size and lost != self.transport.rank:
+            self.learn(PeerLostError(lost, f"reported lost by rank {src}"), tell=False)
+
+    def _on_peer_lost(self, rank: int, exc: PeerLostError) -> None:
+        # While closing, a peer that leaves has said goodbye (or is past caring); otherwise a
+        # connection that ends is a lost rank, whatever the transport saw.
+        if not self._closing():
+            self.learn(exc, tell=True)
+
+    def learn(self, exc: PeerLostError, *, tell: bool) -> None:
+        """Rank ``exc.rank`` is lost: tell every other peer (``tell``), and, the first time,
+        fail every execution under way with a :class:`PeerLostError` naming it."""
+        t = self.transport
+        first = self.lost is None
+        if first:
+            self.lost = exc
+            log.warning("rank %d: rank %d lost (%s); failing every collective", t.rank,
+                        exc.rank, exc.reason)
+        if tell:
+            note = np.array([exc.rank], np.int64).data.cast("B")
+            for r in self._peers:
+                if r != exc.rank:
+                    t.post_frame(r, int(Kind.DATA), LOST_SCHED, self._sent, 0,
+                                 note).add_done_callback(_quiet)
+            self._sent += 1
+        if first:
+            for ex in self.live.executors():
+                ex.abort(PeerLostError(exc.rank, exc.reason))
+
+    # -- goodbyes ----------------------------------------------------------------------------
+    async def goodbye(self, wait: float) -> None:
+        """Tell every peer this rank is closing, serve them until each has said the same (or
+        is lost), then let the executions under way here complete; at most ``wait`` seconds
+        in all. Warns naming the ranks that did not close in time."""
+        t = self.transport
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        peers = self._peers
+        for r in peers:
+            t.post_frame(r, int(Kind.DATA), CLOSE_SCHED, 0, 0, _NOTHING).add_done_callback(_quiet)
+        byes = [t.post_recv(r, CLOSE_SCHED, 0, 0) for r in peers]
+        _, pending = await asyncio.wait(byes, timeout=wait)
+        for f in byes:
+            if f.done() and not f.cancelled():
+                f.exception()  # a peer lost while we waited has said goodbye in its way
+        if pending:
+            missing = sorted(peers[i] for i, f in enumerate(byes) if f in pending)
+            for f in pending:
+                f.cancel()
+            log.warning("rank %d: ranks %s did not close within %.3g s; closing anyway",
+                        t.rank, missing, wait)
+            return
+        busy = [ex.current for ex in self.live.executors() if ex.in_flight]
+        if busy:
+            _, late = await asyncio.wait(busy, timeout=max(deadline - loop.time(), 0.0))
+            if late:
+                log.warning("rank %d: %d executions still under way at close", t.rank,
+                            len(late))
