@@ -11,6 +11,8 @@ partial collective returns a :class:`~asynccoll.PartialResult` whose ``value`` i
 **Ordering.** Synchronous collectives must be called in the same order on every rank (the MPI
 rule): schedules are identified by the order in which each distinct ``(collective, count,
 dtype, op, algorithm)`` first appears, and each is built and committed once, then reused.
+At that first use the ranks compare a hash of the definition (one 16-byte allreduce), so ranks
+that disagree on ``op`` or ``root`` get an ExecutionError instead of different results.
 Persistent partial handles are identified by a stable hash of their name (by default their
 order of creation, shortcuts included), so create them in the same order on every rank or name
 them; ranks that disagree on a handle's definition get an ExecutionError.
@@ -31,7 +33,9 @@ the ops and ranks still awaited; anything after :meth:`Communicator.close` raise
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import json
 import logging
 import signal
 import threading
@@ -46,7 +50,7 @@ from ..collectives._plan import check_op
 from ..collectives.dense import block_bounds, scratch_buffers
 from ..collectives.partial import check_kind
 from ..collectives.sparse.streams import SparseVector
-from ..errors import PeerLostError, TransportClosedError
+from ..errors import ExecutionError, PeerLostError, TransportClosedError
 from ..results import PartialResult
 from ..sched import DumpSignal, Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
@@ -62,6 +66,9 @@ __all__ = ["Communicator"]
 T = TypeVar("T")
 
 log = logging.getLogger("asynccoll.comm")
+
+#: the cache key of the collective that checks the others' definitions (see ``_agree``)
+_AGREE_KEY: tuple[Any, ...] = ("agree",)
 
 #: below this many bytes a cached collective copies through its own buffer instead of
 #: rebinding the executor to the caller's array (rebinding costs O(ops) Python work).
@@ -117,6 +124,7 @@ class Communicator:
         self.close_timeout = float(close_timeout)
         self._close_transport = close_transport
         self._dense: dict[tuple[Any, ...], _Dense] = {}
+        self._internal: dict[tuple[Any, ...], _Dense] = {}  # the runtime's own collectives
         self._next_id = itertools.count(1)
         #: the kernels of every executor this communicator builds
         self.kernels: KernelRegistry = KERNELS.extended() if kernels is None else kernels
@@ -235,9 +243,10 @@ class Communicator:
         self.membership.stop()
         for h in self._handles.values():
             await h.close()
-        for d in self._dense.values():
-            d.ex.close()
-        self._dense.clear()
+        for cache in (self._dense, self._internal):
+            for d in cache.values():
+                d.ex.close()
+            cache.clear()
         self._sparse.close()
         if self._close_transport:
             await self.transport.close()
@@ -339,7 +348,8 @@ class Communicator:
     async def _dense_call(self, key: tuple[Any, ...], build: Callable[[], Schedule],
                           data: Any, timeout: float | None) -> None:
         self._check_open()
-        entry = self._dense.get(key)
+        cache = self._internal if key == _AGREE_KEY else self._dense
+        entry = cache.get(key)
         fresh = entry is None
         if entry is None:
             sched = build()  # before taking an id: a bad argument must not shift the ids
@@ -357,7 +367,9 @@ class Communicator:
             ex = self.live.add(Executor(sched, self.transport, bufs, sched_id=sid,
                                         trace_sink=sink, kernels=self.kernels), self._writer)
             entry = _Dense(ex, scratch, own)
-            self._dense[key] = entry
+            cache[key] = entry
+            if key != _AGREE_KEY and self.size > 1:
+                await self._agree(key, entry, sched, timeout)
         t = self.timeout if timeout is None else timeout
         async with entry.lock:
             ex = entry.ex
@@ -376,11 +388,38 @@ class Communicator:
                 # it (its receives retired); the next call of this key starts a fresh one.
                 if self._writer is not None:
                     self._writer.write_pending(ex, reason=repr(exc))
-                ex.close()
-                self.live.discard(ex)
-                if self._dense.get(key) is entry:
-                    del self._dense[key]
+                self._drop_dense(key, entry, cache)
                 raise
+
+    async def _agree(self, key: tuple[Any, ...], entry: _Dense, sched: Schedule,
+                     timeout: float | None) -> None:
+        """At the first use of a cached collective, check that every rank defined it alike
+        (kind, count, dtype, op, root, algorithm): ranks that disagree would share a schedule
+        id and silently compute different things. One 16-byte allreduce of a hash, once per
+        cached collective; nothing on later calls. Raises ExecutionError on every rank."""
+        what = sched.meta.get("collectives", [{"kind": key[0]}])
+        digest = hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=8)
+        h = int.from_bytes(digest.digest(), "little") >> 1
+        sig = np.array([h, -h], np.int64)
+        try:
+            await self._dense_call(_AGREE_KEY, lambda: dense.allreduce(
+                self.rank, self.size, 2, sig.dtype, "max", "recursive_doubling"), sig, timeout)
+        except BaseException:
+            self._drop_dense(key, entry, self._dense)
+            raise
+        if sig[0] != -sig[1]:
+            self._drop_dense(key, entry, self._dense)
+            desc = ", ".join(f"{k}={v!r}" for k, v in what[0].items() if k != "slot")
+            raise ExecutionError(
+                f"rank {self.rank}: the ranks disagree on a {key[0]} called at the same point "
+                f"(its count, dtype, op, root or algorithm differ); this rank has {desc}")
+
+    def _drop_dense(self, key: tuple[Any, ...], entry: _Dense,
+                    cache: dict[tuple[Any, ...], _Dense]) -> None:
+        entry.ex.close()
+        self.live.discard(entry.ex)
+        if cache.get(key) is entry:
+            del cache[key]
 
     async def sparse_allreduce(self, x: Any, density: float | None = None,
                                algorithm: str | None = None, quantize: int | None = None,
