@@ -49,10 +49,14 @@ def is_cupy(a: Any) -> bool:
 
 
 def check_array(a: Any, name: str = "array") -> None:
-    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``a`` is a contiguous array."""
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``a`` is a contiguous array
+    (NumPy arrays also in native byte order: the wire carries native values)."""
     if isinstance(a, np.ndarray):
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous (got strides {a.strides})")
+        if not a.dtype.isnative:
+            raise ValueError(f"{name} must be in native byte order (got dtype {a.dtype.str}; "
+                             f"convert with {name}.astype({name}.dtype.newbyteorder('=')))")
         return
     if is_cupy(a):
         if not a.flags.c_contiguous:

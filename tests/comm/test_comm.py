@@ -173,6 +173,9 @@ async def test_blocking_close_closes_the_handles_and_is_idempotent() -> None:
 async def test_bad_arguments() -> None:
     async with local_world(2) as comms:
         c = comms[0]
+        for call in (c.allreduce, c.broadcast, c.allgather, c.solo_allreduce):
+            with pytest.raises(ValueError, match="x must be in native byte order"):
+                await call(np.arange(3, dtype=">f8"))
         with pytest.raises(ValueError, match="x must be C-contiguous"):
             await c.allreduce(np.zeros((4, 4))[:, 0])
         with pytest.raises(TypeError, match="x must be a NumPy"):
