@@ -206,7 +206,8 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             assert cfg.rdzv is not None
             store = cfg.rdzv
         if cfg.nnodes > 1:
-            client = await _unless_stopped(_join(cfg, store), stop_sig)
+            client = await _unless_stopped(
+                _join(cfg, store, None if server is None else server.refused_secret), stop_sig)
             if client is None:
                 got = stop_sig.result()
                 _say(err, f"got {signal.Signals(got).name} while the nodes met; no rank started")
@@ -259,9 +260,12 @@ async def _unless_stopped(coro: Coroutine[Any, Any, T], stop_sig: asyncio.Future
     return None
 
 
-async def _join(cfg: LaunchConfig, store: tuple[str, int]) -> StoreClient:
+async def _join(cfg: LaunchConfig, store: tuple[str, int],
+                refused: asyncio.Event | None = None) -> StoreClient:
     """Check in with the job's store: it shares our secret, our node rank is not taken twice
-    and every node runs the same number of ranks."""
+    and every node runs the same number of ranks. ``refused`` (node 0, which hosts the store):
+    set when another launcher failed the store's handshake with a wrong secret; waiting for the
+    nodes then stops at once instead of at ``join_timeout``."""
     client = await StoreClient.connect(store[0], store[1], cfg.secret,
                                        timeout=cfg.join_timeout)
     try:
@@ -273,11 +277,24 @@ async def _join(cfg: LaunchConfig, store: tuple[str, int]) -> StoreClient:
             raise StoreError(f"this node runs --nnodes {cfg.nnodes} with -n {cfg.nproc}, but "
                              f"the first node to join said {agreed!r} (nnodes x nproc)")
         keys = [f"asynccoll/launch/node/{k}" for k in range(cfg.nnodes)]
+        waiting = asyncio.ensure_future(client.wait(keys, cfg.join_timeout))
+        refusal = asyncio.ensure_future((refused or asyncio.Event()).wait())
         try:
-            await client.wait(keys, cfg.join_timeout)
+            await asyncio.wait({waiting, refusal}, return_when=asyncio.FIRST_COMPLETED)
+            if refusal.done() and not waiting.done():
+                missing = [k for k in range(cfg.nnodes)
+                           if not await client.check([f"asynccoll/launch/node/{k}"])]
+                raise StoreError(f"a launcher failed the store's handshake (wrong secret) while "
+                                 f"nodes {missing} had not joined; is the same job secret set "
+                                 "on every node?")
+            await waiting
         except StoreTimeoutError as exc:
             raise StoreError(f"nodes {_nodes(exc.missing)} did not join within "
                              f"{cfg.join_timeout} s") from exc
+        finally:
+            for f in (waiting, refusal):
+                f.cancel()
+            await asyncio.gather(waiting, refusal, return_exceptions=True)
     except BaseException:
         await client.close()
         raise

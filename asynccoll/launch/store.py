@@ -97,6 +97,9 @@ class StoreServer:
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        #: set when a client proved it runs another job (a well-formed handshake with the
+        #: wrong secret): a launcher waiting for its nodes then knows one will never come
+        self.refused_secret = asyncio.Event()
 
     @property
     def address(self) -> str:
@@ -179,6 +182,8 @@ class StoreServer:
             return True
         reason = "wrong secret" if ok else "malformed handshake"
         log.warning("store: refusing client %s: %s", peer, reason)
+        if ok:
+            self.refused_secret.set()
         writer.write(_pack(["denied", reason]))
         return False
 
