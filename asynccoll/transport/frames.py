@@ -78,7 +78,12 @@ class Limits:
     max_payload_bytes: int = 1 << 36
     max_ndim: int = 8
     max_held_messages: int = 65536
+    #: the bytes of early messages held at once, and the most one receive of unknown length
+    #: (``buf=None``) may be given
     max_held_bytes: int = 1 << 31
+    #: the most a payload that is read only to be thrown away (a data message for a finished
+    #: execution, one that overflows its receive) may claim; a peer that claims more is dropped
+    max_discard_bytes: int = 1 << 26
 
 
 def encode_header(h: Header) -> bytes:

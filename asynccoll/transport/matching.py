@@ -169,25 +169,43 @@ class Matcher:
                 del self._posted[key]
                 self._unindex(key)
             if p.buf is None:
-                return Slot(header, memoryview(bytearray(header.length)), p)
+                try:
+                    self._bound(header, self.limits.max_held_bytes,
+                                "a receive of unknown length")
+                    return Slot(header, _allocate(header), p)
+                except ProtocolError as exc:
+                    if not p.fut.done():
+                        p.fut.set_exception(exc)
+                    raise
             if header.length > len(p.buf):
                 exc = ProtocolError(
                     f"message of {header.length} bytes from rank {header.src} overflows the "
                     f"posted receive of {len(p.buf)} bytes (tag {header.tag})")
                 if not p.fut.done():
                     p.fut.set_exception(exc)
-                return Slot(header, _scratch(header.length), None, discard=True)
+                return self._discard(header)
             return Slot(header, p.buf[: header.length], p)
         if header.execution < self._finished.get(header.sched, 0) and header.kind != Kind.CONTROL:
             self._late(header)
-            return Slot(header, _scratch(header.length), None, discard=True)
+            return self._discard(header)
         if (self._held_count >= self.limits.max_held_messages
                 or self._held_bytes + header.length > self.limits.max_held_bytes):
             raise ProtocolError(
                 f"too many early messages held ({self._held_count} messages, "
                 f"{self._held_bytes} bytes); limit {self.limits.max_held_messages} / "
                 f"{self.limits.max_held_bytes}")
-        return Slot(header, memoryview(bytearray(header.length)), None)
+        return Slot(header, _allocate(header), None)
+
+    def _bound(self, header: Header, limit: int, what: str) -> None:
+        """Refuse (ProtocolError: the transport drops the peer) a payload over ``limit``
+        before anything is allocated for it."""
+        if header.length > limit:
+            raise ProtocolError(f"rank {header.src} claims a payload of {header.length} bytes "
+                                f"for {what}; the limit is {limit}")
+
+    def _discard(self, header: Header) -> Slot:
+        self._bound(header, self.limits.max_discard_bytes, "a message to throw away")
+        return Slot(header, _scratch(header.length), None, discard=True)
 
     def complete(self, slot: Slot) -> None:
         """The payload of ``slot`` has been written in full."""
@@ -312,6 +330,15 @@ def _scratch(n: int) -> memoryview:
     if n <= len(_SCRATCH):
         return _SCRATCH[:n]
     return memoryview(bytearray(n))
+
+
+def _allocate(header: Header) -> memoryview:
+    """A new buffer for a payload; a ProtocolError (the peer is dropped) if memory is short."""
+    try:
+        return memoryview(bytearray(header.length))
+    except MemoryError:
+        raise ProtocolError(f"cannot allocate {header.length} bytes for a payload from rank "
+                            f"{header.src}") from None
 
 
 class HeldOrder:
