@@ -173,9 +173,9 @@ class Matcher:
                     self._bound(header, self.limits.max_held_bytes,
                                 "a receive of unknown length")
                     return Slot(header, _allocate(header), p)
-                except ProtocolError as exc:
+                except ProtocolError as refused:
                     if not p.fut.done():
-                        p.fut.set_exception(exc)
+                        p.fut.set_exception(refused)
                     raise
             if header.length > len(p.buf):
                 exc = ProtocolError(

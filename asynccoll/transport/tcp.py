@@ -40,6 +40,32 @@ from .tcp_wire import PeerClosed, TcpConnection
 __all__ = ["TcpStats", "TcpTransport"]
 
 
+#: connections a transport lets be in their handshake at once (see ``max_pending_handshakes``)
+MAX_PENDING_HANDSHAKES = 128
+
+
+class _LogBudget:
+    """At most ``burst`` log lines per ``period`` seconds; says how many were held back."""
+
+    def __init__(self, burst: int = 10, period: float = 10.0) -> None:
+        self.burst = burst
+        self.period = period
+        self._start = -period
+        self._said = 0
+        self._quiet = 0
+
+    def take(self, now: float) -> tuple[bool, int]:
+        """Whether to log now, and how many lines were held back since the last one."""
+        if now - self._start >= self.period:
+            self._start, self._said = now, 0
+        if self._said < self.burst:
+            self._said += 1
+            quiet, self._quiet = self._quiet, 0
+            return True, quiet
+        self._quiet += 1
+        return False, 0
+
+
 @dataclass
 class TcpStats:
     """Counters of what a :class:`TcpTransport` refused and lost (for logs and tests)."""
@@ -70,13 +96,18 @@ class TcpTransport(Transport):
     scheme = "tcp"
 
     def __init__(self, rank: int, world_size: int, *, secret: bytes, limits: Limits | None = None,
-                 handshake_timeout: float = 10.0) -> None:
+                 handshake_timeout: float = 10.0,
+                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES) -> None:
         super().__init__(rank, world_size, limits=limits)
         if handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout}")
         self._secret = auth.check_secret(secret)
         self.handshake_timeout = handshake_timeout
+        #: connections allowed in their handshake at once; more are closed at once (a flood
+        #: of unauthenticated connections costs a bounded amount)
+        self.max_pending_handshakes = max_pending_handshakes
         self.stats = TcpStats()
+        self._refusals = _LogBudget()
         self._server: asyncio.AbstractServer | None = None
         self._address = ""
         self._conns: dict[int, TcpConnection] = {}
@@ -198,6 +229,10 @@ class TcpTransport(Transport):
 
     # -- called by connections (the ConnectionOwner protocol of tcp_wire) --------------------
     def connection_opened(self, conn: TcpConnection) -> None:
+        if len(self._pending) >= self.max_pending_handshakes:
+            conn.abort(AuthenticationError(
+                f"{len(self._pending)} connections already in their handshake (the limit)"))
+            return
         self._pending.add(conn)
 
     def check_peer(self, rank: int) -> None:
@@ -252,8 +287,11 @@ class TcpTransport(Transport):
     def handshake_failed(self, conn: TcpConnection, reason: str) -> None:
         self.stats.handshakes_rejected += 1
         self.stats.reasons.append(reason)
-        log.warning("tcp rank %d: refusing connection from %s: %s", self.rank, conn.peername,
-                    reason)
+        say, quiet = self._refusals.take(asyncio.get_running_loop().time())
+        if say:  # a flood of bad connections must not flood the log too
+            more = f" ({quiet} more refused, not logged)" if quiet else ""
+            log.warning("tcp rank %d: refusing connection from %s: %s%s", self.rank,
+                        conn.peername, reason, more)
 
     def reserve_unsolicited(self, nbytes: int) -> None:
         if self._streaming_bytes + nbytes > self.limits.max_held_bytes:

@@ -46,6 +46,8 @@ CHUNK = 1 << 20  #: largest payload piece per record
 SMALL = 1 << 16  #: payloads up to this size are copied into their record's single write
 _DIRECT = 1 << 16  # payload pieces at least this long are read straight into the destination
 _MAX_ACTIVE = 32  # messages a sender interleaves at once on one connection
+#: the receive buffer of a connection in its handshake (the largest handshake message fits)
+_HANDSHAKE_BUF = 512
 _MAX_INFLIGHT = 256  # messages a receiver accepts as partly received at once
 
 # receive states
@@ -153,10 +155,11 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._nonce_c = b""
         self._nonce_a = b""
-        # receive side
-        size = max(1 << 18, 4 * (owner.limits.max_header_bytes + _RECORD.size))
-        self._buf = bytearray(size)
+        # receive side: a small buffer until the peer is authenticated (an unauthenticated
+        # connection must cost little), the staging buffer after
+        self._buf = bytearray(_HANDSHAKE_BUF)
         self._mv = memoryview(self._buf)
+        self._grow = False
         self._fill = 0
         self._state = _CHALLENGE if self.connector else _HELLO
         self._need = auth.CHALLENGE_SIZE if self.connector else auth.HELLO_SIZE
@@ -307,6 +310,13 @@ class TcpConnection(asyncio.BufferedProtocol):
             if self._state == _DEAD:
                 self._fill = 0
                 return
+            if self._grow:  # just authenticated: move what is left into the staging buffer
+                self._grow = False
+                size = max(1 << 18, 4 * (self.owner.limits.max_header_bytes + _RECORD.size))
+                big = bytearray(size)
+                big[:end - p] = mv[p:end]
+                self._buf, self._mv = big, memoryview(big)
+                mv, end, p = self._mv, end - p, 0
         left = end - p
         if left and p:
             self._buf[:left] = self._buf[p:end]
@@ -437,6 +447,7 @@ class TcpConnection(asyncio.BufferedProtocol):
     def _authenticated(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        self._grow = True
         self._state, self._need = _HEAD, _RECORD.size
         if not self.ready.done():
             self.ready.set_result(None)
