@@ -60,6 +60,7 @@ from .membership import DEFAULT_CLOSE_TIMEOUT, Membership
 from .partial import PartialAllreduce, stable_id
 from .progress import ProgressEngine
 from .sparse import SparseAllreduceHandle, SparseOps, as_host, to_device
+from .stall import DEFAULT_STALL_WARN, wait_or_warn
 
 __all__ = ["Communicator"]
 
@@ -109,7 +110,8 @@ class Communicator:
     def __init__(self, transport: Transport, *, progress: ProgressEngine | None = None,
                  timeout: float | None = None, close_transport: bool = True,
                  trace: str | None = None, kernels: KernelRegistry | None = None,
-                 close_timeout: float = DEFAULT_CLOSE_TIMEOUT) -> None:
+                 close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+                 stall_warn: float | None = DEFAULT_STALL_WARN) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a Transport, got {type(transport).__name__}")
         if timeout is not None and not timeout > 0:
@@ -122,6 +124,11 @@ class Communicator:
         self.timeout = timeout
         #: how long :meth:`close` waits for the other ranks to close too (seconds)
         self.close_timeout = float(close_timeout)
+        if stall_warn is not None and not stall_warn > 0:
+            raise ValueError(f"stall_warn must be seconds > 0 or None, got {stall_warn!r}")
+        #: seconds a collective waits before it warns that it still waits (then at doubling
+        #: intervals), naming the ops and ranks it waits for; None: never
+        self.stall_warn = stall_warn
         self._close_transport = close_transport
         self._dense: dict[tuple[Any, ...], _Dense] = {}
         self._internal: dict[tuple[Any, ...], _Dense] = {}  # the runtime's own collectives
@@ -379,8 +386,12 @@ class Communicator:
             elif data is not None and not fresh:
                 ex.bind({"data": data, **entry.scratch})  # O(ops): views of the new array
             try:
-                ex.start()
-                await ex.wait(t)
+                fut = ex.start()
+                try:
+                    await wait_or_warn(fut, t, self.stall_warn,
+                                       f"rank {self.rank}: {key[0]}", ex.pending_text)
+                except asyncio.TimeoutError:
+                    raise ex.timeout_error(t) from None
                 if own is not None:
                     data[...] = own
             except BaseException as exc:
@@ -568,7 +579,8 @@ class Communicator:
             self._engine, self.transport, contribution, kind=kind, like=like,
             accumulate="sum" if accumulate is True else accumulate, quorum=quorum, seed=s,
             name=name, timeout=t,
-            trace=self._writer, kernels=self.kernels, live=self.live))
+            trace=self._writer, kernels=self.kernels, live=self.live,
+            stall_warn=self.stall_warn))
         self._handles[name] = h
         return h
 

@@ -41,6 +41,7 @@ from ..sched import Executor, KernelRegistry, LiveOps, TraceWriter
 from ..transport.base import Transport
 from .contribution import Combine, Contribution
 from .progress import ProgressEngine
+from .stall import wait_or_warn
 
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]
 
@@ -63,13 +64,16 @@ class PartialAllreduce:
     contribution. One call at a time per handle (:class:`~asynccoll.BusyError` otherwise).
     ``trace``, ``kernels`` and ``live``: the communicator's trace writer (or ``None``), kernel
     registry (default: the collectives') and live-op registry, which its executor uses.
+    ``stall_warn``: seconds a call waits before it logs that it still waits (see
+    :mod:`.stall`; ``None``: never).
     """
 
     def __init__(self, engine: ProgressEngine, transport: Transport, contribution: Contribution,
                  *, kind: str, like: Any, accumulate: bool | str, quorum: int | None,
                  seed: int,
                  name: str, timeout: float | None = None, trace: TraceWriter | None = None,
-                 kernels: KernelRegistry | None = None, live: LiveOps | None = None) -> None:
+                 kernels: KernelRegistry | None = None, live: LiveOps | None = None,
+                 stall_warn: float | None = None) -> None:
         self._engine = engine
         self._writer = trace
         self._contribution = contribution
@@ -82,6 +86,7 @@ class PartialAllreduce:
         self.quorum = quorum
         self.seed = seed
         self.timeout = timeout
+        self.stall_warn = stall_warn
         self.rank = transport.rank
         self.world_size = transport.world_size
         P = self.world_size
@@ -237,7 +242,9 @@ class PartialAllreduce:
     async def _await(self, fut: asyncio.Future[int], timeout: float | None, e: int) -> None:
         t = self.timeout if timeout is None else timeout
         try:
-            await asyncio.wait_for(asyncio.shield(fut), t)
+            await wait_or_warn(fut, t, self.stall_warn,
+                               f"rank {self.rank}: {self.kind} allreduce {self.name!r} "
+                               f"execution {e}", self._ex.pending_text)
         except asyncio.TimeoutError:
             pend = self._ex.pending()
             if self._writer is not None:

@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 
 from ..comm import Communicator, ProgressEngine
+from ..comm.stall import DEFAULT_STALL_WARN
 from . import errorfile
 from .env import ConfigError, resolve
 from .rendezvous import rendezvous
@@ -25,6 +26,22 @@ __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "collective_timeout_from", "connect"]
 #: in minutes instead of never. ``torch.distributed`` defaults to 10 to 30 minutes; we take less,
 #: because a partial collective never needs to wait for a straggler that long.
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+
+
+def _stall_warn_from(environ: Mapping[str, str]) -> float | None:
+    """``ASYNCCOLL_STALL_WARN`` (seconds; ``none`` for no warnings), else the default."""
+    raw = environ.get("ASYNCCOLL_STALL_WARN", "").strip()
+    if not raw:
+        return DEFAULT_STALL_WARN
+    if raw.lower() in ("none", "inf", "infinity"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError("ASYNCCOLL_STALL_WARN", f"must be seconds > 0 or 'none', got {raw!r}")
+    return value
 
 
 def collective_timeout_from(environ: Mapping[str, str], given: float | None) -> float | None:
@@ -64,7 +81,9 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     ``"inline"`` (the caller's loop). ``timeout``: seconds for the rendezvous;
     ``collective_timeout``: the default timeout of every collective in seconds (default:
     ``ASYNCCOLL_TIMEOUT``, else :data:`DEFAULT_COLLECTIVE_TIMEOUT` = 300 s; ``math.inf`` or
-    ``ASYNCCOLL_TIMEOUT=none`` waits forever). ``trace``: a directory
+    ``ASYNCCOLL_TIMEOUT=none`` waits forever); a collective that waits longer than
+    ``ASYNCCOLL_STALL_WARN`` seconds (default 10) logs a warning naming what it waits for, then
+    again at doubling intervals. ``trace``: a directory
     for this rank's execution trace (default: ``ASYNCCOLL_TRACE`` if set). Raises
     :class:`~asynccoll.ConfigError` naming a bad setting, ``RendezvousError`` /
     ``RendezvousTimeoutError`` when the ranks cannot assemble.
@@ -73,6 +92,7 @@ async def connect(rank: int | None = None, world_size: int | None = None,
         raise ValueError(f"progress must be 'thread' or 'inline', got {progress!r}")
     spec = resolve(rank, world_size, store, secret=secret, transport=transport)
     ctimeout = collective_timeout_from(os.environ, collective_timeout)
+    stall = _stall_warn_from(os.environ)
     if os.environ.get(errorfile.ENV):  # set by ``asynccoll run``, which blames the first failure
         errorfile.install(os.environ[errorfile.ENV], spec.rank)
     engine = (ProgressEngine.thread(use_uvloop=spec.transport != "ucx")
@@ -84,4 +104,4 @@ async def connect(rank: int | None = None, world_size: int | None = None,
         raise
     if trace is None:
         trace = os.environ.get("ASYNCCOLL_TRACE") or None
-    return Communicator(t, progress=engine, timeout=ctimeout, trace=trace)
+    return Communicator(t, progress=engine, timeout=ctimeout, trace=trace, stall_warn=stall)

@@ -231,14 +231,27 @@ class Executor:
         Returns its execution number; raises its error, or :class:`CollectiveTimeoutError`
         listing the pending ops after ``timeout`` seconds (the execution goes on).
         """
-        fut = self._last_started if self._last_started is not None else self.current
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            return await asyncio.wait_for(asyncio.shield(self.waited), timeout)
         except asyncio.TimeoutError:
-            raise CollectiveTimeoutError(
-                f"rank {self.schedule.rank}: execution {self.execution} of "
-                f"{self.schedule.name or 'schedule'} not complete after {timeout} s; waiting on: "
-                + "; ".join(d for _, _, d in self.pending()), self.pending()) from None
+            raise self.timeout_error(timeout) from None
+
+    @property
+    def waited(self) -> asyncio.Future[int]:
+        """The future :meth:`wait` waits for: the execution last started (none yet: the armed
+        one)."""
+        return self._last_started if self._last_started is not None else self.current
+
+    def pending_text(self) -> str:
+        """The ops still pending, one description each (what a timeout or stall names)."""
+        return "; ".join(d for _, _, d in self.pending())
+
+    def timeout_error(self, timeout: float | None) -> CollectiveTimeoutError:
+        """The error of a wait that gave up after ``timeout`` seconds, naming what pends."""
+        return CollectiveTimeoutError(
+            f"rank {self.schedule.rank}: execution {self.execution} of "
+            f"{self.schedule.name or 'schedule'} not complete after {timeout} s; waiting on: "
+            + self.pending_text(), self.pending())
 
     def abort(self, exc: BaseException) -> None:
         """Fail the execution under way (or armed) with ``exc``; every later :meth:`start`

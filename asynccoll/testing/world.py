@@ -24,7 +24,8 @@ _TRANSPORTS = ("inproc", "tcp", "ucx")
 async def local_world(world_size: int, transport: str = "inproc", *, progress: str = "thread",
                       timeout: float | None = None, delay: float = 0.0, seed: int = 0,
                       link_delay: Mapping[tuple[int, int], float] | None = None,
-                      trace: str | None = None) -> AsyncIterator[list[Communicator]]:
+                      trace: str | None = None, stall_warn: float | None = None,
+                      ) -> AsyncIterator[list[Communicator]]:
     """Yield ``world_size`` connected :class:`~asynccoll.Communicator` objects, rank order.
 
     ``transport``: ``inproc`` (an in-process fabric; ``delay``, ``seed`` and ``link_delay``
@@ -32,8 +33,9 @@ async def local_world(world_size: int, transport: str = "inproc", *, progress: s
     (loopback sockets) or ``ucx`` (loopback; needs ucxx). All ranks share one engine:
     ``progress="thread"`` (a progress thread, so a rank may block its caller's loop and still
     be activated) or ``"inline"`` (the caller's loop). ``timeout``: the communicators' default
-    collective timeout. ``trace``: a directory each rank writes its execution trace to (see
-    :class:`~asynccoll.Communicator`). Everything is closed on exit. Raises ``ValueError``
+    collective timeout; ``stall_warn``: their stall-warning threshold (default None: no
+    warnings, unlike :func:`~asynccoll.connect`). ``trace``: a directory each rank writes its
+    execution trace to (see :class:`~asynccoll.Communicator`). Everything is closed on exit. Raises ``ValueError``
     naming a bad ``world_size``, ``transport`` or ``progress``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -48,7 +50,8 @@ async def local_world(world_size: int, transport: str = "inproc", *, progress: s
     comms: list[Communicator] = []
     try:
         ts = await engine.run(_connect(world_size, transport, delay, seed, link_delay))
-        comms = [Communicator(t, progress=engine, timeout=timeout, trace=trace) for t in ts]
+        comms = [Communicator(t, progress=engine, timeout=timeout, trace=trace,
+                              stall_warn=stall_warn) for t in ts]
         yield comms
     except BaseException:
         # The body failed: abort (no goodbyes to wait for), as ``async with comm`` does.
