@@ -35,8 +35,8 @@ async def local_world(world_size: int, transport: str = "inproc", *, progress: s
     be activated) or ``"inline"`` (the caller's loop). ``timeout``: the communicators' default
     collective timeout; ``stall_warn``: their stall-warning threshold (default None: no
     warnings, unlike :func:`~asynccoll.connect`). ``trace``: a directory each rank writes its
-    execution trace to (see :class:`~asynccoll.Communicator`). Everything is closed on exit. Raises ``ValueError``
-    naming a bad ``world_size``, ``transport`` or ``progress``.
+    execution trace to (see :class:`~asynccoll.Communicator`). Everything is closed on exit.
+    Raises ``ValueError`` naming a bad ``world_size``, ``transport`` or ``progress``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")

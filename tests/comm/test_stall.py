@@ -18,14 +18,15 @@ async def test_a_stalled_collective_warns_at_growing_intervals_then_times_out(
         kind: str, caplog: pytest.LogCaptureFixture) -> None:
     async with local_world(2, stall_warn=0.1) as comms:
         x = np.ones(4)
+        if kind == "allreduce":
+            call = comms[0].allreduce(x, timeout=1.0)  # rank 1 never calls
+        else:
+            h = comms[0].partial_allreduce("quorum", like=x, quorum=2, name="q")
+            comms[1].partial_allreduce("quorum", like=x, quorum=2, name="q")
+            call = h(x, timeout=1.0)
         with caplog.at_level(logging.WARNING, logger="asynccoll.comm"), \
                 pytest.raises(CollectiveTimeoutError, match="rank 1"):
-            if kind == "allreduce":
-                await comms[0].allreduce(x, timeout=1.0)  # rank 1 never calls
-            else:
-                h = comms[0].partial_allreduce("quorum", like=x, quorum=2, name="q")
-                comms[1].partial_allreduce("quorum", like=x, quorum=2, name="q")
-                await h(x, timeout=1.0)
+            await call
         stalls = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
         # at 0.1, 0.3 and 0.7 s: doubling intervals, not one line per poll
         assert 2 <= len(stalls) <= 4, stalls
