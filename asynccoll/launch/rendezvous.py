@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import os
 import secrets
 from typing import Any
 
@@ -123,6 +124,13 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
         await _wait(client, keys, left(), "publish its transport address", prefix)
         values = await asyncio.gather(*(client.get(k, timeout=left()) for k in keys))
         peers = {r: v.decode() for r, v in enumerate(values) if r != rank}
+        if scheme == "inproc":
+            try:
+                _same_process(peers, rank)
+            except RendezvousError as exc:
+                with contextlib.suppress(Exception):  # tell the others before the store goes
+                    await client.set(f"{prefix}abort", str(exc).encode(), timeout=left())
+                raise
         await t.connect(peers, timeout=left())
         await client.set(f"{prefix}done/{rank}", b"1")
         await _wait(client, [f"{prefix}done/{r}" for r in range(world)], left(),
@@ -174,8 +182,19 @@ def _make(scheme: str, rank: int, world: int, key: bytes, options: dict[str, Any
     return t
 
 
+def _same_process(peers: dict[int, str], rank: int) -> None:
+    """inproc connects the ranks of one process only: refuse at once, naming the ranks that
+    run elsewhere, instead of waiting out the timeout for endpoints that cannot appear."""
+    mine = f"-pid{os.getpid()}/"
+    away = sorted(r for r, a in peers.items() if mine not in a)
+    if away:
+        raise RendezvousError(f"rank {rank}: transport 'inproc' connects ranks of one process "
+                              f"only, and ranks {away} run in other processes; use tcp or ucx")
+
+
 def _listen_address(scheme: str, spec: JobSpec, salt: bytes) -> str:
     if scheme == "inproc":  # the in-process ranks of one job share a fabric named by its salt
-        return f"inproc://rdzv-{salt.hex()[:16]}/{spec.rank}"
+        # (and the process, so that ranks in other processes are told at once, not timed out)
+        return f"inproc://rdzv-{salt.hex()[:16]}-pid{os.getpid()}/{spec.rank}"
     host = listen_host(spec)
     return f"{scheme}://[{host}]:0" if ":" in host else f"{scheme}://{host}:0"

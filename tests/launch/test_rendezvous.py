@@ -205,3 +205,35 @@ def test_asynccoll_run_exchange(transport: str) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     for r in range(3):
         assert f"[{r}] rank {r} of 3 ok over {transport}" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_inproc_across_processes_fails_at_once_naming_the_other_ranks(tmp_path: Path) -> None:
+    """transport='inproc' connects the ranks of one process only: two processes that try are
+    told so at once, not after the 60 s rendezvous timeout."""
+    code = ("import asyncio, asynccoll\n"
+            "async def main():\n"
+            "    try:\n"
+            "        await asynccoll.connect(transport='inproc', timeout=60)\n"
+            "    except asynccoll.RendezvousError as exc:\n"
+            "        print('refused:', exc)\n"
+            "asyncio.run(main())\n")
+    port = free_port()
+    root = str(Path(__file__).parents[2])
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env={**os.environ, "PYTHONPATH": root, "ASYNCCOLL_RANK": str(r),
+                        "ASYNCCOLL_WORLD_SIZE": "2", "ASYNCCOLL_STORE": f"127.0.0.1:{port}",
+                        "ASYNCCOLL_SECRET": "a-test-secret-long-enough"}) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=30)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "refused: rank 0: transport 'inproc' connects ranks of one process only, and " \
+        "ranks [1] run in other processes" in outs[0], outs[0]
+    # rank 1 sees the same, or that rank 0 (which ran the store) gave up: at once either way
+    assert "run in other processes" in outs[1] or "lost the connection to the store" in outs[1], \
+        outs[1]
