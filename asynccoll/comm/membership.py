@@ -24,6 +24,7 @@ from ..errors import PeerLostError
 from ..sched import LiveOps
 from ..transport.base import Transport
 from ..transport.frames import Kind, Message
+from ..transport.matching import ignore_outcome
 
 __all__ = ["CLOSE_SCHED", "DEFAULT_CLOSE_TIMEOUT", "LOST_SCHED", "Membership"]
 
@@ -40,12 +41,6 @@ LOST_SCHED = CLOSE_SCHED + 1
 #: seconds a closing rank lets the executions under way here finish once every rank closed
 IN_FLIGHT_GRACE = 2.0
 _NOTHING = memoryview(b"")
-
-
-def _quiet(fut: asyncio.Future[None]) -> None:
-    if not fut.cancelled():
-        fut.exception()  # a frame to a peer already gone is no error
-
 
 class Membership:
     """The lost ranks and the goodbyes of one rank's communicator, on the transport's loop.
@@ -120,7 +115,7 @@ class Membership:
             for r in self._peers:
                 if r != exc.rank:
                     t.post_frame(r, int(Kind.DATA), LOST_SCHED, self._sent, 0,
-                                 note).add_done_callback(_quiet)
+                                 note).add_done_callback(ignore_outcome)
             self._sent += 1
         if first:
             for ex in self.live.executors():
@@ -136,7 +131,8 @@ class Membership:
         deadline = loop.time() + wait
         peers = self._peers
         for r in peers:
-            t.post_frame(r, int(Kind.DATA), CLOSE_SCHED, 0, 0, _NOTHING).add_done_callback(_quiet)
+            t.post_frame(r, int(Kind.DATA), CLOSE_SCHED, 0, 0,
+                         _NOTHING).add_done_callback(ignore_outcome)
         byes = [t.post_recv(r, CLOSE_SCHED, 0, 0) for r in peers]
         _, pending = await asyncio.wait(byes, timeout=wait)
         for f in byes:

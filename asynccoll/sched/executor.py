@@ -28,6 +28,7 @@ from ..buffers import as_bytes, dtype_to_wire, is_cupy
 from ..errors import CollectiveTimeoutError, ExecutionError, ScheduleError, TransportClosedError
 from ..transport.base import Transport
 from ..transport.frames import Format, Kind, Message
+from ..transport.matching import ignore_outcome
 from .kernels import BUILTIN_KERNELS, Kernel, Payload
 from .schedule import BufRef, Schedule
 from .trace import Trace
@@ -318,7 +319,7 @@ class Executor:
         """
         fut = self.transport.post_frame(self.schedule.rank, _ACTIVATION, self.sched_id,
                                         execution, tag, _NO_PAYLOAD, fmt=_RAW)
-        fut.add_done_callback(_swallow)
+        fut.add_done_callback(ignore_outcome)
 
     # -- the engine --------------------------------------------------------------------------
     def _arm(self) -> None:
@@ -540,9 +541,3 @@ def _resolve_kernels(schedule: Schedule, kernels: Mapping[str, Kernel]) -> list[
                                 f"executor's registry (registered: {sorted(kernels)})")
         out.append(fn)
     return out
-
-
-def _swallow(fut: asyncio.Future[None]) -> None:
-    """Retrieve a self-send's outcome so that a failure is not logged as never retrieved."""
-    if not fut.cancelled():
-        fut.exception()

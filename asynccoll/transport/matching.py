@@ -325,6 +325,13 @@ def fail_quietly(fut: asyncio.Future[Any], exc: BaseException) -> None:
         fut.exception()
 
 
+def ignore_outcome(fut: asyncio.Future[Any]) -> None:
+    """A done-callback for a send whose failure nobody awaits (a self-activation, a notice to
+    a peer that may be gone): retrieve the outcome so asyncio does not log it as lost."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _scratch(n: int) -> memoryview:
     """A throw-away destination for a payload that will be discarded."""
     if n <= len(_SCRATCH):
