@@ -409,21 +409,24 @@ class Communicator:
         id and silently compute different things. One 16-byte allreduce of a hash, once per
         cached collective; nothing on later calls. Raises ExecutionError on every rank."""
         what = sched.meta.get("collectives", [{"kind": key[0]}])
-        digest = hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=8)
-        h = int.from_bytes(digest.digest(), "little") >> 1
-        sig = np.array([h, -h], np.int64)
         try:
-            await self._dense_call(_AGREE_KEY, lambda: dense.allreduce(
-                self.rank, self.size, 2, sig.dtype, "max", "recursive_doubling"), sig, timeout)
+            await self._agree_on(key[0], what[0], timeout)
         except BaseException:
             self._drop_dense(key, entry, self._dense)
             raise
+
+    async def _agree_on(self, kind: str, what: dict[str, Any], timeout: float | None) -> None:
+        """Raise ExecutionError on every rank unless every rank passes the same ``what``."""
+        digest = hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=8)
+        h = int.from_bytes(digest.digest(), "little") >> 1
+        sig = np.array([h, -h], np.int64)
+        await self._dense_call(_AGREE_KEY, lambda: dense.allreduce(
+            self.rank, self.size, 2, sig.dtype, "max", "recursive_doubling"), sig, timeout)
         if sig[0] != -sig[1]:
-            self._drop_dense(key, entry, self._dense)
-            desc = ", ".join(f"{k}={v!r}" for k, v in what[0].items() if k != "slot")
+            desc = ", ".join(f"{k}={v!r}" for k, v in what.items() if k != "slot")
             raise ExecutionError(
-                f"rank {self.rank}: the ranks disagree on a {key[0]} called at the same point "
-                f"(its count, dtype, op, root or algorithm differ); this rank has {desc}")
+                f"rank {self.rank}: the ranks disagree on a {kind} called at the same point "
+                f"(its definition differs); this rank has {desc}")
 
     def _drop_dense(self, key: tuple[Any, ...], entry: _Dense,
                     cache: dict[tuple[Any, ...], _Dense]) -> None:
@@ -464,9 +467,11 @@ class Communicator:
         alg = self._sparse.resolve(int(host.size), np.dtype(dt), density, algorithm, quantize,
                                    delta)
         t = self.timeout if timeout is None else timeout
+        agree = None if self.size == 1 else (
+            lambda what: self._agree_on("sparse_allreduce", what, t))
         res = await self._run(self._sparse.run(host, algorithm=alg, quantize=quantize,
                                                delta=delta, bucket=bucket, seed=seed,
-                                               timeout=t))
+                                               timeout=t, agree=agree))
         if isinstance(res, np.ndarray) and not isinstance(x, SparseVector):
             res = res.reshape(x.shape)
         return to_device(res) if device else res

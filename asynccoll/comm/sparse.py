@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -245,8 +245,12 @@ class SparseOps:
 
     async def run(self, x: SparseVector | np.ndarray, *, algorithm: str,
                   quantize: int | None, delta: float | None, bucket: int, seed: int,
-                  timeout: float | None) -> SparseVector | np.ndarray:
-        """One sparse allreduce of host ``x`` with the cached entry of its key."""
+                  timeout: float | None,
+                  agree: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+                  ) -> SparseVector | np.ndarray:
+        """One sparse allreduce of host ``x`` with the cached entry of its key. ``agree``:
+        awaited with the definition at the key's first use (it raises when the ranks disagree;
+        the entry is then dropped)."""
         size, dt = (x.size, x.values.dtype) if isinstance(x, SparseVector) else (x.size, x.dtype)
         key = (int(size), np.dtype(dt).str, algorithm, quantize, delta, int(bucket), int(seed))
         entry = self._entries.get(key)
@@ -258,6 +262,17 @@ class SparseOps:
             op.sched_id = self._next_id()
             entry = _Entry(op)
             self._entries[key] = entry
+            if agree is not None:
+                try:
+                    await agree({"kind": "sparse_allreduce", "size": int(size),
+                                 "dtype": np.dtype(dt).str, "algorithm": algorithm,
+                                 "quantize": quantize, "delta": delta, "bucket": int(bucket),
+                                 "seed": int(seed)})
+                except BaseException:
+                    entry.op.close()
+                    if self._entries.get(key) is entry:
+                        del self._entries[key]
+                    raise
         async with entry.lock:
             try:
                 return await entry.op.run(x, timeout=timeout)

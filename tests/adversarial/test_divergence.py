@@ -1,5 +1,6 @@
-"""Ranks that call the same collective with different definitions (op, root) get an
-ExecutionError on every rank at its first use, never silently different results.
+"""Ranks that call the same collective with different definitions (op, root, a sparse
+algorithm) get an ExecutionError on every rank at its first use, never silently different
+results.
 
 Real processes over tcp; the check runs once per cached collective (later calls cost nothing).
 """
@@ -28,8 +29,11 @@ async def diverge(rank: int, P: int, port: int, what: str) -> dict[str, Any]:
             if what == "op":
                 # the first use of each definition on every rank (ids follow first use)
                 await comm.allreduce(x, op="min" if rank == 0 else "max")
-            else:
+            elif what == "root":
                 await comm.broadcast(x, root=0 if rank == 0 else 1)
+            else:
+                await comm.sparse_allreduce(x, algorithm="ssar_recursive_double" if rank == 0
+                                            else "ssar_split_allgather")
         except asynccoll.ExecutionError as exc:
             error = str(exc)
         else:
@@ -41,9 +45,9 @@ async def diverge(rank: int, P: int, port: int, what: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("what", ["op", "root"])
-def test_a_mismatched_op_or_root_raises_on_every_rank(what: str) -> None:
+@pytest.mark.parametrize("what", ["op", "root", "sparse"])
+def test_a_mismatched_definition_raises_on_every_rank(what: str) -> None:
     out = spawn_world(async_child, 3, (diverge, free_port(), what), 90)
     for r, o in enumerate(out):
         assert "disagree" in o["error"], (r, o)
-        assert ("op=" if what == "op" else "root=") in o["error"]
+        assert {"op": "op=", "root": "root=", "sparse": "algorithm="}[what] in o["error"]
