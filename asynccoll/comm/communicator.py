@@ -32,10 +32,7 @@ the ops and ranks still awaited; anything after :meth:`Communicator.close` raise
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import itertools
-import json
 import logging
 import signal
 import threading
@@ -47,44 +44,27 @@ import numpy as np
 from ..buffers import check_array
 from ..collectives import KERNELS, dense
 from ..collectives._plan import check_op
-from ..collectives.dense import block_bounds, scratch_buffers
+from ..collectives.dense import block_bounds
 from ..collectives.partial import check_kind
 from ..collectives.sparse.streams import SparseVector
-from ..errors import ExecutionError, PeerLostError, TransportClosedError
+from ..errors import PeerLostError, TransportClosedError
 from ..results import PartialResult
-from ..sched import DumpSignal, Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
+from ..sched import DumpSignal, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
 from .blocking import BlockingCollectives
 from .contribution import Contribution, DenseContribution, SparseContribution
+from .dense import DenseOps
 from .membership import DEFAULT_CLOSE_TIMEOUT, Membership
 from .partial import PartialAllreduce, stable_id
 from .progress import ProgressEngine
 from .sparse import SparseAllreduceHandle, SparseOps, as_host, to_device
-from .stall import DEFAULT_STALL_WARN, wait_or_warn
+from .stall import DEFAULT_STALL_WARN
 
 __all__ = ["Communicator"]
 
 T = TypeVar("T")
 
 log = logging.getLogger("asynccoll.comm")
-
-#: the cache key of the collective that checks the others' definitions (see ``_agree``)
-_AGREE_KEY: tuple[Any, ...] = ("agree",)
-
-#: below this many bytes a cached collective copies through its own buffer instead of
-#: rebinding the executor to the caller's array (rebinding costs O(ops) Python work).
-_SMALL = 64 << 10
-
-
-class _Dense:
-    """A cached synchronous collective: its executor, scratch buffers and a lock (one at a time)."""
-
-    def __init__(self, ex: Executor, scratch: dict[str, Any], own: Any) -> None:
-        self.ex = ex
-        self.scratch = scratch
-        self.own = own  # the bound "data" buffer when small (else None: rebind per call)
-        self.lock = asyncio.Lock()
-
 
 class Communicator:
     """Collectives over a connected ``transport`` for its rank; see the module doc.
@@ -130,8 +110,6 @@ class Communicator:
         #: intervals), naming the ops and ranks it waits for; None: never
         self.stall_warn = stall_warn
         self._close_transport = close_transport
-        self._dense: dict[tuple[Any, ...], _Dense] = {}
-        self._internal: dict[tuple[Any, ...], _Dense] = {}  # the runtime's own collectives
         self._next_id = itertools.count(1)
         #: the kernels of every executor this communicator builds
         self.kernels: KernelRegistry = KERNELS.extended() if kernels is None else kernels
@@ -147,6 +125,8 @@ class Communicator:
         self._writer: TraceWriter | None = None
         if trace is not None:
             self._writer = TraceWriter(trace, transport.rank, transport.world_size)
+        self._dense = DenseOps(transport, lambda: next(self._next_id), kernels=self.kernels,
+                               live=self.live, writer=self._writer, stall_warn=self.stall_warn)
         self._dump_signal: DumpSignal | None = None
         if threading.current_thread() is threading.main_thread() \
                 and hasattr(signal, "SIGUSR1"):
@@ -250,10 +230,7 @@ class Communicator:
         self.membership.stop()
         for h in self._handles.values():
             await h.close()
-        for cache in (self._dense, self._internal):
-            for d in cache.values():
-                d.ex.close()
-            cache.clear()
+        self._dense.close()
         self._sparse.close()
         if self._close_transport:
             await self.transport.close()
@@ -355,85 +332,7 @@ class Communicator:
     async def _dense_call(self, key: tuple[Any, ...], build: Callable[[], Schedule],
                           data: Any, timeout: float | None) -> None:
         self._check_open()
-        cache = self._internal if key == _AGREE_KEY else self._dense
-        entry = cache.get(key)
-        fresh = entry is None
-        if entry is None:
-            sched = build()  # before taking an id: a bad argument must not shift the ids
-            sid = next(self._next_id)
-            scratch = scratch_buffers(sched, None if data is None or isinstance(data, np.ndarray)
-                                      else data)
-            bufs = dict(scratch)
-            own = None
-            if "data" in sched.slots:
-                small = isinstance(data, np.ndarray) and data.nbytes <= _SMALL
-                own = data.copy() if small else None
-                bufs["data"] = data if own is None else own
-            sink = None if self._writer is None else self._writer.add_schedule(
-                sched, sid, collective=key[0])
-            ex = self.live.add(Executor(sched, self.transport, bufs, sched_id=sid,
-                                        trace_sink=sink, kernels=self.kernels), self._writer)
-            entry = _Dense(ex, scratch, own)
-            cache[key] = entry
-            if key != _AGREE_KEY and self.size > 1:
-                await self._agree(key, entry, sched, timeout)
-        t = self.timeout if timeout is None else timeout
-        async with entry.lock:
-            ex = entry.ex
-            own = entry.own
-            if own is not None:
-                own[...] = data
-            elif data is not None and not fresh:
-                ex.bind({"data": data, **entry.scratch})  # O(ops): views of the new array
-            try:
-                fut = ex.start()
-                try:
-                    await wait_or_warn(fut, t, self.stall_warn,
-                                       f"rank {self.rank}: {key[0]}", ex.pending_text)
-                except asyncio.TimeoutError:
-                    raise ex.timeout_error(t) from None
-                if own is not None:
-                    data[...] = own
-            except BaseException as exc:
-                # A failed, timed-out or cancelled execution leaves the executor mid-way: drop
-                # it (its receives retired); the next call of this key starts a fresh one.
-                if self._writer is not None:
-                    self._writer.write_pending(ex, reason=repr(exc))
-                self._drop_dense(key, entry, cache)
-                raise
-
-    async def _agree(self, key: tuple[Any, ...], entry: _Dense, sched: Schedule,
-                     timeout: float | None) -> None:
-        """At the first use of a cached collective, check that every rank defined it alike
-        (kind, count, dtype, op, root, algorithm): ranks that disagree would share a schedule
-        id and silently compute different things. One 16-byte allreduce of a hash, once per
-        cached collective; nothing on later calls. Raises ExecutionError on every rank."""
-        what = sched.meta.get("collectives", [{"kind": key[0]}])
-        try:
-            await self._agree_on(key[0], what[0], timeout)
-        except BaseException:
-            self._drop_dense(key, entry, self._dense)
-            raise
-
-    async def _agree_on(self, kind: str, what: dict[str, Any], timeout: float | None) -> None:
-        """Raise ExecutionError on every rank unless every rank passes the same ``what``."""
-        digest = hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=8)
-        h = int.from_bytes(digest.digest(), "little") >> 1
-        sig = np.array([h, -h], np.int64)
-        await self._dense_call(_AGREE_KEY, lambda: dense.allreduce(
-            self.rank, self.size, 2, sig.dtype, "max", "recursive_doubling"), sig, timeout)
-        if sig[0] != -sig[1]:
-            desc = ", ".join(f"{k}={v!r}" for k, v in what.items() if k != "slot")
-            raise ExecutionError(
-                f"rank {self.rank}: the ranks disagree on a {kind} called at the same point "
-                f"(its definition differs); this rank has {desc}")
-
-    def _drop_dense(self, key: tuple[Any, ...], entry: _Dense,
-                    cache: dict[tuple[Any, ...], _Dense]) -> None:
-        entry.ex.close()
-        self.live.discard(entry.ex)
-        if cache.get(key) is entry:
-            del cache[key]
+        await self._dense.call(key, build, data, self.timeout if timeout is None else timeout)
 
     async def sparse_allreduce(self, x: Any, density: float | None = None,
                                algorithm: str | None = None, quantize: int | None = None,
@@ -468,7 +367,7 @@ class Communicator:
                                    delta)
         t = self.timeout if timeout is None else timeout
         agree = None if self.size == 1 else (
-            lambda what: self._agree_on("sparse_allreduce", what, t))
+            lambda what: self._dense.agree_on("sparse_allreduce", what, t))
         res = await self._run(self._sparse.run(host, algorithm=alg, quantize=quantize,
                                                delta=delta, bucket=bucket, seed=seed,
                                                timeout=t, agree=agree))

@@ -112,7 +112,7 @@ async def test_algorithms_and_reuse() -> None:
                                     for c, x in zip(comms, xs, strict=True)))
                 assert all(np.array_equal(r, np.sum(xs, axis=0)) for r in rs)
         # one committed schedule per distinct (collective, count, dtype, op, algorithm)
-        assert len(comms[0]._dense) == 4
+        assert len(comms[0]._dense.entries) == 4
 
 
 @pytest.mark.timeout(30)

@@ -1,0 +1,150 @@
+"""The synchronous collectives of one communicator: each distinct definition's schedule built,
+committed and agreed on once, then reused (DESIGN §6).
+
+A definition (``(collective, count, dtype, op, algorithm[, root])``) gets its schedule id from
+the order in which it first appears, as MPI's ordering rule wants; at that first use every rank
+compares a hash of the definition (one 16-byte allreduce), so ranks that disagree on ``op`` or
+``root`` get an ExecutionError instead of silently different results. Later calls cost one
+execution of the cached executor and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..collectives import dense
+from ..collectives.dense import scratch_buffers
+from ..errors import ExecutionError
+from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
+from ..transport.base import Transport
+from .stall import wait_or_warn
+
+__all__ = ["DenseOps"]
+
+#: the cache key of the collective that checks the others' definitions
+_AGREE_KEY: tuple[Any, ...] = ("agree",)
+
+#: below this many bytes a cached collective copies through its own buffer instead of
+#: rebinding the executor to the caller's array (rebinding costs O(ops) Python work).
+_SMALL = 64 << 10
+
+
+class _Dense:
+    """A cached synchronous collective: its executor, scratch buffers and a lock (one at a time)."""
+
+    def __init__(self, ex: Executor, scratch: dict[str, Any], own: Any) -> None:
+        self.ex = ex
+        self.scratch = scratch
+        self.own = own  # the bound "data" buffer when small (else None: rebind per call)
+        self.lock = asyncio.Lock()
+
+
+class DenseOps:
+    """The cached synchronous collectives of one rank, on the transport's loop.
+
+    ``next_id``: the communicator's schedule-id counter. ``stall_warn``: seconds before a
+    waiting call warns (see :mod:`.stall`). ``writer``: the trace writer, or None.
+    """
+
+    def __init__(self, transport: Transport, next_id: Callable[[], int], *,
+                 kernels: KernelRegistry, live: LiveOps, writer: TraceWriter | None,
+                 stall_warn: float | None) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self.size = transport.world_size
+        self._next_id = next_id
+        self._kernels = kernels
+        self._live = live
+        self._writer = writer
+        self._stall_warn = stall_warn
+        self.entries: dict[tuple[Any, ...], _Dense] = {}
+        self._internal: dict[tuple[Any, ...], _Dense] = {}  # the runtime's own collectives
+
+    def close(self) -> None:
+        """Close every cached executor (waiting calls fail with TransportClosedError)."""
+        for cache in (self.entries, self._internal):
+            for d in cache.values():
+                d.ex.close()
+            cache.clear()
+
+    async def call(self, key: tuple[Any, ...], build: Callable[[], Schedule], data: Any,
+                   timeout: float | None) -> None:
+        """Run the collective of ``key`` (its schedule from ``build()`` at first use) on
+        ``data`` in place, waiting at most ``timeout`` seconds (CollectiveTimeoutError)."""
+        cache = self._internal if key == _AGREE_KEY else self.entries
+        entry = cache.get(key)
+        fresh = entry is None
+        if entry is None:
+            sched = build()  # before taking an id: a bad argument must not shift the ids
+            sid = self._next_id()
+            scratch = scratch_buffers(sched, None if data is None or isinstance(data, np.ndarray)
+                                      else data)
+            bufs = dict(scratch)
+            own = None
+            if "data" in sched.slots:
+                small = isinstance(data, np.ndarray) and data.nbytes <= _SMALL
+                own = data.copy() if small else None
+                bufs["data"] = data if own is None else own
+            sink = None if self._writer is None else self._writer.add_schedule(
+                sched, sid, collective=key[0])
+            ex = self._live.add(Executor(sched, self.transport, bufs, sched_id=sid,
+                                         trace_sink=sink, kernels=self._kernels), self._writer)
+            entry = _Dense(ex, scratch, own)
+            cache[key] = entry
+            if key != _AGREE_KEY and self.size > 1:
+                what = sched.meta.get("collectives", [{"kind": key[0]}])[0]
+                try:
+                    await self.agree_on(key[0], what, timeout)
+                except BaseException:
+                    self._drop(key, entry, cache)
+                    raise
+        async with entry.lock:
+            ex = entry.ex
+            own = entry.own
+            if own is not None:
+                own[...] = data
+            elif data is not None and not fresh:
+                ex.bind({"data": data, **entry.scratch})  # O(ops): views of the new array
+            try:
+                fut = ex.start()
+                try:
+                    await wait_or_warn(fut, timeout, self._stall_warn,
+                                       f"rank {self.rank}: {key[0]}", ex.pending_text)
+                except asyncio.TimeoutError:
+                    raise ex.timeout_error(timeout) from None
+                if own is not None:
+                    data[...] = own
+            except BaseException as exc:
+                # A failed, timed-out or cancelled execution leaves the executor mid-way: drop
+                # it (its receives retired); the next call of this key starts a fresh one.
+                if self._writer is not None:
+                    self._writer.write_pending(ex, reason=repr(exc))
+                self._drop(key, entry, cache)
+                raise
+
+    async def agree_on(self, kind: str, what: dict[str, Any], timeout: float | None) -> None:
+        """Raise ExecutionError on every rank unless every rank passes the same ``what`` (the
+        definition of a collective at its first use); one 16-byte allreduce of its hash."""
+        digest = hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=8)
+        h = int.from_bytes(digest.digest(), "little") >> 1
+        sig = np.array([h, -h], np.int64)
+        await self.call(_AGREE_KEY, lambda: dense.allreduce(
+            self.rank, self.size, 2, sig.dtype, "max", "recursive_doubling"), sig, timeout)
+        if sig[0] != -sig[1]:
+            desc = ", ".join(f"{k}={v!r}" for k, v in what.items() if k != "slot")
+            raise ExecutionError(
+                f"rank {self.rank}: the ranks disagree on a {kind} called at the same point "
+                f"(its definition differs); this rank has {desc}")
+
+    def _drop(self, key: tuple[Any, ...], entry: _Dense,
+              cache: dict[tuple[Any, ...], _Dense]) -> None:
+        entry.ex.close()
+        self._live.discard(entry.ex)
+        if cache.get(key) is entry:
+            del cache[key]
