@@ -3,7 +3,9 @@
 :mod:`.communicator` (the :class:`Communicator`), :mod:`.progress` (the engine and the bridge
 between loops), :mod:`.blocking` (``comm.blocking``), :mod:`.partial` (the persistent partial
 allreduce handle) with :mod:`.contribution` (what a rank contributes to it: dense or sparse
-data) and :mod:`.sparse` (the sparse allreduce runtime and its persistent handle).
+data), :mod:`.dense` (the cached synchronous collectives), :mod:`.sparse` (the sparse allreduce
+runtime and its persistent handle), :mod:`.membership` (lost ranks told to everyone, the
+goodbyes of an orderly close) and :mod:`.stall` (stall warnings).
 ``connect()``, which reads the environment and runs the rendezvous, lives in
 :mod:`asynccoll.launch`.
 """
