@@ -75,7 +75,9 @@ def as_bytes(a: Any, name: str = "buffer", *, writable: bool = False) -> memoryv
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
         return a.reshape(-1).view(np.uint8).data
-    m = memoryview(a)
+    # A flat byte view already (what the engine precomputes for every send): as it is, no new
+    # view per message.
+    m = a if type(a) is memoryview else memoryview(a)
     if writable and m.readonly:
         raise ValueError(f"{name} must be writable")
     return m.cast("B") if m.format != "B" or m.ndim != 1 else m

@@ -115,7 +115,7 @@ class DenseOps:
                 fut = ex.start()
                 try:
                     await wait_or_warn(fut, timeout, self._stall_warn,
-                                       f"rank {self.rank}: {key[0]}", ex.pending_text)
+                                       lambda: f"rank {self.rank}: {key[0]}", ex.pending_text)
                 except asyncio.TimeoutError:
                     raise ex.timeout_error(timeout) from None
                 if own is not None:

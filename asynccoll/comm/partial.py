@@ -243,8 +243,8 @@ class PartialAllreduce:
         t = self.timeout if timeout is None else timeout
         try:
             await wait_or_warn(fut, t, self.stall_warn,
-                               f"rank {self.rank}: {self.kind} allreduce {self.name!r} "
-                               f"execution {e}", self._ex.pending_text)
+                               lambda: f"rank {self.rank}: {self.kind} allreduce {self.name!r} "
+                                       f"execution {e}", self._ex.pending_text)
         except asyncio.TimeoutError:
             pend = self._ex.pending()
             if self._writer is not None:

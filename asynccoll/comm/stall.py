@@ -22,11 +22,12 @@ DEFAULT_STALL_WARN = 10.0
 
 
 async def wait_or_warn(fut: asyncio.Future[int], timeout: float | None,
-                       warn_after: float | None, who: str, pending: Callable[[], str]) -> None:
+                       warn_after: float | None, who: Callable[[], str],
+                       pending: Callable[[], str]) -> None:
     """Await ``fut`` (shielded: a timeout leaves it running) for at most ``timeout`` seconds
     (``None``: forever); at ``warn_after`` seconds and then at doubling intervals (``None``:
-    never) log that ``who`` still waits, on ``pending()``. Raises ``fut``'s error, or
-    ``asyncio.TimeoutError``."""
+    never) log that ``who()`` still waits, on ``pending()`` (both called only to warn: a call
+    that does not stall formats nothing). Raises ``fut``'s error, or ``asyncio.TimeoutError``."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     deadline = None if timeout is None else start + timeout
@@ -44,8 +45,8 @@ async def wait_or_warn(fut: asyncio.Future[int], timeout: float | None,
                 raise
             assert interval is not None
             left = "" if deadline is None else f", {deadline - now:.3g} s before its timeout"
-            log.warning("%s: still waiting after %.3g s%s; waiting on: %s", who, now - start,
-                        left, pending())
+            log.warning("%s: still waiting after %.3g s%s; waiting on: %s", who(),
+                        now - start, left, pending())
             interval *= 2
             next_warn = now + interval
 

@@ -28,11 +28,12 @@ __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "collective_timeout_from", "connect"]
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 
 
-def _stall_warn_from(environ: Mapping[str, str]) -> float | None:
-    """``ASYNCCOLL_STALL_WARN`` (seconds; ``none`` for no warnings), else the default."""
-    raw = environ.get("ASYNCCOLL_STALL_WARN", "").strip()
+def _seconds_from(environ: Mapping[str, str], var: str, default: float) -> float | None:
+    """Seconds from ``environ[var]`` (``none``/``inf``: None, no limit), else ``default``.
+    Raises ConfigError naming ``var`` for anything but seconds > 0."""
+    raw = environ.get(var, "").strip()
     if not raw:
-        return DEFAULT_STALL_WARN
+        return default
     if raw.lower() in ("none", "inf", "infinity"):
         return None
     try:
@@ -40,7 +41,7 @@ def _stall_warn_from(environ: Mapping[str, str]) -> float | None:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ConfigError("ASYNCCOLL_STALL_WARN", f"must be seconds > 0 or 'none', got {raw!r}")
+        raise ConfigError(var, f"must be seconds > 0 or 'none', got {raw!r}")
     return value
 
 
@@ -49,18 +50,7 @@ def collective_timeout_from(environ: Mapping[str, str], given: float | None) -> 
     (seconds; ``inf``/``none`` for no timeout), else :data:`DEFAULT_COLLECTIVE_TIMEOUT`.
     ``math.inf`` means no timeout (returned as None). Raises ConfigError naming the variable."""
     if given is None:
-        raw = environ.get("ASYNCCOLL_TIMEOUT", "").strip()
-        if not raw:
-            return DEFAULT_COLLECTIVE_TIMEOUT
-        if raw.lower() in ("none", "inf", "infinity"):
-            return None
-        try:
-            given = float(raw)
-        except ValueError:
-            raise ConfigError("ASYNCCOLL_TIMEOUT",
-                              f"must be seconds > 0 or 'none', got {raw!r}") from None
-        if not given > 0:
-            raise ConfigError("ASYNCCOLL_TIMEOUT", f"must be seconds > 0 or 'none', got {raw!r}")
+        return _seconds_from(environ, "ASYNCCOLL_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT)
     if isinstance(given, bool) or not isinstance(given, (int, float)) or not given > 0:
         raise ValueError(f"collective_timeout must be seconds > 0, math.inf or None, got "
                          f"{given!r}")
@@ -92,7 +82,7 @@ async def connect(rank: int | None = None, world_size: int | None = None,
         raise ValueError(f"progress must be 'thread' or 'inline', got {progress!r}")
     spec = resolve(rank, world_size, store, secret=secret, transport=transport)
     ctimeout = collective_timeout_from(os.environ, collective_timeout)
-    stall = _stall_warn_from(os.environ)
+    stall = _seconds_from(os.environ, "ASYNCCOLL_STALL_WARN", DEFAULT_STALL_WARN)
     if os.environ.get(errorfile.ENV):  # set by ``asynccoll run``, which blames the first failure
         errorfile.install(os.environ[errorfile.ENV], spec.rank)
     engine = (ProgressEngine.thread(use_uvloop=spec.transport != "ucx")

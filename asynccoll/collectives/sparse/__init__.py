@@ -7,52 +7,6 @@ contributions and :mod:`.kernels` the compute kernels the schedules name. Nothin
 a transport or an executor: running them is :mod:`asynccoll.comm.sparse`'s job.
 """
 
-from .streams import (
-    Piece,
-    SparseAccumulator,
-    SparseVector,
-    add,
-    add_into,
-    bucket_topk,
-    decode_piece,
-    default_delta,
-    dense_view,
-    from_dense,
-    from_pairs,
-    index_dtype,
-    piece_payload,
-    read_stream,
-    scatter_sum,
-    sparse_views,
-    stream_capacity,
-    stream_payload,
-    sum_pieces,
-    to_dense,
-    topk,
-    write_piece,
-)
-
-__all__ = [
-    "Piece",
-    "SparseAccumulator",
-    "SparseVector",
-    "add",
-    "add_into",
-    "bucket_topk",
-    "decode_piece",
-    "scatter_sum",
-    "default_delta",
-    "dense_view",
-    "from_dense",
-    "from_pairs",
-    "index_dtype",
-    "piece_payload",
-    "read_stream",
-    "sparse_views",
-    "stream_capacity",
-    "stream_payload",
-    "sum_pieces",
-    "to_dense",
-    "topk",
-    "write_piece",
-]
+# The package's names are the streams module's (which re-exports the vector's): one list.
+from .streams import *  # noqa: F403
+from .streams import __all__ as __all__

@@ -29,7 +29,7 @@ from .streams import (
     stream_payload,
     write_piece,
 )
-from .streams import _Union as Union
+from .vector import _Union as Union
 
 __all__ = ["SPARSE_KERNELS", "partition"]
 

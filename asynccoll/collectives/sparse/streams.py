@@ -44,7 +44,6 @@ from .vector import (
     to_dense,
     topk,
 )
-from .vector import _Union as _Union  # re-exported for the merge kernels (.kernels)
 
 __all__ = [
     "Piece",
