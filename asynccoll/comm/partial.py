@@ -18,10 +18,16 @@ an empty buffer) before ``x`` arrived, ``x`` cannot be in e any more. The call t
 (already under way, so only for the time the collective itself takes) and returns e's result
 with ``included=False``; ``x`` stays in the send buffer for e + 1.
 
-A contribution is in exactly one execution: the snapshot moves the whole send buffer into the
-execution and resets it, atomically on the loop. On timeout or cancellation of a call its data
-stays in the send buffer (to be contributed later, not lost); if the awaited execution still
-completes, its result is handed out by the next call (``included=False``) or flush.
+A call that rule 1 answers does not cross to the runtime's loop (no thread hop, no wake-up of
+the progress thread): it takes the result and adds its data to the send buffer on the caller's
+thread, under the handle's lock. The snapshot kernel and the completion callback take the same
+lock on the loop, so a contribution is in exactly one execution (the snapshot moves the whole
+send buffer into the execution and resets it atomically) and a result is never handed out
+half written. Every other call, and every call made on the runtime's loop, runs there.
+
+On timeout or cancellation of a call its data stays in the send buffer (to be contributed
+later, not lost); if the awaited execution still completes, its result is handed out by the
+next call (``included=False``) or flush.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -37,7 +45,7 @@ from ..collectives import KERNELS as COLLECTIVE_KERNELS
 from ..collectives.partial import COUNT, FLUSHING, FRESH, SNAPSHOTS, TAG_FORCE, initiators
 from ..errors import BusyError, CollectiveTimeoutError, ExecutionError, TransportClosedError
 from ..results import PartialResult
-from ..sched import Executor, KernelRegistry, LiveOps, TraceWriter
+from ..sched import Executor, Kernel, KernelRegistry, LiveOps, TraceWriter
 from ..transport.base import Transport
 from .contribution import Combine, Contribution
 from .progress import ProgressEngine
@@ -108,12 +116,16 @@ class PartialAllreduce:
         self._busy = False
         self._closed = False
         self._flushing_seen = 0  # ranks flushing in the latest completed execution
+        # Guards the send buffer, the kept result and the call state between the caller's
+        # thread (rule-1 calls) and the runtime's loop (snapshots, completions, other calls).
+        self._lock = threading.Lock()
+        base = COLLECTIVE_KERNELS if kernels is None else kernels
         sink = None if trace is None else trace.add_schedule(
             sched, self.sched_id, collective=f"{kind}_allreduce", kind=kind, handle=name,
             quorum=quorum, seed=seed)
         self._ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=True,
                             on_complete=self._on_complete, trace_sink=sink,
-                            kernels=COLLECTIVE_KERNELS if kernels is None else kernels)
+                            kernels=_locked_snapshots(base, self._lock))
         if live is not None:
             live.add(self._ex, trace)
 
@@ -122,13 +134,13 @@ class PartialAllreduce:
                        combine: Combine | None = None) -> PartialResult:
         """Contribute ``x`` (shape and dtype of ``like``); see the module doc for the rules.
 
-        ``combine(acc, x, n, late) -> int`` (optional, runs on the runtime's loop, atomically
-        with respect to snapshots) replaces "add ``x`` to the send buffer": ``acc`` is the flat
-        send buffer holding ``n`` local contributions (0: the identity), ``x`` the flat data,
-        ``late`` whether ``x`` cannot be in the execution whose result this call returns; it
-        writes ``acc`` in place and returns how many contributions ``acc`` now holds (0 only
-        if ``acc`` holds the identity). Training methods use it to drop late data or to
-        weight stale data.
+        ``combine(acc, x, n, late) -> int`` (optional; it runs under the handle's lock,
+        atomically with respect to snapshots, on the caller's thread or the runtime's)
+        replaces "add ``x`` to the send buffer": ``acc`` is the flat send buffer holding ``n``
+        local contributions (0: the identity), ``x`` the flat data, ``late`` whether ``x``
+        cannot be in the execution whose result this call returns; it writes ``acc`` in place
+        and returns how many contributions ``acc`` now holds (0 only if ``acc`` holds the
+        identity). Training methods use it to drop late data or to weight stale data.
 
         Raises ``ValueError``/``TypeError`` naming ``x`` for a wrong array,
         :class:`~asynccoll.BusyError` when a call or flush of this handle is under way,
@@ -137,6 +149,10 @@ class PartialAllreduce:
         execution failed (mismatched shapes across ranks, say), ``TransportClosedError``
         after close.
         """
+        if not self._engine.on_loop():
+            res = self._answer_now(x, combine)
+            if res is not None:
+                return res
         return await self._engine.run(self._call(x, timeout, combine))
 
     async def flush(self, timeout: float | None = None) -> PartialResult:
@@ -157,6 +173,10 @@ class PartialAllreduce:
 
     def blocking(self, x: Any, timeout: float | None = None) -> PartialResult:
         """``h(x)`` for code without an event loop (needs a progress thread)."""
+        if not self._engine.on_loop():
+            res = self._answer_now(x, None)
+            if res is not None:
+                return res
         return self._engine.run_blocking(self._call(x, timeout))
 
     def flush_blocking(self, timeout: float | None = None) -> PartialResult:
@@ -197,6 +217,16 @@ class PartialAllreduce:
                             "under way; one at a time per handle")
         return flat
 
+    def _answer_now(self, x: Any, combine: Combine | None) -> PartialResult | None:
+        """Rule 1 on the caller's thread: the result and the data's deposit, or ``None`` when
+        the call must go to the loop (no execution completed since the last result)."""
+        flat = self._check(x)
+        with self._lock:
+            if self._round <= self._given or self._busy or self._closed:
+                return None
+            self._add(flat, combine, True)
+            return self._take(False, self._round - self._given)
+
     def _add(self, flat: Any, combine: Combine | None, late: bool) -> None:
         st = self._state
         st[COUNT] = self._contribution.add(flat, int(st[COUNT]), combine, late)
@@ -205,22 +235,23 @@ class PartialAllreduce:
                     combine: Combine | None = None) -> PartialResult:
         flat = self._check(x)
         ex = self._ex
-        c = ex.completed
-        if c > self._given:
-            self._add(flat, combine, True)
-            return self._take(False, c - self._given)
-        cur = c + 1
-        fut = ex.current  # execution cur's completion
-        self._add(flat, combine, bool(self._state[SNAPSHOTS] > cur))
-        # Set before start(): a world of one completes the execution inside start().
-        self._wait_round = cur
-        self._busy = True
-        try:
-            if self._state[SNAPSHOTS] > cur:
-                self._wait_included = False  # activated from outside before x arrived
-            else:
-                self._wait_included = True
+        with self._lock:
+            c = self._round
+            if c > self._given:
+                self._add(flat, combine, True)
+                return self._take(False, c - self._given)
+            cur = c + 1
+            late = bool(self._state[SNAPSHOTS] > cur)
+            self._add(flat, combine, late)
+            # Set before start(): a world of one completes the execution inside start().
+            self._wait_round = cur
+            self._wait_included = not late  # late: activated from outside before x arrived
+            self._busy = True
+            if not late:
                 self._state[FRESH] = 1
+        fut = ex.current  # execution cur's completion
+        try:
+            if not late:
                 if self._flushing_seen:
                     # Some rank is flushing and will never call again: S(e) may never come,
                     # so this call activates e itself.
@@ -259,6 +290,10 @@ class PartialAllreduce:
     def _on_complete(self, e: int) -> None:
         # Runs inside the executor right after execution e completes and before it re-arms:
         # copy the result out, since the next snapshot overwrites ``data``.
+        with self._lock:
+            self._complete(e)
+
+    def _complete(self, e: int) -> None:
         c = self._contribution
         c.unpack_meta()
         if self._meta[2 * self.world_size] != self.world_size * c.signature:
@@ -314,10 +349,11 @@ class PartialAllreduce:
 
     async def _flush(self, timeout: float | None) -> PartialResult:
         self._check_open()
-        if self._busy:
-            raise BusyError(f"partial allreduce {self.name!r} already has a call or flush "
-                            "under way")
-        self._busy = True
+        with self._lock:
+            if self._busy:
+                raise BusyError(f"partial allreduce {self.name!r} already has a call or flush "
+                                "under way")
+            self._busy = True
         loop = asyncio.get_running_loop()
         t = self.timeout if timeout is None else timeout
         deadline = None if t is None else loop.time() + t
@@ -341,19 +377,42 @@ class PartialAllreduce:
                 if self._flushing_seen == P:
                     break
             self._flushing_seen = 0  # everyone left their flush at this execution
-            c = ex.completed
-            assert c > self._given
-            return self._take(True, c - self._given - 1)
+            with self._lock:
+                c = self._round
+                assert c > self._given
+                return self._take(True, c - self._given - 1)
         finally:
             self._state[FLUSHING] = 0
             self._busy = False
 
     async def _close(self) -> None:
         if not self._closed:
-            self._closed = True
+            with self._lock:
+                self._closed = True
             left = int(self._state[COUNT])
             if left and self._ex.error is None:
                 log.warning("rank %d: partial allreduce %r closed holding %d contribution(s) "
                             "that no execution took; call 'await h.flush()' before closing to "
                             "include them", self.rank, self.name, left)
             self._ex.close()  # a waiting call fails with TransportClosedError
+
+
+#: the kernels that move a send buffer into an execution (dense and sparse partials)
+_SNAPSHOT_KERNELS = ("partial_snapshot", "partial_sparse_snapshot")
+
+
+def _locked_snapshots(kernels: Mapping[str, Kernel], lock: threading.Lock) -> dict[str, Kernel]:
+    """``kernels`` with each snapshot kernel run under ``lock`` (the handle's; module doc)."""
+    out = dict(kernels)
+    for name in _SNAPSHOT_KERNELS:
+        fn = out.get(name)
+        if fn is not None:
+            out[name] = _under(lock, fn)
+    return out
+
+
+def _under(lock: threading.Lock, fn: Kernel) -> Kernel:
+    def kernel(out: Any, inputs: Any, params: Any, msgs: Any) -> Any:
+        with lock:
+            return fn(out, inputs, params, msgs)
+    return kernel

@@ -2,10 +2,13 @@
 
 External activations of partial collectives must be answered while the application computes,
 so by default (:meth:`ProgressEngine.thread`) the runtime's loop runs in a daemon thread and the
-application's awaitables bridge to it (``asyncio.run_coroutine_threadsafe`` and
-``asyncio.wrap_future``: a cancelled caller cancels the runtime's task too). The bridge costs a
-thread hop each way, some tens of microseconds. ``inline`` runs on the caller's loop instead, for
-code that never blocks it.
+application's awaitables bridge to it: one wake-up of the runtime's loop to start the task and
+one of the caller's loop to hand back its outcome (a cancelled caller cancels the runtime's task
+too). On the 2-core development machine the bridge cost 95-115 µs per round trip, almost all of
+it the two wake-ups of sleeping threads; ``asyncio.run_coroutine_threadsafe`` with
+``asyncio.wrap_future`` cost 125-145 µs in the same runs (``bench/sched_overhead.py``, case
+``bridge``). Calls that can be answered at once do not cross at all (a partial call under rule
+1: :mod:`.partial`). ``inline`` runs on the caller's loop instead, for code that never blocks it.
 
 The progress thread runs uvloop when it is installed (a faster loop, for TCP in particular).
 
@@ -160,8 +163,7 @@ class ProgressEngine:
         if self._closed:
             coro.close()
             raise TransportClosedError("progress engine is closed")
-        cf = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return await asyncio.wrap_future(cf)
+        return await _Bridge(coro, self.loop, asyncio.get_running_loop()).result()
 
     def run_blocking(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the progress thread and block until it is done (no loop needed).
@@ -198,3 +200,68 @@ class ProgressEngine:
 
         cf: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(wrapper(), self.loop)
         return cf.result()
+
+
+class _Bridge:
+    """One coroutine run on the runtime's loop for a caller on another loop.
+
+    Exactly one wake-up each way: ``call_soon_threadsafe`` on the runtime's loop creates the
+    task; the task's done callback hands its outcome to the caller's loop with one
+    ``call_soon_threadsafe``. Cancelling the caller cancels the task, before or after it
+    started (as ``wrap_future`` of ``run_coroutine_threadsafe`` does: the caller does not wait
+    for the task to end).
+    """
+
+    __slots__ = ("_caller", "_cancelled", "_coro", "_done", "_loop", "_task")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop,
+                 caller: asyncio.AbstractEventLoop) -> None:
+        self._coro = coro
+        self._loop = loop
+        self._caller = caller
+        self._done: asyncio.Future[Any] = caller.create_future()
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelled = False
+        loop.call_soon_threadsafe(self._start)
+
+    def _start(self) -> None:  # on the runtime's loop
+        if self._cancelled:
+            self._coro.close()
+            self._caller.call_soon_threadsafe(self._finish, None)
+            return
+        self._task = self._loop.create_task(self._coro)
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:  # on the runtime's loop
+        try:
+            self._caller.call_soon_threadsafe(self._finish, task)
+        except RuntimeError:  # the caller's loop is closed: nobody waits for the outcome
+            if not task.cancelled():
+                task.exception()  # retrieved, so asyncio does not log it as lost
+
+    def _finish(self, task: asyncio.Task[Any] | None) -> None:  # on the caller's loop
+        done = self._done
+        if done.done():
+            return
+        if task is None or task.cancelled():
+            done.cancel()
+        elif (exc := task.exception()) is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(task.result())
+
+    def _cancel(self) -> None:  # on the runtime's loop
+        self._cancelled = True
+        if self._task is not None:
+            self._task.cancel()
+
+    async def result(self) -> Any:
+        try:
+            return await self._done
+        except asyncio.CancelledError:
+            if not self._cancelled:
+                try:
+                    self._loop.call_soon_threadsafe(self._cancel)
+                except RuntimeError:  # the runtime's loop is closed: nothing left to cancel
+                    pass
+            raise
