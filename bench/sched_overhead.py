@@ -10,6 +10,14 @@ Cases (each an execution of a committed schedule, timed over many executions):
   ranks in one process over ``inproc://``, persistent executors, one float32 element, so that
   what is measured is the engine and the matching, not the arithmetic.
 
+* ``bridge``: one round trip from the caller's loop to a progress thread and back, the cost a
+  partial call pays on top of its execution unless rule 1 answers it on the caller's thread:
+  ``asynccoll`` is :meth:`ProgressEngine.run <asynccoll.comm.progress.ProgressEngine.run>` of a
+  coroutine that returns at once, ``run_coroutine_threadsafe`` is the standard library's bridge
+  (``asyncio.run_coroutine_threadsafe`` awaited through ``asyncio.wrap_future``, what the engine
+  used before), ``wakeups-raw`` the floor: one ``call_soon_threadsafe`` each way resolving a
+  future, nothing else.
+
 ``us_per_op`` is the wall time of an execution (all ranks) divided by its number of ops.
 Peers: the engine has no counterpart in MPI or Gloo; the ``asyncio-raw`` rows time what an
 engine pays that resolves one asyncio future per op (from the previous one's callback), the
@@ -141,6 +149,33 @@ async def bench_raw_chain(n: int, executions: int, reps: int) -> list[float]:
     return await _time(run, executions, reps)
 
 
+async def bench_bridge(impl: str, calls: int, reps: int) -> list[float]:
+    from asynccoll.comm.progress import ProgressEngine
+
+    engine = ProgressEngine.thread(switch_interval=None)
+    caller = asyncio.get_running_loop()
+
+    async def nothing() -> int:
+        return 1
+
+    async def run(k: int) -> None:
+        for _ in range(k):
+            if impl == "asynccoll":
+                await engine.run(nothing())
+            elif impl == "run_coroutine_threadsafe":
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(nothing(),
+                                                                           engine.loop))
+            else:
+                done = caller.create_future()
+                engine.loop.call_soon_threadsafe(caller.call_soon_threadsafe, done.set_result, 1)
+                await done
+
+    try:
+        return await _time(run, calls, reps)
+    finally:
+        engine.close()
+
+
 def _row(case: str, impl: str, loop: str, ops: int, executions: int, times: list[float],
          **extra: Any) -> dict[str, Any]:
     per = [t / executions / ops * 1e6 for t in times]
@@ -163,6 +198,10 @@ async def measure(loop_name: str, quick: bool) -> list[dict[str, Any]]:
     rows.append(_row("recdbl16", "asynccoll", loop_name, ops, recdbl_execs, t, P=RANKS))
     t = await bench_raw_chain(CHAIN_OPS, single_execs, reps)
     rows.append(_row("chain", "asyncio-raw", loop_name, CHAIN_OPS, single_execs, t, P=1))
+    bridge_calls = 500 if quick else 2000
+    for impl in ("asynccoll", "run_coroutine_threadsafe", "wakeups-raw"):
+        t = await bench_bridge(impl, bridge_calls, reps)
+        rows.append(_row("bridge", impl, loop_name, 1, bridge_calls, t, P=1))
     return rows
 
 
