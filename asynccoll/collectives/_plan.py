@@ -127,6 +127,10 @@ class Plan:
         self._t_out = 0
         self.label = ""
         self.dry = False  # reserve tags only (a folded rank shadowing the core's steps)
+        #: the next recv_reduce's receives are sources (posted when the execution is armed,
+        #: not after ``after``): a partial collective's fused activation (module doc of
+        #: :mod:`asynccoll.collectives.partial`). Reset by the recv_reduce that uses it.
+        self.source_recvs = False
         self.mine: list[int] = []
         self.tracks: dict[str, _Track] = {}
         if after:
@@ -217,16 +221,20 @@ class Plan:
         segment (each reduction depends on its own receive only)."""
         if self.dry:
             return
+        source, self.source_recvs = self.source_recvs, False
         for k, (a, b) in enumerate(self._segments(n)):
             into = BufRef(slot, lo + a, b - a)
             got = BufRef(tmp, tlo + a, b - a)
             lab = self._label(k, n)
+            # ``tmp`` is untouched before the first step, so a source receive races nothing
             self._add([(tmp, tlo + a, tlo + b, True)],
-                      lambda d, got=got, k=k, lab=lab: self.s.recv(peer, got, t0 + k, deps=d,
-                                                                   label=lab))
+                      lambda d, got=got, k=k, lab=lab: self.s.recv(
+                          peer, got, t0 + k, deps=() if source else d, label=lab))
+            # (a source receive no longer orders its reduction after ``after``: add it)
             self._add([(slot, lo + a, lo + b, True), (tmp, tlo + a, tlo + b, False)],
                       lambda d, into=into, got=got, lab=lab: self.s.compute(
-                          op, [into, got], into, deps=d, label=lab))
+                          op, [into, got], into,
+                          deps=sorted({*d, *self.entry}) if source else d, label=lab))
 
     def finish(self) -> int:
         """Add the result no-op (AND of this collective's sinks); record the tags used."""

@@ -25,14 +25,15 @@ messages received and ``2 * ceil(log2 P)`` sent; fewer than 2P messages in all.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..sched import Schedule
 from .dense import build_barrier
 
-__all__ = ["TAGS_USED", "Activation", "activation_broadcast", "build_activation",
-           "hypercube_neighbours", "hosted_node"]
+__all__ = ["TAGS_USED", "Activation", "activation_broadcast", "add_triggers",
+           "build_activation", "hosted_node", "hypercube_neighbours"]
 
 #: the number of tags the activation uses from its ``tag`` (real/virtual source x destination).
 TAGS_USED = 4
@@ -77,7 +78,8 @@ class Activation(NamedTuple):
     sends: tuple[int, ...]
 
 
-def build_activation(s: Schedule, triggers: Sequence[int], *, tag: int = 0) -> Activation:
+def build_activation(s: Schedule, triggers: Sequence[int], *, tag: int = 0,
+                     fused: int | None = None, quiet: Sequence[int] = ()) -> Activation:
     """Append the activation broadcast to ``s``; return its ops.
 
     ``triggers``: ops of ``s`` whose completion starts the activation from this rank (an
@@ -86,7 +88,16 @@ def build_activation(s: Schedule, triggers: Sequence[int], *, tag: int = 0) -> A
     the collective's ops on it. The receives are sources (posted when the execution is armed, so
     a message can activate the rank from outside); the sends are OR-dependent on the triggers
     and on the receives of higher dimensions. Uses tags ``tag .. tag + TAGS_USED - 1``.
-    Raises ``ValueError`` when ``triggers`` is empty or ``tag`` is negative.
+
+    ``fused``: a hypercube neighbour (P a power of two) with which this rank exchanges data
+    as soon as it is activated, whichever way: the activation message along that edge is left
+    out in both directions, and the caller adds the receives of that data to the
+    ``activated`` op's dependencies (:func:`add_triggers`), so the data itself activates the
+    rank. Every activated rank sends that data, so the edge still carries the activation.
+    ``quiet``: ops that activate this rank without starting the broadcast from it (a quorum
+    that every rank counts for itself, so nobody needs to be told).
+    Raises ``ValueError`` when ``triggers`` is empty, ``tag`` is negative or ``fused`` is not
+    a neighbour in a power-of-two world.
     """
     if tag < 0:
         raise ValueError(f"tag must be >= 0, got {tag}")
@@ -102,22 +113,25 @@ def build_activation(s: Schedule, triggers: Sequence[int], *, tag: int = 0) -> A
     def tag_of(src: int, dst: int) -> int:
         return tag + 2 * (src >= P) + (dst >= P)
 
+    if fused is not None and (P & (P - 1) or fused not in hypercube_neighbours(r, P)):
+        raise ValueError(f"fused must be a hypercube neighbour of rank {r} in a power-of-two "
+                         f"world, got {fused} with P = {P}")
     v = hosted_node(r, P)
     nodes = [r] if v is None else [r, v]
     recv: dict[tuple[int, int], int] = {}  # (node, dimension) -> receive op
     for u in nodes:
         for i in range(dims):
             w = u ^ (1 << i)
-            if host(w) != r:  # the host <-> hosted edge is internal
+            if host(w) != r and w != fused:  # the host <-> hosted edge is internal
                 recv[u, i] = s.recv(host(w), None, tag_of(w, u), msg="activation",
                                     label="activation in" if u == r else
                                     f"activation in (for node {u})")
-    activated = s.nop(deps=[*triggers, *recv.values()], k=1, label="activated")
+    activated = s.nop(deps=[*triggers, *quiet, *recv.values()], k=1, label="activated")
     sends: list[int] = []
     for u in nodes:
         for j in range(dims):
             w = u ^ (1 << j)
-            if host(w) == r:
+            if host(w) == r or w == fused:
                 continue
             # Along j once started, or once reached along a higher dimension; the hosted node
             # is "reached along the top dimension" when its host starts.
@@ -126,6 +140,13 @@ def build_activation(s: Schedule, triggers: Sequence[int], *, tag: int = 0) -> A
                                 label="activation out" if u == r else
                                 f"activation out (for node {u})"))
     return Activation(activated, tuple(recv.values()), tuple(sends))
+
+
+def add_triggers(s: Schedule, activated: int, triggers: Sequence[int]) -> None:
+    """Let any of ``triggers`` (source receives added after ``activated``: the fused data's)
+    fire the ``activated`` op of :func:`build_activation` too, before ``s`` is committed."""
+    op = s.ops[activated]
+    s.ops[activated] = dataclasses.replace(op, deps=(*op.deps, *triggers), k=1)
 
 
 def activation_broadcast(rank: int, world_size: int, *, tag: int = 0) -> Schedule:

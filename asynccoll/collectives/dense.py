@@ -66,6 +66,7 @@ __all__ = [
     "DEFAULT_SEGMENT_BYTES",
     "REDUCE_OPS",
     "REDUCE_SCATTER_ALGORITHMS",
+    "first_partner",
     "allgather",
     "allreduce",
     "barrier",
@@ -90,7 +91,8 @@ DEFAULT_SEGMENT_BYTES = 1 << 20
 def build_allreduce(s: Schedule, count: int, dtype: Any, op: str = "sum",
                     algorithm: str | None = None, *, slot: str = "data",
                     scratch_prefix: str = "", tag_base: int = 0, after: Sequence[int] = (),
-                    segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> int:
+                    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                    source_first_recvs: bool = False) -> int:
     """Append an allreduce of ``count`` elements of slot ``slot`` (reduced in place) to ``s``.
 
     ``algorithm``: ``"recursive_doubling"``, ``"ring"``, ``"rabenseifner"``, or ``None`` to let
@@ -100,6 +102,10 @@ def build_allreduce(s: Schedule, count: int, dtype: Any, op: str = "sum",
     Slots: ``slot`` (``count`` elements, in place) and scratch ``scratch_prefix + "tmp"``
     (``count`` elements for recursive doubling and Rabenseifner, two blocks of
     ``ceil(count / P)`` for ring; absent when P == 1 or count == 0).
+    ``source_first_recvs``: with P a power of two and recursive doubling or Rabenseifner, the
+    receives of the first exchange (partner :func:`first_partner`) are sources, posted when
+    the execution is armed rather than after ``after`` (a partial collective lets them
+    activate the rank: fused activation); ignored otherwise.
     Returns the id of the no-op that completes when the result is in ``slot`` on this rank.
     Raises ``ValueError`` naming a bad ``count``, ``dtype``, ``op``, ``algorithm``,
     ``tag_base``, ``after`` or ``segment_bytes``.
@@ -126,6 +132,7 @@ def build_allreduce(s: Schedule, count: int, dtype: Any, op: str = "sum",
             core = p.fold_in(slot, tmp, op)
             # a folded rank still reserves the core's tags, so next_tag() agrees on all ranks
             p.dry = core < 0
+            p.source_recvs = source_first_recvs and P & (P - 1) == 0
             if algo == "recursive_doubling":
                 p.recursive_doubling(slot, tmp, op, max(core, 0))
             else:
@@ -133,6 +140,21 @@ def build_allreduce(s: Schedule, count: int, dtype: Any, op: str = "sum",
             p.dry = False
             p.fold_out(slot)
     return p.finish()
+
+
+def first_partner(rank: int, world_size: int, count: int, algorithm: str) -> int | None:
+    """The rank this rank's allreduce of ``count`` elements first exchanges data with, when
+    P is a power of two and ``algorithm`` exchanges along a hypercube dimension first
+    (recursive doubling: ``rank ^ 1``; Rabenseifner's halving: ``rank ^ P/2``); else None.
+    Every rank computes the same pairs, which is what fused activation relies on."""
+    P = world_size
+    if P < 2 or P & (P - 1) or count <= 0:
+        return None
+    if algorithm == "recursive_doubling":
+        return rank ^ 1
+    if algorithm == "rabenseifner":
+        return rank ^ (P >> 1)
+    return None
 
 
 def allreduce(rank: int, world_size: int, count: int, dtype: Any, op: str = "sum",

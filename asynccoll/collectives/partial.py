@@ -12,6 +12,14 @@ One rank's schedule, executed again and again by a persistent executor::
   activation (a message the runtime sends to itself, used by ``flush``), or by the first
   activation message; the messages follow the union of the binomial trees rooted at the
   initiators (P - 1 messages from one initiator), made complete for any P.
+* **Fused activation.** When P is a power of two and the data allreduce first exchanges with a
+  hypercube neighbour (recursive doubling: ``rank ^ 1``; Rabenseifner: ``rank ^ P/2``), that
+  exchange carries the activation: the activation messages along that edge are left out, the
+  first data receives are posted when the execution is armed, and the first of them to arrive
+  activates the rank (OR with the other triggers, consumable, so a rank is still activated
+  once). Every activated rank sends that data at once, so the edge still activates; from one
+  initiator P/2 activation messages fewer per execution, and a rank reached along that edge
+  is woken by one message instead of two. Other P and algorithms keep the broadcast as is.
 * **Initiator set S(e)**: which ranks call :meth:`Executor.start` for execution ``e`` is decided
   by the runtime with :func:`initiators`, a pure function of ``(kind, e, P, seed)`` that every
   rank evaluates identically (stateless per execution, so ranks never need to agree on a
@@ -19,13 +27,14 @@ One rank's schedule, executed again and again by a persistent executor::
   distinct drawn ranks (the first to arrive starts it).
 * **Quorum(k)**: every rank that arrives calls start, which here does *not* activate: it sends
   an ARRIVAL message to every other rank, and a k-of-P threshold no-op over ``{own start,
-  arrivals from the others}`` is the trigger. The first rank to count k arrivals activates
-  everyone. A coordinator that rotates per execution cannot be written as static data without
-  P variants of every op (a persistent schedule has fixed peers), and sending arrivals to every
-  potential coordinator costs the same P - 1 messages per rank as this; so every rank is a
-  coordinator, which also needs no extra hop from coordinator to activation. Cost: P - 1 empty
-  messages per arriving rank per execution (O(P^2) per execution), fine for the tens of ranks
-  partial collectives are meant for.
+  arrivals from the others}`` activates the rank. Every rank receives every arrival and counts
+  them itself, so reaching the quorum starts no activation broadcast (nobody needs telling; a
+  forced activation by a flush still broadcasts). A coordinator that rotates per execution
+  cannot be written as static data without P variants of every op (a persistent schedule has
+  fixed peers), and sending arrivals to every potential coordinator costs the same P - 1
+  messages per rank as this; so every rank is a coordinator, which also needs no extra hop
+  from coordinator to activation. Cost: P - 1 empty messages per arriving rank per execution
+  (O(P^2) per execution), fine for the tens of ranks partial collectives are meant for.
 * **Snapshot** (kernel ``partial_snapshot``, in :data:`PARTIAL_KERNELS`): at activation, internal or
   external, the send buffer ``acc`` (fresh data, accumulated stale data, or nothing) is copied
   into the work buffer ``data`` and reset to the identity of ``op``; the small int64 ``state``
@@ -57,8 +66,9 @@ import numpy as np
 from ..buffers import dtype_to_wire
 from ..sched import BUILTIN_KERNELS, Schedule, SlotSpec
 from ._plan import check_op
-from .activation import TAGS_USED, build_activation
-from .dense import build_allreduce, next_tag
+from .activation import TAGS_USED, add_triggers, build_activation
+from .dense import build_allreduce, first_partner, next_tag
+from .select import choose_allreduce
 
 __all__ = [
     "COUNT",
@@ -205,14 +215,16 @@ def signature(kind: str, op: str, quorum: int | None, count: int, dtype: Any,
     return int.from_bytes(digest, "little") & 0xFFFF
 
 
-def append_activation_front(s: Schedule, quorum: int | None) -> int:
+def append_activation_front(s: Schedule, quorum: int | None, fused: int | None = None) -> int:
     """Append what activates an execution (module doc) to ``s``; return the ``activated`` op.
 
     The internal start (op 0 when ``s`` is empty: the runtime's :meth:`Executor.start`), the
     forced activation (a self-message on :data:`TAG_FORCE`), the quorum's arrivals when
     ``quorum`` is given (:data:`TAG_ARRIVAL`), and the activation broadcast from
     :data:`TAG_ACTIVATION`; the data collective starts from :data:`TAG_DATA`. Shared by the
-    dense and the sparse partial allreduce.
+    dense and the sparse partial allreduce. ``fused``: the partner whose first data message
+    activates this rank instead of an activation message (see
+    :func:`~asynccoll.collectives.activation.build_activation`).
     """
     rank, world_size = s.rank, s.world_size
     start = s.nop(label="internal start")
@@ -226,9 +238,13 @@ def append_activation_front(s: Schedule, quorum: int | None) -> int:
                     for q in others]
         for q in others:
             s.send(q, None, TAG_ARRIVAL, deps=start, msg="activation", label="arrival out")
-        triggers.append(s.nop(deps=[start, *arrivals], k=quorum,
-                              label=f"quorum {quorum} of {world_size}"))
-    return build_activation(s, triggers, tag=TAG_ACTIVATION).activated
+        # every rank counts the arrivals itself, so reaching the quorum activates this rank
+        # without an activation broadcast (which only a forced activation still starts)
+        reached = s.nop(deps=[start, *arrivals], k=quorum,
+                        label=f"quorum {quorum} of {world_size}")
+        return build_activation(s, triggers, tag=TAG_ACTIVATION, fused=fused,
+                                quiet=[reached]).activated
+    return build_activation(s, triggers, tag=TAG_ACTIVATION, fused=fused).activated
 
 
 def write_meta(meta: Any, state: Any, params: Mapping[str, Any]) -> None:
@@ -268,19 +284,24 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
     s.declare("data", SlotSpec(count + (m if packed else 0), wire))
     s.declare("meta", SlotSpec(m, "<i8"))
     s.declare("state", SlotSpec(STATE_LEN, "<i8"))
-    activated = append_activation_front(s, k)
+    n = count + (m if packed else 0)
+    algo = algorithm or choose_allreduce(world_size, n * dt.itemsize)
+    fused = first_partner(rank, world_size, n, algo)
+    activated = append_activation_front(s, k, fused)
     sig = signature(kind, op, quorum, count, dt, algorithm)
     snap = s.compute("partial_snapshot", ["acc", "data", "meta", "state"], deps=activated,
                      label="snapshot", rank=rank, world_size=world_size, op=op, sig=sig,
                      packed=packed, count=count)
-    if packed:
-        done = [build_allreduce(s, count + m, dt, op, algorithm, slot="data",
-                                tag_base=TAG_DATA, after=[snap])]
-    else:
-        done = [build_allreduce(s, count, dt, op, algorithm, slot="data", tag_base=TAG_DATA,
-                                after=[snap]),
-                build_allreduce(s, m, np.int64, "sum", None, slot="meta", scratch_prefix="meta_",
-                                tag_base=next_tag(s), after=[snap])]
+    first = len(s.ops)
+    done = [build_allreduce(s, n, dt, op, algo, slot="data", tag_base=TAG_DATA, after=[snap],
+                            source_first_recvs=fused is not None)]
+    if fused is not None:  # the partner's first data message activates this rank
+        add_triggers(s, activated, [i for i in range(first, len(s.ops))
+                                    if s.ops[i].kind == "recv" and not s.ops[i].deps])
+    if not packed:
+        done.append(build_allreduce(s, m, np.int64, "sum", None, slot="meta",
+                                    scratch_prefix="meta_", tag_base=next_tag(s),
+                                    after=[snap]))
     s.final = s.nop(deps=done, label="final")
     s.meta["partial"] = {"kind": kind, "op": op, "quorum": k, "count": count, "dtype": wire,
                          "packed": packed}
@@ -292,8 +313,9 @@ def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     """Move the send buffer into the work buffer and reset it; record who contributes what.
 
     It writes its inputs (``acc``, ``data``, ``meta``, ``state``) and has no output, so the
-    executor never offloads it to a thread: it must not race the runtime, which adds calls'
-    data to ``acc`` on the loop. Cost: one copy and one fill of ``count`` elements.
+    executor never offloads it to a thread; the runtime adds calls' data to ``acc`` under a
+    lock that a partial handle also holds around this kernel (:mod:`asynccoll.comm.partial`).
+    Cost: one copy and one fill of ``count`` elements.
     """
     acc, data, meta, state = inputs
     n = params["count"]
