@@ -30,7 +30,7 @@ import concurrent.futures
 import sys
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..errors import TransportClosedError
 
@@ -202,7 +202,7 @@ class ProgressEngine:
         return cf.result()
 
 
-class _Bridge:
+class _Bridge(Generic[T]):
     """One coroutine run on the runtime's loop for a caller on another loop.
 
     Exactly one wake-up each way: ``call_soon_threadsafe`` on the runtime's loop creates the
@@ -214,13 +214,13 @@ class _Bridge:
 
     __slots__ = ("_caller", "_cancelled", "_coro", "_done", "_loop", "_task")
 
-    def __init__(self, coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop,
+    def __init__(self, coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop,
                  caller: asyncio.AbstractEventLoop) -> None:
         self._coro = coro
         self._loop = loop
         self._caller = caller
-        self._done: asyncio.Future[Any] = caller.create_future()
-        self._task: asyncio.Task[Any] | None = None
+        self._done: asyncio.Future[T] = caller.create_future()
+        self._task: asyncio.Task[T] | None = None
         self._cancelled = False
         loop.call_soon_threadsafe(self._start)
 
@@ -232,14 +232,14 @@ class _Bridge:
         self._task = self._loop.create_task(self._coro)
         self._task.add_done_callback(self._ended)
 
-    def _ended(self, task: asyncio.Task[Any]) -> None:  # on the runtime's loop
+    def _ended(self, task: asyncio.Task[T]) -> None:  # on the runtime's loop
         try:
             self._caller.call_soon_threadsafe(self._finish, task)
         except RuntimeError:  # the caller's loop is closed: nobody waits for the outcome
             if not task.cancelled():
                 task.exception()  # retrieved, so asyncio does not log it as lost
 
-    def _finish(self, task: asyncio.Task[Any] | None) -> None:  # on the caller's loop
+    def _finish(self, task: asyncio.Task[T] | None) -> None:  # on the caller's loop
         done = self._done
         if done.done():
             return
@@ -255,7 +255,7 @@ class _Bridge:
         if self._task is not None:
             self._task.cancel()
 
-    async def result(self) -> Any:
+    async def result(self) -> T:
         try:
             return await self._done
         except asyncio.CancelledError:

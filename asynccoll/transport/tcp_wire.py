@@ -23,7 +23,10 @@ payload is read straight into it (no intermediate bytes objects).
 **Sending** writes from the array's own memory in pieces of :data:`CHUNK` bytes with the
 transport's write buffer limited to one piece; a send's future resolves once its last byte has
 been handed to the kernel, after which the caller may reuse the buffer. Payloads up to
-:data:`SMALL` bytes are copied into their record (one system call per small message).
+:data:`SMALL` bytes are copied into their record. The first small message of a loop turn is
+written at once (no added latency); the small messages that follow it to the same peer in the
+same turn are coalesced and written together at the end of the turn, one system call for all
+of them (and, at the receiver, usually one wake-up).
 """
 
 from __future__ import annotations
@@ -177,6 +180,10 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._paused = False
         self._turn = True
         self._next_id = 0
+        # small records that followed one already written in this loop turn (None: no record
+        # left in this turn yet), written together when the turn ends
+        self._burst: list[bytes] | None = None
+        self._burst_outs: list[_Out] = []
 
     @property
     def peername(self) -> object:
@@ -466,20 +473,56 @@ class TcpConnection(asyncio.BufferedProtocol):
             assert tr is not None
             msgid = self._next_id
             self._next_id = (msgid + 1) & 0xFFFFFFFF
+            rec = _RECORD.pack(len(head), msgid, len(view)) + head + view
+            if self._burst is not None:  # not the first of this turn: coalesce
+                self._burst.append(rec)
+                self._burst_outs.append(_Out(fut, head, view))
+                return
             try:
-                tr.write(_RECORD.pack(len(head), msgid, len(view)) + head + view)
+                tr.write(rec)
             except (RuntimeError, OSError) as exc:
                 self._written.append(_Out(fut, head, view))
                 self._broken(exc)
                 return
+            self._burst = []
+            asyncio.get_running_loop().call_soon(self._end_burst)
             if self._paused:
                 self._written.append(_Out(fut, head, view))
             else:
                 fut.set_result(None)
             return
+        self._flush_burst()  # what was coalesced goes first: messages begin in posting order
         self._queue.append(_Out(fut, head, view))
         if not self._paused:
             self._pump()
+
+    def _end_burst(self) -> None:
+        self._flush_burst()
+        self._burst = None
+
+    def _flush_burst(self) -> None:
+        recs, outs = self._burst, self._burst_outs
+        if not recs:
+            return
+        self._burst, self._burst_outs = [], []
+        if self._state == _DEAD:
+            for out in outs:
+                fail_quietly(out.fut, self.error or PeerLostError(self.peer, "connection closed"))
+            return
+        tr = self.tr
+        assert tr is not None
+        try:
+            tr.write(b"".join(recs))
+        except (RuntimeError, OSError) as exc:
+            self._written.extend(outs)
+            self._broken(exc)
+            return
+        if self._paused:
+            self._written.extend(outs)
+        else:
+            for out in outs:
+                if not out.fut.done():
+                    out.fut.set_result(None)
 
     def _pump(self) -> None:
         try:
@@ -577,9 +620,12 @@ class TcpConnection(asyncio.BufferedProtocol):
                 fail_quietly(cur.slot.posted.fut, exc)
         self._inflight.clear()
         self._cur = None
-        for q in (self._queue, self._active, self._written):
+        for q in (self._queue, self._active, self._written, self._burst_outs):
             for out in q:
                 fail_quietly(out.fut, exc)
+        self._burst_outs = []
+        if self._burst:
+            self._burst = []
         self._queue.clear()
         self._active.clear()
         self._written = []

@@ -690,3 +690,64 @@ async def _sigkill() -> None:
         if proc.is_alive():
             proc.kill()
         proc.join(5)
+
+
+# -- coalescing -----------------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_small_messages_of_one_turn_share_a_write_and_keep_their_order(loop_kind: str) -> None:
+    async def body() -> None:
+        ts = await world(2)
+        conn = ts[0]._conns[1]
+        assert conn.tr is not None
+        writes: list[int] = []
+
+        class Counting:  # uvloop's transports do not let a test replace their methods
+            def __init__(self, tr: Any) -> None:
+                self._tr = tr
+
+            def write(self, data: Any) -> None:
+                writes.append(len(data))
+                self._tr.write(data)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._tr, name)
+
+        conn.tr = Counting(conn.tr)  # type: ignore[assignment]
+        xs = [np.full(4, i, np.int32) for i in range(5)]
+        big = np.full(3 << 20, 9, np.uint8)
+        got = [ts[1].post_recv(0, SCHED, 0, i, np.empty_like(x)) for i, x in enumerate(xs)]
+        got_big = ts[1].post_recv(0, SCHED, 0, 99, np.empty_like(big))
+        sent = [ts[0].post_send(1, header(0, i, x), x) for i, x in enumerate(xs[:3])]
+        assert len(writes) == 1  # the first goes at once; the next two wait for the turn's end
+        sent.append(ts[0].post_send(1, header(0, 99, big), big))  # flushes the two first
+        sent += [ts[0].post_send(1, header(0, i + 3, x), x) for i, x in enumerate(xs[3:])]
+        assert len(writes) >= 3
+        await asyncio.wait_for(asyncio.gather(*sent), 10)
+        for i, g in enumerate(got):
+            assert np.frombuffer((await asyncio.wait_for(g, 10)).payload, np.int32)[0] == i
+        assert np.frombuffer((await asyncio.wait_for(got_big, 10)).payload, np.uint8).min() == 9
+        # a later turn: the first message is written at once again, alone
+        writes.clear()
+        await asyncio.sleep(0)
+        await ts[0].post_send(1, header(0, 7, xs[0]), xs[0])
+        assert len(writes) == 1
+        for t in ts:
+            await t.close()
+
+    run_on(loop_kind, body())
+
+
+@pytest.mark.timeout(30)
+async def test_coalesced_sends_fail_when_the_connection_breaks() -> None:
+    ts = await world(2)
+    x = np.zeros(8, np.uint8)
+    first = ts[0].post_send(1, header(0, 1, x), x)
+    rest = [ts[0].post_send(1, header(0, 2 + i, x), x) for i in range(3)]
+    ts[0]._conns[1].abort(PeerLostError(1, "test: broken"))
+    await first
+    for fut in rest:
+        with pytest.raises(PeerLostError):
+            await asyncio.wait_for(fut, 5)
+    for t in ts:
+        await t.close()
