@@ -1,7 +1,13 @@
-"""Dense float32 sum allreduce: asynccoll over tcp and ucx against Gloo and Open MPI.
+"""Dense float32 sum allreduce: asynccoll over tcp, shared memory and ucx against Gloo and
+Open MPI.
 
     python bench/allreduce.py [--quick] [--out FILE.json] [--plot FILE.png] [--P 2,4,8]
-                              [--impls asynccoll-tcp,asynccoll-ucx,gloo,mpi] [--progress thread]
+                              [--impls asynccoll-tcp,asynccoll-shm,asynccoll-ucx,gloo,mpi]
+                              [--progress thread]
+
+``asynccoll-tcp`` and ``asynccoll-ucx`` are the network paths (``ASYNCCOLL_SHM=0``, so the
+default allreduce stays off shared memory); ``asynccoll-shm`` is ``algorithm="shm"`` (every
+rank on this host; the data through shared memory, the wake-ups over tcp).
 
 For each implementation and P (real processes on this host), each message size (4 B, 4 KiB,
 1 MiB, 16 MiB, 64 MiB): warm-up calls, then timed calls, each preceded by a barrier; a call's
@@ -40,7 +46,7 @@ from _harness import (
 )
 
 SIZES = [4, 4 << 10, 1 << 20, 16 << 20, 64 << 20]
-ALL_IMPLS = ("asynccoll-tcp", "asynccoll-ucx", "gloo", "mpi")
+ALL_IMPLS = ("asynccoll-tcp", "asynccoll-shm", "asynccoll-ucx", "gloo", "mpi")
 
 
 def calls_for(size: int, quick: bool) -> tuple[int, int]:
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     impls = args.impls.split(",")
     rows: list[dict[str, Any]] = []
     for impl in impls:
-        need = {"asynccoll-tcp": None, "asynccoll-ucx": "ucx", "gloo": "gloo", "mpi": "mpi"}
+        need = {"asynccoll-tcp": None, "asynccoll-shm": None, "asynccoll-ucx": "ucx",
+                "gloo": "gloo", "mpi": "mpi"}
         if impl not in need:
             ap.error(f"unknown impl {impl!r}; known: {', '.join(ALL_IMPLS)}")
         why = peer_missing(need[impl]) if need[impl] else None
@@ -255,8 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         for P in Ps:
             t0 = time.time()
             if impl.startswith("asynccoll"):
-                res = run_asynccoll(impl.split("-")[1], P, sizes, args.quick, args.progress,
-                                    args.algorithm, args.copy)
+                # asynccoll-tcp and -ucx: the network path (ASYNCCOLL_SHM=0 keeps the default
+                # allreduce off shared memory); asynccoll-shm: through shared memory, with the
+                # wake-ups over tcp
+                os.environ["ASYNCCOLL_SHM"] = "1" if impl == "asynccoll-shm" else "0"
+                shm = impl == "asynccoll-shm"
+                res = run_asynccoll("tcp" if shm else impl.split("-")[1], P, sizes, args.quick,
+                                    args.progress, "shm" if shm else args.algorithm, args.copy)
             elif impl == "gloo":
                 res = run_gloo(P, sizes, args.quick)
             else:

@@ -257,8 +257,9 @@ class Communicator:
         """Reduce ``x`` element-wise over all ranks and return the result.
 
         ``op``: ``sum``, ``prod``, ``min``, ``max``. ``algorithm``: ``recursive_doubling``,
-        ``ring``, ``rabenseifner`` or ``None`` (chosen by size and P). Every rank ends with
-        bitwise identical results. By default the result is a new array (``x`` is left as
+        ``ring``, ``rabenseifner``, ``shm`` (through shared memory, every rank on one host:
+        :mod:`asynccoll.comm.shm`) or ``None``: ``shm`` from 256 KiB up when every rank is on
+        this host, else chosen by size and P. Every rank ends with bitwise identical results. By default the result is a new array (``x`` is left as
         it is), which costs an allocation and a copy of ``x``; ``out=`` names a contiguous array
         of ``x``'s shape and dtype to hold it instead, and ``out=x`` reduces in place with
         neither (as ``torch.distributed.all_reduce`` and ``MPI_IN_PLACE`` do). Do not touch
@@ -277,9 +278,7 @@ class Communicator:
             if out is not x:
                 out[...] = x
             buf = out.reshape(-1)
-        key = ("allreduce", buf.size, buf.dtype.str, op, algorithm)
-        await self._run(self._dense_call(key, lambda: dense.allreduce(
-            self.rank, self.size, buf.size, buf.dtype, op, algorithm), buf, timeout))
+        await self._run(self._dense_allreduce(buf, op, algorithm, timeout))
         return buf.reshape(x.shape) if out is None else out
 
     async def broadcast(self, x: Any, root: int = 0, timeout: float | None = None) -> Any:
@@ -328,6 +327,12 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         await self._run(self._dense_call(("barrier",), lambda: dense.barrier(
             self.rank, self.size), None, timeout))
+
+    async def _dense_allreduce(self, buf: Any, op: str, algorithm: str | None,
+                               timeout: float | None) -> None:
+        self._check_open()
+        await self._dense.allreduce(buf, op, algorithm, self.timeout if timeout is None
+                                    else timeout)
 
     async def _dense_call(self, key: tuple[Any, ...], build: Callable[[], Schedule],
                           data: Any, timeout: float | None) -> None:

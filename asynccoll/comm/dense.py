@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,14 @@ from ..collectives.dense import scratch_buffers
 from ..errors import ExecutionError
 from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
+from .shm import (
+    SHM_MIN_BYTES,
+    Segment,
+    build_shm_allreduce,
+    host_hash,
+    new_token,
+    segment_path,
+)
 from .stall import wait_or_warn
 
 __all__ = ["DenseOps"]
@@ -33,6 +42,30 @@ _AGREE_KEY: tuple[Any, ...] = ("agree",)
 #: below this many bytes a cached collective copies through its own buffer instead of
 #: rebinding the executor to the caller's array (rebinding costs O(ops) Python work).
 _SMALL = 64 << 10
+
+
+class _Shm:
+    """A shared-memory allreduce: two executors and their segments, used in turn (one call
+    at a time)."""
+
+    def __init__(self, sides: list[tuple[Executor, dict[str, Any], list[Any]]]) -> None:
+        self.sides = sides
+        self.calls = 0
+        self.lock = asyncio.Lock()
+
+    def next(self) -> tuple[Executor, dict[str, Any]]:
+        ex, arrays, _ = self.sides[self.calls % 2]
+        self.calls += 1
+        return ex, arrays
+
+    def close(self, live: LiveOps) -> None:
+        for ex, arrays, segs in self.sides:
+            ex.close()
+            live.discard(ex)
+            arrays.clear()
+            for seg in segs:
+                seg.close()
+        self.sides = []
 
 
 class _Dense:
@@ -65,6 +98,11 @@ class DenseOps:
         self._stall_warn = stall_warn
         self.entries: dict[tuple[Any, ...], _Dense] = {}
         self._internal: dict[tuple[Any, ...], _Dense] = {}  # the runtime's own collectives
+        self._shm: dict[tuple[Any, ...], _Shm] = {}
+        self._host: tuple[bool, int] | None = None  # (every rank on this host, job token)
+        #: ASYNCCOLL_SHM=0 keeps the default allreduce off shared memory (``algorithm="shm"``
+        #: still takes it)
+        self._auto_shm = os.environ.get("ASYNCCOLL_SHM", "1").strip() != "0"
 
     def close(self) -> None:
         """Close every cached executor (waiting calls fail with TransportClosedError)."""
@@ -72,6 +110,116 @@ class DenseOps:
             for d in cache.values():
                 d.ex.close()
             cache.clear()
+        for sh in self._shm.values():
+            sh.close(self._live)
+        self._shm.clear()
+
+    # -- allreduce: over the network, or through shared memory on one host -------------------
+    async def allreduce(self, buf: Any, op: str, algorithm: str | None,
+                        timeout: float | None) -> None:
+        """Allreduce ``buf`` (flat, contiguous) in place: through shared memory when
+        ``algorithm="shm"``, or by default from :data:`~.shm.SHM_MIN_BYTES` up when every
+        rank is on this host (the same choice on every rank: same size, same hosts) unless
+        ``ASYNCCOLL_SHM=0``; else the network schedule of ``algorithm``
+        (:mod:`asynccoll.collectives.dense`)."""
+        if algorithm == "shm" or (algorithm is None and self._auto_shm and self.size > 1
+                                  and isinstance(buf, np.ndarray)
+                                  and buf.nbytes >= SHM_MIN_BYTES
+                                  and (await self._hosts(timeout))[0]):
+            await self._shm_allreduce(buf, op, timeout)
+            return
+        key = ("allreduce", buf.size, buf.dtype.str, op, algorithm)
+        await self.call(key, lambda: dense.allreduce(self.rank, self.size, buf.size, buf.dtype,
+                                                      op, algorithm), buf, timeout)
+
+    async def _hosts(self, timeout: float | None) -> tuple[bool, int]:
+        """(whether every rank is on this host, the job's segment token): one allgather of
+        each rank's host hash and a token, at first use."""
+        if self._host is None:
+            mine = np.array([host_hash(), new_token()], np.int64)
+            every = np.zeros(2 * self.size, np.int64)
+            every[2 * self.rank:2 * self.rank + 2] = mine
+            await self.call(("hosts",), lambda: dense.allgather(self.rank, self.size, 2,
+                                                                 np.int64), every, timeout)
+            self._host = (bool((every[0::2] == every[0]).all()), int(every[1]))
+        return self._host
+
+    async def _shm_allreduce(self, buf: Any, op: str, timeout: float | None) -> None:
+        if not isinstance(buf, np.ndarray):
+            raise TypeError("algorithm='shm' needs a NumPy array (shared memory is host memory)")
+        same, token = await self._hosts(timeout)
+        if not same:
+            raise ValueError("algorithm='shm' needs every rank on one host (ASYNCCOLL_HOST_ID "
+                             "or the host name and boot id differ)")
+        key = (buf.size, buf.dtype.str, op)
+        sh = self._shm.get(key)
+        if sh is None:
+            sh = await self._shm_setup(key, buf, op, token, timeout)
+        async with sh.lock:
+            ex, segs = sh.next()
+            ex.bind({"data": buf, **segs})
+            fut = ex.start()
+            try:
+                await wait_or_warn(fut, timeout, self._stall_warn,
+                                   lambda: f"rank {self.rank}: allreduce (shared memory)",
+                                   ex.pending_text)
+            except asyncio.TimeoutError:
+                sh.close(self._live)
+                self._shm.pop(key, None)
+                raise ex.timeout_error(timeout) from None
+            except BaseException:
+                sh.close(self._live)
+                self._shm.pop(key, None)
+                raise
+
+    async def _shm_setup(self, key: tuple[Any, ...], buf: Any, op: str, token: int,
+                         timeout: float | None) -> _Shm:
+        """Two executors, each with a segment per rank: created, mapped by every rank, then
+        unlinked (module doc of :mod:`.shm`). Collective; every rank fails if one cannot map."""
+        sched = build_shm_allreduce(self.rank, self.size, buf.size, buf.dtype, op)
+        await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
+        sids = [self._next_id(), self._next_id()]
+        nbytes = buf.nbytes
+        own = [Segment.create(segment_path(token, sid, self.rank), nbytes) for sid in sids]
+        mapped: list[list[Segment]] = [[] for _ in sids]
+        err: BaseException | None = None
+        try:
+            await self.call(("barrier",), lambda: dense.barrier(self.rank, self.size), None,
+                            timeout)
+            try:
+                for i, sid in enumerate(sids):
+                    mapped[i] = [own[i] if q == self.rank else
+                                 Segment.attach(segment_path(token, sid, q), nbytes)
+                                 for q in range(self.size)]
+            except (OSError, ValueError) as exc:
+                err = exc
+            flag = np.array([1 if err else 0], np.int64)
+            await self.call(("shm_ok",), lambda: dense.allreduce(
+                self.rank, self.size, 1, np.int64, "max", "recursive_doubling"), flag, timeout)
+        finally:
+            for seg in own:
+                seg.unlink()  # every rank has mapped it (or the setup failed): nothing left
+        if err is not None or flag[0]:
+            for segs in mapped:
+                for seg in segs:
+                    seg.close()
+            if err is not None:
+                raise err
+            raise ExecutionError(f"rank {self.rank}: another rank could not map this host's "
+                                 "shared-memory segments (see its error)")
+        sides = []
+        for sid, segs in zip(sids, mapped, strict=True):
+            arrays = {("mine" if q == self.rank else f"peer{q}"): seg.array(buf.dtype, buf.size)
+                      for q, seg in enumerate(segs)}
+            sink = None if self._writer is None else self._writer.add_schedule(
+                sched, sid, collective="allreduce")
+            ex = self._live.add(Executor(sched, self.transport, {"data": buf, **arrays},
+                                         sched_id=sid, trace_sink=sink,
+                                         kernels=self._kernels), self._writer)
+            sides.append((ex, arrays, segs))
+        sh = _Shm(sides)
+        self._shm[key] = sh
+        return sh
 
     async def call(self, key: tuple[Any, ...], build: Callable[[], Schedule], data: Any,
                    timeout: float | None) -> None:

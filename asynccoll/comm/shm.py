@@ -1,0 +1,195 @@
+"""The allreduce between the ranks of one host, through shared memory (two-shot).
+
+Every rank owns a segment (a file in ``/dev/shm`` that every rank maps); a call, for rank r of
+P, with the vector cut into P blocks (``numpy.array_split``'s rule):
+
+1. copy the caller's array into its own segment, then tell every peer (an empty message over
+   the communicator's existing connections: the wake-up, no spinning);
+2. once told by every peer, reduce block r of all P segments, reading the peers' memory in
+   place, into block r of its own segment, then tell every peer again;
+3. copy each block q out of the segment of the rank q that reduced it into the caller's array.
+
+Each rank reads every byte once and writes it twice (the copy in, the copy out) plus its block
+once: three passes over the vector per rank, where an allreduce over TCP moves it through the
+kernel's socket buffers several times. Two messages per peer per call; at small sizes the
+recursive-doubling allreduce over the network costs fewer, so the communicator takes this path
+only from :data:`SHM_MIN_BYTES` up (or when asked for, ``algorithm="shm"``), and only when every
+rank of the communicator is on this host (:func:`host_id`, compared at first use).
+
+**Reuse without a third message.** Calls alternate between two executors with two segments
+each: a rank writes into the segment of call n again at call n + 2, and by then every peer has
+finished reading it (a peer's "copied in" message of call n + 1 comes after its call n ended).
+
+**Lifetime and safety.** Segments are created with ``O_EXCL`` and mode 0600, named by user,
+job token (drawn by rank 0 at first use), schedule id and rank, so two jobs on one host never
+share one. A rank maps its peers' segments read-only and refuses one that another user owns,
+that others may read or write, or of the wrong size. Once every rank has mapped every segment
+(a barrier), each owner unlinks its own: from then on nothing is left in ``/dev/shm`` whatever
+happens to the processes, a SIGKILL included; the memory lives as long as a mapping does. A
+rank lost mid-call is reported like any other (PeerLostError, over the connections that carry
+the wake-ups).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+from typing import Any
+
+import numpy as np
+
+from ..collectives._plan import block_bounds
+from ..collectives.dense import REDUCE_OPS
+from ..sched import BufRef, Schedule, SlotSpec
+
+__all__ = ["SHM_DIR", "SHM_MIN_BYTES", "Segment", "build_shm_allreduce", "host_id",
+           "host_hash", "new_token", "segment_path"]
+
+#: where segments live (a tmpfs on Linux)
+SHM_DIR = "/dev/shm"
+#: the communicator's allreduce takes the shared-memory path from this many bytes up, when
+#: every rank is on one host (below it, recursive doubling's fewer messages win)
+SHM_MIN_BYTES = 256 << 10
+
+_READY, _REDUCED = 0, 1  # the tags of the two wake-up rounds
+
+
+def host_id() -> str:
+    """This host's identity: ``ASYNCCOLL_HOST_ID`` when set (tests make several "hosts" on one
+    machine with it), else the host name and the kernel's boot id."""
+    forced = os.environ.get("ASYNCCOLL_HOST_ID")
+    if forced:
+        return forced
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def host_hash() -> int:
+    """:func:`host_id` as a non-negative int64 (equal on the ranks of one host)."""
+    import hashlib
+
+    d = hashlib.blake2b(host_id().encode(), digest_size=8).digest()
+    return int.from_bytes(d, "little") >> 1
+
+
+def new_token() -> int:
+    """A random non-negative int64 naming one job's segments."""
+    return secrets.randbits(63)
+
+
+def segment_path(token: int, sched_id: int, rank: int) -> str:
+    """The path of rank ``rank``'s segment for schedule ``sched_id`` of the job ``token``."""
+    return os.path.join(SHM_DIR,
+                        f"asynccoll-{os.getuid()}-{token:016x}-{sched_id & (2**64 - 1):x}-{rank}")
+
+
+class Segment:
+    """A mapped segment: created (and later unlinked) by its owner, attached by its peers."""
+
+    def __init__(self, path: str, mm: mmap.mmap, owner: bool) -> None:
+        self.path = path
+        self.owner = owner
+        self._mm: mmap.mmap | None = mm
+
+    @classmethod
+    def create(cls, path: str, nbytes: int) -> Segment:
+        """Create ``path`` (``FileExistsError`` if it exists), ``nbytes`` long, mode 0600."""
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        return cls(path, mm, True)
+
+    @classmethod
+    def attach(cls, path: str, nbytes: int) -> Segment:
+        """Map a peer's segment read-only; ``PermissionError`` naming it when another user owns
+        it or others may read or write it, ``ValueError`` when its size is not ``nbytes``."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise PermissionError(f"shared-memory segment {path} is owned by uid "
+                                      f"{st.st_uid} with mode {st.st_mode & 0o777:o}; refusing "
+                                      f"it (expected uid {os.getuid()}, mode 600)")
+            if st.st_size != nbytes:
+                raise ValueError(f"shared-memory segment {path} has {st.st_size} bytes, "
+                                 f"expected {nbytes}")
+            mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return cls(path, mm, False)
+
+    def array(self, dtype: Any, count: int) -> np.ndarray[Any, Any]:
+        """The segment as ``count`` elements of ``dtype`` (read-only when attached)."""
+        assert self._mm is not None
+        return np.frombuffer(self._mm, dtype, count)
+
+    def unlink(self) -> None:
+        """Remove the file (owner only; the mappings stay valid). Idempotent."""
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unmap, once no array of it is left (else the mapping goes with the last one)."""
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # arrays still export it: it is unmapped when they go
+                pass
+
+
+def build_shm_allreduce(rank: int, world_size: int, count: int, dtype: Any,
+                        op: str = "sum") -> Schedule:
+    """The committed schedule of rank ``rank`` (module doc). Slots: ``data`` (the caller's
+    array, reduced in place), ``mine`` (this rank's segment), ``peer{q}`` (rank q's segment,
+    read-only), ``count`` elements of ``dtype`` each. Raises ``ValueError`` naming a bad
+    ``op`` or ``count``."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    P, r = world_size, rank
+    wire = np.dtype(dtype).str
+    s = Schedule(r, P, name="shm_allreduce")
+    seg = {q: "mine" if q == r else f"peer{q}" for q in range(P)}
+    for slot in ("data", *seg.values()):
+        s.declare(slot, SlotSpec(count, wire))
+    b = block_bounds(count, P)
+    others = [q for q in range(P) if q != r]
+    copied = s.compute("copy", ["data"], "mine", label="copy in")
+    for q in others:
+        s.send(q, None, _READY, deps=copied, label="copied in")
+    ready = [s.recv(q, None, _READY, label="copied in") for q in others]
+    mine = BufRef("mine", b[r], b[r + 1] - b[r])
+    reduced = copied if not others else s.compute(
+        op, [mine, *(BufRef(seg[q], b[r], b[r + 1] - b[r]) for q in others)], mine,
+        deps=[copied, *ready], label=f"reduce block {r}")
+    for q in others:
+        s.send(q, None, _REDUCED, deps=reduced, label="reduced")
+    outs = [s.compute("copy", [mine], BufRef("data", b[r], b[r + 1] - b[r]), deps=reduced,
+                      label=f"copy out block {r}")]
+    for q in others:
+        got = s.recv(q, None, _REDUCED, label="reduced")
+        lo, n = b[q], b[q + 1] - b[q]
+        outs.append(s.compute("copy", [BufRef(seg[q], lo, n)], BufRef("data", lo, n),
+                              deps=[got, reduced],
+                              label=f"copy out block {q}"))
+    s.final = s.nop(deps=outs, label="final")
+    s.meta["collectives"] = [{"kind": "allreduce", "count": count, "dtype": wire, "op": op,
+                              "algorithm": "shm"}]
+    return s.commit()

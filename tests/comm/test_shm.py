@@ -1,0 +1,136 @@
+"""The allreduce through shared memory between the ranks of one host (asynccoll.comm.shm).
+
+Real processes, real segments in /dev/shm, wake-ups over real tcp connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _helpers import async_child, free_port, spawn_world
+
+import asynccoll
+from asynccoll.comm.shm import SHM_DIR, SHM_MIN_BYTES, Segment, build_shm_allreduce
+from asynccoll.testing import local_world
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def _ours() -> set[str]:
+    """This user's segments in /dev/shm."""
+    return {f for f in os.listdir(SHM_DIR) if f.startswith(f"asynccoll-{os.getuid()}-")}
+
+
+def _want(n: int, P: int, dtype: Any, op: str) -> np.ndarray[Any, Any]:
+    xs = [_data(n, r, dtype) for r in range(P)]
+    if op == "sum":
+        return np.sum(xs, axis=0, dtype=dtype)
+    return np.max(xs, axis=0)
+
+
+def _data(n: int, rank: int, dtype: Any) -> np.ndarray[Any, Any]:
+    return ((np.arange(n) * (rank + 3)) % 17 - rank).astype(dtype)
+
+
+async def _rank_main(rank: int, P: int, port: int, host: str | None) -> list[Any]:
+    if host is not None:
+        os.environ["ASYNCCOLL_HOST_ID"] = f"{host}-{rank}"
+    comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
+                                   transport="tcp", timeout=60)
+    seen: list[Any] = []
+    async with comm:
+        if host is not None:  # one host per rank: "shm" is refused, the default takes tcp
+            x = _data(SHM_MIN_BYTES // 4, rank, np.float32)
+            with pytest.raises(ValueError, match="one host"):
+                await comm.allreduce(x, algorithm="shm", timeout=30)
+            seen.append(np.array_equal(await comm.allreduce(x, timeout=30),
+                                       _want(x.size, P, np.float32, "sum")))
+            return seen
+        for n, dtype, op, algo in ((1, np.float32, "sum", "shm"),
+                                   (max(1, P - 1), np.int64, "max", "shm"),
+                                   (1001, np.float64, "sum", "shm"),
+                                   (SHM_MIN_BYTES // 4 + 3, np.float32, "sum", None)):
+            x = _data(n, rank, dtype)
+            for _ in range(3):  # both alternating executors, and reuse
+                got = await comm.allreduce(x, op=op, algorithm=algo, timeout=30)
+                seen.append(bool(np.array_equal(got, _want(n, P, dtype, op))))
+            y = x.copy()
+            await comm.allreduce(y, op=op, algorithm=algo, timeout=30, out=y)
+            seen.append(bool(np.array_equal(y, _want(n, P, dtype, op))))
+        await comm.barrier(timeout=30)
+        await asyncio.sleep(0.1)
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_equals_numpy_across_processes_and_leaves_nothing(P: int) -> None:
+    before = _ours()
+    out = spawn_world(async_child, P, (_rank_main, free_port(), None), 90)
+    assert all(all(r) for r in out), out
+    assert _ours() - before == set()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_on_different_hosts_do_not_use_shared_memory() -> None:
+    out = spawn_world(async_child, 2, (_rank_main, free_port(), "host"), 90)
+    assert out == [[True], [True]]
+
+
+@pytest.mark.timeout(60)
+async def test_two_jobs_on_one_host_do_not_interfere() -> None:
+    async def job(k: int) -> bool:
+        async with local_world(2, "tcp", timeout=30) as comms:
+            xs = [np.full(5000, 10 * k + r, np.float32) for r in range(2)]
+            ok = True
+            for _ in range(5):
+                got = await asyncio.gather(*(c.allreduce(x, algorithm="shm")
+                                             for c, x in zip(comms, xs, strict=True)))
+                ok &= all(np.array_equal(g, xs[0] + xs[1]) for g in got)
+            return ok
+
+    assert await asyncio.gather(job(1), job(2)) == [True, True]
+
+
+def test_segments_are_private(tmp_path: Path) -> None:
+    path = str(tmp_path / "seg")
+    seg = Segment.create(path, 4096)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with pytest.raises(FileExistsError):
+        Segment.create(path, 4096)
+    with pytest.raises(ValueError, match="4096 bytes"):
+        Segment.attach(path, 8192)
+    peer = Segment.attach(path, 4096)
+    a = peer.array(np.uint8, 4096)
+    assert not a.flags.writeable  # peers map read-only
+    del a
+    peer.close()
+    os.chmod(path, 0o644)
+    with pytest.raises(PermissionError, match="mode 644"):
+        Segment.attach(path, 4096)
+    os.chmod(path, 0o600)
+    if os.geteuid() == 0:  # only root can hand a file to another user
+        os.chown(path, 65534, 65534)
+        with pytest.raises(PermissionError, match="uid 65534"):
+            Segment.attach(path, 4096)
+    seg.unlink()
+    assert not os.path.exists(path)
+    seg.unlink()  # idempotent
+    seg.close()
+
+
+def test_schedule_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="op"):
+        build_shm_allreduce(0, 2, 4, np.float32, "mean")
+    with pytest.raises(ValueError, match="count"):
+        build_shm_allreduce(0, 2, 0, np.float32)
+    s = build_shm_allreduce(1, 3, 10, np.float32)
+    assert set(s.slots) == {"data", "mine", "peer0", "peer2"}
+    # two wake-up messages per peer, nothing else crosses the network
+    assert sum(op.kind == "send" for op in s.ops) == 2 * 2
