@@ -323,6 +323,27 @@ class Communicator:
         b = block_bounds(work.size, self.size)
         return work[b[self.rank]:b[self.rank + 1]].copy()
 
+    async def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32,
+                    timeout: float | None = None) -> Any:
+        """A new NumPy array in shared memory that every rank of this host can read
+        (collective: every rank calls it with the same shape and dtype, in the same order;
+        every rank on one host, else ``ValueError``). ``allreduce(x, out=x)`` of such an array
+        reads it where it is, with no copy in (:mod:`asynccoll.comm.shm`); fill it before
+        the call and do not write it during one. It lives until the communicator closes, its
+        memory freed with the last reference; nothing is left in ``/dev/shm``.
+        """
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self._check_open()
+        return await self._run(self._dense.shared_empty(
+            shape, dtype, self.timeout if timeout is None else timeout))
+
+    async def zeros(self, shape: int | tuple[int, ...], dtype: Any = np.float32,
+                    timeout: float | None = None) -> Any:
+        """:meth:`empty`, filled with zeros."""
+        a = await self.empty(shape, dtype, timeout)
+        a.fill(0)
+        return a
+
     async def barrier(self, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier."""
         await self._run(self._dense_call(("barrier",), lambda: dense.barrier(

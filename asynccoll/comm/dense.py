@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..collectives import dense
-from ..collectives.dense import scratch_buffers
+from ..collectives.dense import REDUCE_OPS, scratch_buffers
 from ..errors import ExecutionError
 from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
@@ -28,6 +28,7 @@ from .shm import (
     SHM_MIN_BYTES,
     Segment,
     build_shm_allreduce,
+    build_shm_inplace,
     host_hash,
     new_token,
     segment_path,
@@ -42,6 +43,30 @@ _AGREE_KEY: tuple[Any, ...] = ("agree",)
 #: below this many bytes a cached collective copies through its own buffer instead of
 #: rebinding the executor to the caller's array (rebinding costs O(ops) Python work).
 _SMALL = 64 << 10
+
+
+class _Arena:
+    """An array allocated in shared memory (one segment per rank) and its in-place
+    allreduce executors, one per op (made at first use)."""
+
+    def __init__(self, sids: dict[str, int], segs: list[Any], arrays: list[Any], count: int,
+                 dtype: np.dtype[Any]) -> None:
+        self.segs = segs
+        self.arrays = arrays
+        self.count = count
+        self.dtype = dtype
+        self.executors: dict[str, Executor] = {}
+        self.sids = sids
+        self.lock = asyncio.Lock()
+
+    def close(self, live: LiveOps) -> None:
+        for ex in self.executors.values():
+            ex.close()
+            live.discard(ex)
+        self.executors.clear()
+        self.arrays = []
+        for seg in self.segs:
+            seg.close()
 
 
 class _Shm:
@@ -99,6 +124,7 @@ class DenseOps:
         self.entries: dict[tuple[Any, ...], _Dense] = {}
         self._internal: dict[tuple[Any, ...], _Dense] = {}  # the runtime's own collectives
         self._shm: dict[tuple[Any, ...], _Shm] = {}
+        self._arenas: dict[int, _Arena] = {}  # by address: arrays made by shared_empty
         self._host: tuple[bool, int] | None = None  # (every rank on this host, job token)
         #: ASYNCCOLL_SHM=0 keeps the default allreduce off shared memory (``algorithm="shm"``
         #: still takes it)
@@ -113,6 +139,34 @@ class DenseOps:
         for sh in self._shm.values():
             sh.close(self._live)
         self._shm.clear()
+        for arena in self._arenas.values():
+            arena.close(self._live)
+        self._arenas.clear()
+
+    async def shared_empty(self, shape: tuple[int, ...], dtype: Any,
+                           timeout: float | None) -> Any:
+        """A new array of ``shape`` and ``dtype`` in a shared-memory segment that every rank
+        of this host maps (collective: every rank calls it with the same arguments, in the
+        same order). An allreduce of it with ``out=`` itself reads it in place."""
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        if count < 1:
+            raise ValueError(f"shape must hold at least one element, got {shape}")
+        if dt.hasobject:
+            raise TypeError(f"dtype must be a plain numeric dtype, got {dt}")
+        same, token = await self._hosts(timeout)
+        if not same:
+            raise ValueError("shared arrays need every rank on one host (ASYNCCOLL_HOST_ID "
+                             "or the host name and boot id differ)")
+        sid = self._next_id()
+        # the in-place allreduce's schedule ids, one per op, taken now in a fixed order
+        sids = {op: self._next_id() for op in sorted(REDUCE_OPS)}
+        segs = await self._map_segments([sid], count * dt.itemsize, token, timeout)
+        arrays = [seg.array(dt, count) for seg in segs[0]]
+        mine = arrays[self.rank]  # writable: this rank's own segment
+        arena = _Arena(sids, segs[0], arrays, count, dt)
+        self._arenas[mine.__array_interface__["data"][0]] = arena
+        return mine.reshape(shape)
 
     # -- allreduce: over the network, or through shared memory on one host -------------------
     async def allreduce(self, buf: Any, op: str, algorithm: str | None,
@@ -122,6 +176,11 @@ class DenseOps:
         rank is on this host (the same choice on every rank: same size, same hosts) unless
         ``ASYNCCOLL_SHM=0``; else the network schedule of ``algorithm``
         (:mod:`asynccoll.collectives.dense`)."""
+        arena = self._arenas.get(buf.__array_interface__["data"][0]) \
+            if isinstance(buf, np.ndarray) and algorithm in (None, "shm") else None
+        if arena is not None and arena.count == buf.size and arena.dtype == buf.dtype:
+            await self._arena_allreduce(arena, buf, op, timeout)
+            return
         if algorithm == "shm" or (algorithm is None and self._auto_shm and self.size > 1
                                   and isinstance(buf, np.ndarray)
                                   and buf.nbytes >= SHM_MIN_BYTES
@@ -179,7 +238,25 @@ class DenseOps:
         sched = build_shm_allreduce(self.rank, self.size, buf.size, buf.dtype, op)
         await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
         sids = [self._next_id(), self._next_id()]
-        nbytes = buf.nbytes
+        mapped = await self._map_segments(sids, buf.nbytes, token, timeout)
+        sides = []
+        for sid, segs in zip(sids, mapped, strict=True):
+            arrays = {("mine" if q == self.rank else f"peer{q}"): seg.array(buf.dtype, buf.size)
+                      for q, seg in enumerate(segs)}
+            sink = None if self._writer is None else self._writer.add_schedule(
+                sched, sid, collective="allreduce")
+            ex = self._live.add(Executor(sched, self.transport, {"data": buf, **arrays},
+                                         sched_id=sid, trace_sink=sink,
+                                         kernels=self._kernels), self._writer)
+            sides.append((ex, arrays, segs))
+        sh = _Shm(sides)
+        self._shm[key] = sh
+        return sh
+
+    async def _map_segments(self, sids: list[int], nbytes: int, token: int,
+                            timeout: float | None) -> list[list[Segment]]:
+        """Per schedule id, every rank's segment of ``nbytes``: created here, mapped by every
+        rank, then unlinked (collective). Every rank fails if one cannot map them."""
         own = [Segment.create(segment_path(token, sid, self.rank), nbytes) for sid in sids]
         mapped: list[list[Segment]] = [[] for _ in sids]
         err: BaseException | None = None
@@ -203,23 +280,37 @@ class DenseOps:
             for segs in mapped:
                 for seg in segs:
                     seg.close()
+            for seg in own:
+                seg.close()
             if err is not None:
                 raise err
             raise ExecutionError(f"rank {self.rank}: another rank could not map this host's "
                                  "shared-memory segments (see its error)")
-        sides = []
-        for sid, segs in zip(sids, mapped, strict=True):
-            arrays = {("mine" if q == self.rank else f"peer{q}"): seg.array(buf.dtype, buf.size)
-                      for q, seg in enumerate(segs)}
+        return mapped
+
+    async def _arena_allreduce(self, arena: _Arena, buf: Any, op: str,
+                               timeout: float | None) -> None:
+        ex = arena.executors.get(op)
+        if ex is None:
+            sched = build_shm_inplace(self.rank, self.size, arena.count, arena.dtype, op)
+            await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
+            bufs = {("mine" if q == self.rank else f"peer{q}"): a
+                    for q, a in enumerate(arena.arrays)}
+            bufs["mine"] = buf.reshape(-1)
             sink = None if self._writer is None else self._writer.add_schedule(
-                sched, sid, collective="allreduce")
-            ex = self._live.add(Executor(sched, self.transport, {"data": buf, **arrays},
-                                         sched_id=sid, trace_sink=sink,
+                sched, arena.sids[op], collective="allreduce")
+            ex = self._live.add(Executor(sched, self.transport, bufs,
+                                         sched_id=arena.sids[op], trace_sink=sink,
                                          kernels=self._kernels), self._writer)
-            sides.append((ex, arrays, segs))
-        sh = _Shm(sides)
-        self._shm[key] = sh
-        return sh
+            arena.executors[op] = ex
+        async with arena.lock:
+            fut = ex.start()
+            try:
+                await wait_or_warn(fut, timeout, self._stall_warn,
+                                   lambda: f"rank {self.rank}: allreduce (shared array)",
+                                   ex.pending_text)
+            except asyncio.TimeoutError:
+                raise ex.timeout_error(timeout) from None
 
     async def call(self, key: tuple[Any, ...], build: Callable[[], Schedule], data: Any,
                    timeout: float | None) -> None:

@@ -20,6 +20,12 @@ rank of the communicator is on this host (:func:`host_id`, compared at first use
 each: a rank writes into the segment of call n again at call n + 2, and by then every peer has
 finished reading it (a peer's "copied in" message of call n + 1 comes after its call n ended).
 
+**Arrays that live in shared memory.** :meth:`Communicator.empty
+<asynccoll.Communicator.empty>` (collective) allocates an array in a segment of its own that
+every peer maps; ``allreduce(x, out=x)`` of such an array skips the copy in (peers read it
+where it is) and reduces it in place (:func:`build_shm_inplace`), at the price of a third
+wake-up round.
+
 **Lifetime and safety.** Segments are created with ``O_EXCL`` and mode 0600, named by user,
 job token (drawn by rank 0 at first use), schedule id and rank, so two jobs on one host never
 share one. A rank maps its peers' segments read-only and refuses one that another user owns,
@@ -44,8 +50,8 @@ from ..collectives._plan import block_bounds
 from ..collectives.dense import REDUCE_OPS
 from ..sched import BufRef, Schedule, SlotSpec
 
-__all__ = ["SHM_DIR", "SHM_MIN_BYTES", "Segment", "build_shm_allreduce", "host_id",
-           "host_hash", "new_token", "segment_path"]
+__all__ = ["SHM_DIR", "SHM_MIN_BYTES", "Segment", "build_shm_allreduce", "build_shm_inplace",
+           "host_hash", "host_id", "new_token", "segment_path"]
 
 #: where segments live (a tmpfs on Linux)
 SHM_DIR = "/dev/shm"
@@ -53,7 +59,7 @@ SHM_DIR = "/dev/shm"
 #: every rank is on one host (below it, recursive doubling's fewer messages win)
 SHM_MIN_BYTES = 256 << 10
 
-_READY, _REDUCED = 0, 1  # the tags of the two wake-up rounds
+_READY, _REDUCED, _DONE = 0, 1, 2  # the tags of the wake-up rounds
 
 
 def host_id() -> str:
@@ -151,6 +157,52 @@ class Segment:
                 mm.close()
             except BufferError:  # arrays still export it: it is unmapped when they go
                 pass
+
+
+def build_shm_inplace(rank: int, world_size: int, count: int, dtype: Any,
+                      op: str = "sum") -> Schedule:
+    """The schedule of an allreduce of an array that already lives in shared memory
+    (:meth:`Communicator.empty <asynccoll.Communicator.empty>`): no copy in. Slots ``mine``
+    (the caller's array, reduced in place) and ``peer{q}`` (rank q's array of the same
+    allocation, read-only). Three wake-up rounds: "written", "reduced", and "copied out" —
+    the last because the caller may overwrite its array as soon as the call returns, and a
+    peer may still be copying this rank's reduced block out of it until then."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    P, r = world_size, rank
+    wire = np.dtype(dtype).str
+    s = Schedule(r, P, name="shm_allreduce_inplace")
+    seg = {q: "mine" if q == r else f"peer{q}" for q in range(P)}
+    for slot in seg.values():
+        s.declare(slot, SlotSpec(count, wire))
+    b = block_bounds(count, P)
+    others = [q for q in range(P) if q != r]
+    start = s.nop(label="start")
+    for q in others:
+        s.send(q, None, _READY, deps=start, label="written")
+    ready = [s.recv(q, None, _READY, label="written") for q in others]
+    mine = BufRef("mine", b[r], b[r + 1] - b[r])
+    reduced = start if not others else s.compute(
+        op, [mine, *(BufRef(seg[q], b[r], b[r + 1] - b[r]) for q in others)], mine,
+        deps=[start, *ready], label=f"reduce block {r}")
+    for q in others:
+        s.send(q, None, _REDUCED, deps=reduced, label="reduced")
+    outs = [reduced]
+    for q in others:
+        got = s.recv(q, None, _REDUCED, label="reduced")
+        lo, n = b[q], b[q + 1] - b[q]
+        outs.append(s.compute("copy", [BufRef(seg[q], lo, n)], BufRef("mine", lo, n),
+                              deps=[got, reduced], label=f"copy out block {q}"))
+    copied = s.nop(deps=outs, label="copied out")
+    for q in others:
+        s.send(q, None, _DONE, deps=copied, label="copied out")
+    done = [s.recv(q, None, _DONE, label="copied out") for q in others]
+    s.final = s.nop(deps=[copied, *done], label="final")
+    s.meta["collectives"] = [{"kind": "allreduce", "count": count, "dtype": wire, "op": op,
+                              "algorithm": "shm-inplace"}]
+    return s.commit()
 
 
 def build_shm_allreduce(rank: int, world_size: int, count: int, dtype: Any,

@@ -77,6 +77,40 @@ def test_equals_numpy_across_processes_and_leaves_nothing(P: int) -> None:
     assert _ours() - before == set()
 
 
+async def _shared_main(rank: int, P: int, port: int) -> list[bool]:
+    comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
+                                   transport="tcp", timeout=60)
+    seen: list[bool] = []
+    async with comm:
+        x = await comm.zeros((3, 1000), np.float64, timeout=30)
+        y = await comm.empty(7, np.int32, timeout=30)
+        seen.append(x.shape == (3, 1000) and not x.any())
+        for step in range(4):
+            x[...] = _data(3000, rank + step, np.float64).reshape(3, 1000)
+            want = sum(_data(3000, q + step, np.float64) for q in range(P)).reshape(3, 1000)
+            await comm.allreduce(x, out=x, timeout=30)
+            seen.append(bool(np.array_equal(x, want)))
+            y[...] = rank + step
+            await comm.allreduce(y, op="max", out=y, timeout=30)
+            seen.append(bool((y == P - 1 + step).all()))
+        # not in place: a new array, as for any other input
+        z = await comm.allreduce(x, timeout=30)
+        seen.append(bool(np.array_equal(z, x * P)))
+        await comm.barrier(timeout=30)
+        await asyncio.sleep(0.1)
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3])
+def test_arrays_in_shared_memory_reduce_in_place(P: int) -> None:
+    before = _ours()
+    out = spawn_world(async_child, P, (_shared_main, free_port()), 90)
+    assert all(all(r) for r in out), out
+    assert all(len(r) == 10 for r in out)
+    assert _ours() - before == set()
+
+
 @pytest.mark.timeout(120)
 def test_ranks_on_different_hosts_do_not_use_shared_memory() -> None:
     out = spawn_world(async_child, 2, (_rank_main, free_port(), "host"), 90)
