@@ -27,8 +27,10 @@ from ..transport.base import Transport
 from .shm import (
     SHM_MIN_BYTES,
     Segment,
+    build_hier_allreduce,
     build_shm_allreduce,
     build_shm_inplace,
+    host_groups,
     host_hash,
     new_token,
     segment_path,
@@ -126,6 +128,7 @@ class DenseOps:
         self._shm: dict[tuple[Any, ...], _Shm] = {}
         self._arenas: dict[int, _Arena] = {}  # by address: arrays made by shared_empty
         self._host: tuple[bool, int] | None = None  # (every rank on this host, job token)
+        self._groups: list[list[int]] = []  # the ranks of each host, after _hosts()
         #: ASYNCCOLL_SHM=0 keeps the default allreduce off shared memory (``algorithm="shm"``
         #: still takes it)
         self._auto_shm = os.environ.get("ASYNCCOLL_SHM", "1").strip() != "0"
@@ -187,6 +190,13 @@ class DenseOps:
                                   and (await self._hosts(timeout))[0]):
             await self._shm_allreduce(buf, op, timeout)
             return
+        if algorithm == "hier" or (algorithm is None and self._auto_shm and self.size > 1
+                                   and isinstance(buf, np.ndarray)
+                                   and buf.nbytes >= SHM_MIN_BYTES
+                                   and await self._hosts(timeout)
+                                   and max(len(g) for g in self._groups) > 1):
+            await self._shm_allreduce(buf, op, timeout, hier=True)
+            return
         key = ("allreduce", buf.size, buf.dtype.str, op, algorithm)
         await self.call(key, lambda: dense.allreduce(self.rank, self.size, buf.size, buf.dtype,
                                                       op, algorithm), buf, timeout)
@@ -200,20 +210,24 @@ class DenseOps:
             every[2 * self.rank:2 * self.rank + 2] = mine
             await self.call(("hosts",), lambda: dense.allgather(self.rank, self.size, 2,
                                                                  np.int64), every, timeout)
-            self._host = (bool((every[0::2] == every[0]).all()), int(every[1]))
+            self._groups = host_groups(every[0::2].tolist())
+            self._host = (len(self._groups) == 1, int(every[1]))
         return self._host
 
-    async def _shm_allreduce(self, buf: Any, op: str, timeout: float | None) -> None:
+    async def _shm_allreduce(self, buf: Any, op: str, timeout: float | None,
+                             hier: bool = False) -> None:
+        name = "hier" if hier else "shm"
         if not isinstance(buf, np.ndarray):
-            raise TypeError("algorithm='shm' needs a NumPy array (shared memory is host memory)")
+            raise TypeError(f"algorithm={name!r} needs a NumPy array (shared memory is host "
+                            "memory)")
         same, token = await self._hosts(timeout)
-        if not same:
+        if not same and not hier:
             raise ValueError("algorithm='shm' needs every rank on one host (ASYNCCOLL_HOST_ID "
                              "or the host name and boot id differ)")
-        key = (buf.size, buf.dtype.str, op)
+        key = (buf.size, buf.dtype.str, op, hier)
         sh = self._shm.get(key)
         if sh is None:
-            sh = await self._shm_setup(key, buf, op, token, timeout)
+            sh = await self._shm_setup(key, buf, op, token, timeout, hier)
         async with sh.lock:
             ex, segs = sh.next()
             ex.bind({"data": buf, **segs})
@@ -232,17 +246,25 @@ class DenseOps:
                 raise
 
     async def _shm_setup(self, key: tuple[Any, ...], buf: Any, op: str, token: int,
-                         timeout: float | None) -> _Shm:
-        """Two executors, each with a segment per rank: created, mapped by every rank, then
-        unlinked (module doc of :mod:`.shm`). Collective; every rank fails if one cannot map."""
-        sched = build_shm_allreduce(self.rank, self.size, buf.size, buf.dtype, op)
+                         timeout: float | None, hier: bool) -> _Shm:
+        """Two executors, each with a segment per rank: created, mapped by the ranks of its
+        host, then unlinked (module doc of :mod:`.shm`). Collective; every rank fails if one
+        cannot map."""
+        if hier:
+            sched = build_hier_allreduce(self.rank, self.size, buf.size, buf.dtype, op,
+                                         self._groups)
+            local = next(g for g in self._groups if self.rank in g)
+        else:
+            sched = build_shm_allreduce(self.rank, self.size, buf.size, buf.dtype, op)
+            local = list(range(self.size))
         await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
         sids = [self._next_id(), self._next_id()]
-        mapped = await self._map_segments(sids, buf.nbytes, token, timeout)
+        mapped = await self._map_segments(sids, buf.nbytes, token, timeout, local)
         sides = []
         for sid, segs in zip(sids, mapped, strict=True):
             arrays = {("mine" if q == self.rank else f"peer{q}"): seg.array(buf.dtype, buf.size)
-                      for q, seg in enumerate(segs)}
+                      for q, seg in zip(local, segs, strict=True)}
+            arrays.update(scratch_buffers(sched))
             sink = None if self._writer is None else self._writer.add_schedule(
                 sched, sid, collective="allreduce")
             ex = self._live.add(Executor(sched, self.transport, {"data": buf, **arrays},
@@ -254,9 +276,12 @@ class DenseOps:
         return sh
 
     async def _map_segments(self, sids: list[int], nbytes: int, token: int,
-                            timeout: float | None) -> list[list[Segment]]:
-        """Per schedule id, every rank's segment of ``nbytes``: created here, mapped by every
-        rank, then unlinked (collective). Every rank fails if one cannot map them."""
+                            timeout: float | None,
+                            local: list[int] | None = None) -> list[list[Segment]]:
+        """Per schedule id, the segments of ``nbytes`` of the ranks ``local`` (default: all),
+        in their order: this rank's created here, the others mapped, then every one unlinked
+        by its owner (collective over all ranks). Every rank fails if one cannot map them."""
+        members = list(range(self.size)) if local is None else local
         own = [Segment.create(segment_path(token, sid, self.rank), nbytes) for sid in sids]
         mapped: list[list[Segment]] = [[] for _ in sids]
         err: BaseException | None = None
@@ -267,7 +292,7 @@ class DenseOps:
                 for i, sid in enumerate(sids):
                     mapped[i] = [own[i] if q == self.rank else
                                  Segment.attach(segment_path(token, sid, q), nbytes)
-                                 for q in range(self.size)]
+                                 for q in members]
             except (OSError, ValueError) as exc:
                 err = exc
             flag = np.array([1 if err else 0], np.int64)

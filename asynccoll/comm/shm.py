@@ -26,6 +26,12 @@ every peer maps; ``allreduce(x, out=x)`` of such an array skips the copy in (pee
 where it is) and reduces it in place (:func:`build_shm_inplace`), at the price of a third
 wake-up round.
 
+**Across hosts** (:func:`build_hier_allreduce`): the ranks of each host sum their data through
+shared memory as above, the lowest rank of each host (its leader) allreduces the host sums
+with the other leaders over the network (the dense schedule of the leaders, chosen by size and
+their number), and each leader hands the result to its host's ranks through its segment. Each
+byte crosses the network once per host instead of once per rank.
+
 **Lifetime and safety.** Segments are created with ``O_EXCL`` and mode 0600, named by user,
 job token (drawn by rank 0 at first use), schedule id and rank, so two jobs on one host never
 share one. A rank maps its peers' segments read-only and refuses one that another user owns,
@@ -38,20 +44,23 @@ the wake-ups).
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import secrets
 import socket
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..collectives._plan import block_bounds
-from ..collectives.dense import REDUCE_OPS
+from ..collectives.dense import REDUCE_OPS, build_allreduce
 from ..sched import BufRef, Schedule, SlotSpec
 
-__all__ = ["SHM_DIR", "SHM_MIN_BYTES", "Segment", "build_shm_allreduce", "build_shm_inplace",
-           "host_hash", "host_id", "new_token", "segment_path"]
+__all__ = ["SHM_DIR", "SHM_MIN_BYTES", "Segment", "build_hier_allreduce", "build_shm_allreduce",
+           "build_shm_inplace", "host_groups", "host_hash", "host_id", "new_token",
+           "segment_path"]
 
 #: where segments live (a tmpfs on Linux)
 SHM_DIR = "/dev/shm"
@@ -59,7 +68,8 @@ SHM_DIR = "/dev/shm"
 #: every rank is on one host (below it, recursive doubling's fewer messages win)
 SHM_MIN_BYTES = 256 << 10
 
-_READY, _REDUCED, _DONE = 0, 1, 2  # the tags of the wake-up rounds
+_READY, _REDUCED, _DONE, _FINAL = 0, 1, 2, 3  # the tags of the wake-up rounds
+_NET_TAG = 16  # the leaders' network allreduce of a hierarchical schedule starts here
 
 
 def host_id() -> str:
@@ -245,3 +255,120 @@ def build_shm_allreduce(rank: int, world_size: int, count: int, dtype: Any,
     s.meta["collectives"] = [{"kind": "allreduce", "count": count, "dtype": wire, "op": op,
                               "algorithm": "shm"}]
     return s.commit()
+
+
+def host_groups(hosts: Sequence[int]) -> list[list[int]]:
+    """The ranks of each host (``hosts[r]``: rank r's host hash), in increasing order of
+    their lowest rank (its leader)."""
+    groups: dict[int, list[int]] = {}
+    for r, h in enumerate(hosts):
+        groups.setdefault(h, []).append(r)
+    return sorted(groups.values())
+
+
+def build_hier_allreduce(rank: int, world_size: int, count: int, dtype: Any, op: str,
+                         groups: Sequence[Sequence[int]],
+                         algorithm: str | None = None) -> Schedule:
+    """The hierarchical allreduce of rank ``rank`` (module doc, "Across hosts"): ``groups``
+    the ranks of each host (:func:`host_groups`), ``algorithm`` the leaders' network
+    allreduce (``None``: by size and the number of hosts). Slots ``data`` (reduced in place),
+    ``mine`` (this rank's segment) and ``peer{q}`` for the other ranks of its host, plus the
+    leaders' scratch (``scratch_buffers``). Raises ``ValueError`` naming a bad ``op`` or
+    ``count``, or ``groups`` that do not partition the ranks."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if sorted(q for g in groups for q in g) != list(range(world_size)):
+        raise ValueError(f"groups must partition ranks 0..{world_size - 1}, got {groups}")
+    r = rank
+    g = sorted(next(g for g in groups if r in g))
+    leaders = sorted(min(h) for h in groups)
+    lead = g[0]
+    wire = np.dtype(dtype).str
+    s = Schedule(r, world_size, name="hier_allreduce")
+    seg = {q: "mine" if q == r else f"peer{q}" for q in g}
+    for slot in ("data", *seg.values()):
+        s.declare(slot, SlotSpec(count, wire))
+    others = [q for q in g if q != r]
+    start = s.nop(label="start")
+    host_done = start
+    if others:  # the host's sum, on every rank of the host (two-shot over shared memory)
+        b = block_bounds(count, len(g))
+        i = g.index(r)
+        copied = s.compute("copy", ["data"], "mine", deps=start, label="copy in")
+        for q in others:
+            s.send(q, None, _READY, deps=copied, label="copied in")
+        ready = [s.recv(q, None, _READY, label="copied in") for q in others]
+        mine = BufRef("mine", b[i], b[i + 1] - b[i])
+        reduced = s.compute(op, [mine, *(BufRef(seg[q], b[i], b[i + 1] - b[i])
+                                         for q in others)], mine,
+                            deps=[copied, *ready], label=f"reduce block {i} of the host")
+        for q in others:
+            s.send(q, None, _REDUCED, deps=reduced, label="reduced")
+        outs = [s.compute("copy", [mine], BufRef("data", b[i], b[i + 1] - b[i]),
+                          deps=reduced, label=f"copy out block {i}")]
+        for j, q in enumerate(g):
+            if q == r:
+                continue
+            got = s.recv(q, None, _REDUCED, label="reduced")
+            lo, n = b[j], b[j + 1] - b[j]
+            outs.append(s.compute("copy", [BufRef(seg[q], lo, n)], BufRef("data", lo, n),
+                                  deps=[got, reduced], label=f"copy out block {j}"))
+        host_done = s.nop(deps=outs, label="host sum")
+    if r != lead:
+        # hand the leader its segment back, then take the result out of it
+        s.send(lead, None, _DONE, deps=host_done, label="copied out")
+        told = s.recv(lead, None, _FINAL, label="result in the leader's segment")
+        res = s.compute("copy", [seg[lead]], "data", deps=[told, host_done],
+                        label="copy the result in")
+        s.final = s.nop(deps=[res], label="final")
+        return _commit(s, count, wire, op)
+    net_done = host_done
+    if len(leaders) > 1:
+        net_done = _embed(s, leaders, host_done, lambda sub: build_allreduce(
+            sub, count, dtype, op, algorithm, slot="data", tag_base=_NET_TAG))
+    if others:
+        freed = [s.recv(q, None, _DONE, label="copied out") for q in others]
+        put = s.compute("copy", ["data"], "mine", deps=[net_done, *freed],
+                        label="result into the segment")
+        for q in others:
+            s.send(q, None, _FINAL, deps=put, label="result in the segment")
+        s.final = s.nop(deps=[put], label="final")
+    else:
+        s.final = s.nop(deps=[net_done], label="final")
+    return _commit(s, count, wire, op)
+
+
+def _commit(s: Schedule, count: int, wire: str, op: str) -> Schedule:
+    s.meta["collectives"] = [{"kind": "allreduce", "count": count, "dtype": wire, "op": op,
+                              "algorithm": "hier"}]
+    return s.commit()
+
+
+def _embed(s: Schedule, members: Sequence[int], after: int,
+           build: Callable[[Schedule], int]) -> int:
+    """Append to ``s`` the collective ``build(sub)`` appends to a schedule of the group
+    ``members`` (this rank's index in it, their count), its peers mapped to ranks, its start
+    after op ``after``; return its result op. Slots and scratch the builder declares are
+    declared in ``s`` too."""
+    sub = Schedule(members.index(s.rank), len(members))
+    for name, spec in s.slots.items():
+        sub.declare(name, spec)
+    done = build(sub)
+    base = len(s.ops)
+    for op in sub.ops:
+        deps = tuple(base + d for d in op.deps)
+        k = op.k
+        if not op.deps and op.kind == "nop":  # the builder's start: after ``after``
+            deps, k = (after,), 1
+        s.add(dataclasses.replace(
+            op, deps=deps, k=k, peer=members[op.peer] if op.peer >= 0 else op.peer,
+            payload_from=base + op.payload_from if op.payload_from >= 0 else -1,
+            recvs=tuple(base + i for i in op.recvs)))
+    for name, spec in sub.slots.items():
+        if name not in s.slots:
+            s.declare(name, spec)
+    for name, n in sub.meta.get("scratch", {}).items():
+        s.meta.setdefault("scratch", {})[name] = n
+    return base + done

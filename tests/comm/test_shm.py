@@ -16,7 +16,13 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
-from asynccoll.comm.shm import SHM_DIR, SHM_MIN_BYTES, Segment, build_shm_allreduce
+from asynccoll.comm.shm import (
+    SHM_DIR,
+    SHM_MIN_BYTES,
+    Segment,
+    build_hier_allreduce,
+    build_shm_allreduce,
+)
 from asynccoll.testing import local_world
 
 pytestmark = [pytest.mark.multiprocess]
@@ -111,6 +117,37 @@ def test_arrays_in_shared_memory_reduce_in_place(P: int) -> None:
     assert _ours() - before == set()
 
 
+async def _hier_main(rank: int, P: int, port: int, hosts: list[int]) -> list[bool]:
+    os.environ["ASYNCCOLL_HOST_ID"] = f"host-{hosts[rank]}"
+    comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
+                                   transport="tcp", timeout=60)
+    seen: list[bool] = []
+    async with comm:
+        for n, dtype, op, algo in ((1, np.float64, "sum", "hier"),
+                                   (max(1, P - 2), np.int64, "max", "hier"),
+                                   (SHM_MIN_BYTES // 4 + 1, np.float32, "sum", None)):
+            x = _data(n, rank, dtype)
+            for _ in range(3):
+                got = await comm.allreduce(x, op=op, algorithm=algo, timeout=30)
+                seen.append(bool(np.array_equal(got, _want(n, P, dtype, op))))
+        # which path the default took: hierarchical, with segments for this host only
+        shm = comm._dense._shm
+        seen.append(any(key[-1] for key in shm))
+        await comm.barrier(timeout=30)
+        await asyncio.sleep(0.1)
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", [[0, 0, 1, 1], [0, 1, 1], [0, 1, 1, 2, 2, 2]],
+                         ids=["2x2", "1+2", "1+2+3"])
+def test_hierarchical_across_hosts_equals_numpy(hosts: list[int]) -> None:
+    before = _ours()
+    out = spawn_world(async_child, len(hosts), (_hier_main, free_port(), hosts), 100)
+    assert all(all(r) for r in out), out
+    assert _ours() - before == set()
+
+
 @pytest.mark.timeout(120)
 def test_ranks_on_different_hosts_do_not_use_shared_memory() -> None:
     out = spawn_world(async_child, 2, (_rank_main, free_port(), "host"), 90)
@@ -168,3 +205,17 @@ def test_schedule_arguments_are_checked() -> None:
     assert set(s.slots) == {"data", "mine", "peer0", "peer2"}
     # two wake-up messages per peer, nothing else crosses the network
     assert sum(op.kind == "send" for op in s.ops) == 2 * 2
+
+
+def test_hierarchical_schedule_keeps_non_leaders_on_their_host() -> None:
+    groups = [[0, 3], [1, 2, 4]]
+    for r in range(5):
+        s = build_hier_allreduce(r, 5, 100, np.float32, "sum", groups)
+        mine = next(g for g in groups if r in g)
+        peers = {op.peer for op in s.ops if op.kind in ("send", "recv")}
+        if r in (0, 1):  # leaders: their host and the other leader
+            assert peers == (set(mine) | {0, 1}) - {r}
+        else:
+            assert peers == set(mine) - {r}
+    with pytest.raises(ValueError, match="partition"):
+        build_hier_allreduce(0, 3, 10, np.float32, "sum", [[0], [1]])
