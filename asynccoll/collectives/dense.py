@@ -152,7 +152,9 @@ def first_partner(rank: int, world_size: int, count: int, algorithm: str) -> int
         return None
     if algorithm == "recursive_doubling":
         return rank ^ 1
-    if algorithm == "rabenseifner":
+    if algorithm == "rabenseifner" and count >= P:
+        # with fewer elements than ranks some blocks are empty, and a rank whose first
+        # halving step receives nothing could not be activated by it
         return rank ^ (P >> 1)
     return None
 

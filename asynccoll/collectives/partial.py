@@ -296,8 +296,11 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
     done = [build_allreduce(s, n, dt, op, algo, slot="data", tag_base=TAG_DATA, after=[snap],
                             source_first_recvs=fused is not None)]
     if fused is not None:  # the partner's first data message activates this rank
-        add_triggers(s, activated, [i for i in range(first, len(s.ops))
-                                    if s.ops[i].kind == "recv" and not s.ops[i].deps])
+        data_in = [i for i in range(first, len(s.ops))
+                   if s.ops[i].kind == "recv" and not s.ops[i].deps]
+        # without them the dropped activation edge would leave this rank unreachable
+        assert data_in and all(s.ops[i].peer == fused for i in data_in), (rank, fused)
+        add_triggers(s, activated, data_in)
     if not packed:
         done.append(build_allreduce(s, m, np.int64, "sum", None, slot="meta",
                                     scratch_prefix="meta_", tag_base=next_tag(s),

@@ -95,6 +95,11 @@ class Contribution(abc.ABC):
         nothing kept), the result multiplied by ``scale`` first (per-execution averaging;
         dense floating-point data only). May reuse ``kept``, which has never been handed out."""
 
+    @abc.abstractmethod
+    def merge(self, kept: Any, other: Any) -> Any:
+        """``kept`` and ``other`` (two kept values, results the caller never received) reduced
+        into one, as ``keep`` with ``accumulate`` would have; may reuse ``kept``."""
+
     def present(self, value: Any) -> Any:
         """A kept value as a result's ``value``."""
         return value
@@ -173,6 +178,10 @@ class DenseContribution(Contribution):
             reduce_into(self.op, kept, self._data)
         else:
             kept[...] = self._data
+        return kept
+
+    def merge(self, kept: Any, other: Any) -> Any:
+        reduce_into(self.op, kept, other)
         return kept
 
     def present(self, value: Any) -> Any:
@@ -302,6 +311,9 @@ class SparseContribution(Contribution):
             return res.copy() if isinstance(res, np.ndarray) else SparseVector(
                 res.indices.copy(), res.values.copy(), res.size, check=False)
         return add_into(kept, res, self.delta, res.dtype)
+
+    def merge(self, kept: Any, other: Any) -> Any:
+        return add_into(kept, other, self.delta, self.dtype)
 
     def present(self, value: Any) -> Any:
         return value.without_zeros() if isinstance(value, SparseVector) else value

@@ -33,6 +33,7 @@ next call (``included=False``) or flush.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import logging
 import threading
@@ -113,12 +114,17 @@ class PartialAllreduce:
         self._wait_round = -1
         self._wait_result: PartialResult | None = None
         self._wait_included = False
+        # the latest results handed to calls: (the result, its raw value, its meta, ``_given``
+        # before it), so that a call cancelled after the take can give its result back
+        # (:meth:`_give_back`; it does so within a loop turn or two)
+        self._takes: collections.deque[tuple[PartialResult, Any, Any, int]] = \
+            collections.deque(maxlen=16)
         self._busy = False
         self._closed = False
         self._flushing_seen = 0  # ranks flushing in the latest completed execution
         # Guards the send buffer, the kept result and the call state between the caller's
         # thread (rule-1 calls) and the runtime's loop (snapshots, completions, other calls).
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         base = COLLECTIVE_KERNELS if kernels is None else kernels
         sink = None if trace is None else trace.add_schedule(
             sched, self.sched_id, collective=f"{kind}_allreduce", kind=kind, handle=name,
@@ -153,7 +159,8 @@ class PartialAllreduce:
             res = self._answer_now(x, combine)
             if res is not None:
                 return res
-        return await self._engine.run(self._call(x, timeout, combine))
+        return await self._engine.run(self._call(x, timeout, combine),
+                                      orphan=self._give_back)
 
     async def flush(self, timeout: float | None = None) -> PartialResult:
         """Collective and synchronous: drain every contribution; return what was not given.
@@ -220,8 +227,10 @@ class PartialAllreduce:
     def _answer_now(self, x: Any, combine: Combine | None) -> PartialResult | None:
         """Rule 1 on the caller's thread: the result and the data's deposit, or ``None`` when
         the call must go to the loop (no execution completed since the last result)."""
-        flat = self._check(x)
+        self._check_open()
+        flat = self._contribution.check(x)
         with self._lock:
+            # busy: the loop says BusyError, or finds the call ahead of it gone (cancelled)
             if self._round <= self._given or self._busy or self._closed:
                 return None
             self._add(flat, combine, True)
@@ -260,8 +269,12 @@ class PartialAllreduce:
                     ex.start()
             await self._await(fut, timeout, cur)
         except BaseException:
-            if self._wait_result is None:
-                self._state[FRESH] = 0
+            with self._lock:
+                if self._wait_result is None:
+                    self._state[FRESH] = 0
+                else:  # the execution completed, but nobody will receive its result
+                    self._give_back(self._wait_result)
+                    self._wait_result = None
             raise
         finally:
             self._busy = False
@@ -338,9 +351,36 @@ class PartialAllreduce:
     def _take(self, included: bool, missed: int) -> PartialResult:
         value, self._value = self._value, None
         assert value is not None
-        self._given = self._round
-        return PartialResult.from_meta(self._contribution.present(value), self._round, included,
-                                       self._vmeta, self.world_size, missed)
+        given, self._given = self._given, self._round
+        res = PartialResult.from_meta(self._contribution.present(value), self._round, included,
+                                      self._vmeta, self.world_size, missed)
+        self._takes.append((res, value, self._vmeta.copy(), given))
+        return res
+
+    def _give_back(self, res: PartialResult) -> None:
+        """Take back ``res``, a result taken for a call that never received it (the call was
+        cancelled after the take): the next call or flush hands it out, summed with what is
+        kept when accumulating, else only if nothing newer was taken or kept since (a newer
+        result supersedes it). So a cancelled call loses no contribution. Any thread."""
+        with self._lock:
+            i = next((i for i, t in enumerate(self._takes) if t[0] is res), None)
+            if i is None:
+                return
+            _, value, vmeta, given = self._takes[i]
+            newest = i == len(self._takes) - 1
+            del self._takes[i]
+            if self._value is None and newest:  # nothing taken or kept since: as if never
+                self._value = value
+                self._vmeta[...] = vmeta
+                self._given = min(self._given, given)
+            elif self.accumulate:
+                if self._value is None:
+                    self._value = value
+                    self._vmeta[...] = vmeta
+                else:
+                    self._value = self._contribution.merge(self._value, value)
+                    self._vmeta += vmeta
+                self._given = min(self._given, self._round - 1)  # something to hand out
 
     def _force(self, e: int) -> None:
         """Activate execution ``e`` here from outside the initiator set (a message to self;
@@ -401,7 +441,8 @@ class PartialAllreduce:
 _SNAPSHOT_KERNELS = ("partial_snapshot", "partial_sparse_snapshot")
 
 
-def _locked_snapshots(kernels: Mapping[str, Kernel], lock: threading.Lock) -> dict[str, Kernel]:
+def _locked_snapshots(kernels: Mapping[str, Kernel],
+                      lock: threading.RLock) -> dict[str, Kernel]:
     """``kernels`` with each snapshot kernel run under ``lock`` (the handle's; module doc)."""
     out = dict(kernels)
     for name in _SNAPSHOT_KERNELS:
@@ -411,8 +452,9 @@ def _locked_snapshots(kernels: Mapping[str, Kernel], lock: threading.Lock) -> di
     return out
 
 
-def _under(lock: threading.Lock, fn: Kernel) -> Kernel:
+def _under(lock: threading.RLock, fn: Kernel) -> Kernel:
     def kernel(out: Any, inputs: Any, params: Any, msgs: Any) -> Any:
         with lock:
             return fn(out, inputs, params, msgs)
     return kernel
+

@@ -152,8 +152,14 @@ class ProgressEngine:
         except RuntimeError:
             return False
 
-    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro`` on the engine's loop from any loop; cancellation propagates."""
+    async def run(self, coro: Coroutine[Any, Any, T],
+                  orphan: Callable[[T], None] | None = None) -> T:
+        """Await ``coro`` on the engine's loop from any loop; cancellation propagates.
+
+        ``orphan``: called (on the caller's loop) with the result of a ``coro`` that completed
+        although its caller had been cancelled, so that what it took is not lost; a ``coro``
+        given one runs its first step (up to its first wait) even when its caller was
+        cancelled before it started, so that a partial call always deposits its data."""
         if self.on_loop():
             return await coro
         if self._thread is None:
@@ -163,7 +169,7 @@ class ProgressEngine:
         if self._closed:
             coro.close()
             raise TransportClosedError("progress engine is closed")
-        return await _Bridge(coro, self.loop, asyncio.get_running_loop()).result()
+        return await _Bridge(coro, self.loop, asyncio.get_running_loop(), orphan).result()
 
     def run_blocking(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the progress thread and block until it is done (no loop needed).
@@ -212,11 +218,13 @@ class _Bridge(Generic[T]):
     for the task to end).
     """
 
-    __slots__ = ("_caller", "_cancelled", "_coro", "_done", "_loop", "_task")
+    __slots__ = ("_caller", "_cancelled", "_coro", "_done", "_loop", "_orphan", "_task")
 
     def __init__(self, coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop,
-                 caller: asyncio.AbstractEventLoop) -> None:
+                 caller: asyncio.AbstractEventLoop,
+                 orphan: Callable[[T], None] | None = None) -> None:
         self._coro = coro
+        self._orphan = orphan
         self._loop = loop
         self._caller = caller
         self._done: asyncio.Future[T] = caller.create_future()
@@ -225,23 +233,29 @@ class _Bridge(Generic[T]):
         loop.call_soon_threadsafe(self._start)
 
     def _start(self) -> None:  # on the runtime's loop
-        if self._cancelled:
+        if self._cancelled and self._orphan is None:
             self._coro.close()
             self._caller.call_soon_threadsafe(self._finish, None)
             return
         self._task = self._loop.create_task(self._coro)
         self._task.add_done_callback(self._ended)
+        if self._cancelled:  # (a call that hands results back runs its first step: below)
+            self._loop.call_soon(self._task.cancel)
 
     def _ended(self, task: asyncio.Task[T]) -> None:  # on the runtime's loop
         try:
             self._caller.call_soon_threadsafe(self._finish, task)
         except RuntimeError:  # the caller's loop is closed: nobody waits for the outcome
-            if not task.cancelled():
-                task.exception()  # retrieved, so asyncio does not log it as lost
+            # (the exception is retrieved, so asyncio does not log it as lost)
+            if not task.cancelled() and task.exception() is None and self._orphan is not None:
+                self._orphan(task.result())
 
     def _finish(self, task: asyncio.Task[T] | None) -> None:  # on the caller's loop
         done = self._done
-        if done.done():
+        if done.done():  # the caller was cancelled: a result it never got goes back
+            if (task is not None and not task.cancelled() and task.exception() is None
+                    and self._orphan is not None):
+                self._orphan(task.result())
             return
         if task is None or task.cancelled():
             done.cancel()
@@ -252,13 +266,25 @@ class _Bridge(Generic[T]):
 
     def _cancel(self) -> None:  # on the runtime's loop
         self._cancelled = True
-        if self._task is not None:
+        if self._task is None:
+            return
+        if self._orphan is None:
             self._task.cancel()
+        else:
+            # after the task's first step, which _start queued before this ran: a call that
+            # was cancelled has still deposited its data (a partial handle's promise)
+            self._loop.call_soon(self._task.cancel)
 
     async def result(self) -> T:
         try:
             return await self._done
         except asyncio.CancelledError:
+            done = self._done
+            if done.done() and not done.cancelled():
+                # the outcome arrived, but this caller was cancelled before it resumed
+                if done.exception() is None and self._orphan is not None:
+                    self._orphan(done.result())
+                raise
             if not self._cancelled:
                 try:
                     self._loop.call_soon_threadsafe(self._cancel)
