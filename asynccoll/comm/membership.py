@@ -8,13 +8,19 @@ fails every execution under way with a :class:`~asynccoll.PeerLostError` naming 
 lost. Over the same channel, closing is collective: :meth:`Membership.goodbye` tells every peer
 this rank is closing and waits (serving them meanwhile) until each has said the same.
 
-Costs nothing while nobody is lost: one receive posted per peer, and no work per collective.
+The same channel answers **status probes** (:meth:`Membership.probe`): a rank whose collective
+stalls asks every peer what each of its executors waits for; the peer's runtime loop answers at
+once, so a rank that does not answer within the probe's window is stopped, blocked or gone.
+
+Costs nothing while nobody is lost or stalls: two receives posted per peer, and no work per
+collective.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from collections.abc import Callable
 
@@ -26,7 +32,8 @@ from ..transport.base import Transport
 from ..transport.frames import Kind, Message
 from ..transport.matching import ignore_outcome
 
-__all__ = ["CLOSE_SCHED", "DEFAULT_CLOSE_TIMEOUT", "LOST_SCHED", "Membership"]
+__all__ = ["CLOSE_SCHED", "DEFAULT_CLOSE_TIMEOUT", "LOST_SCHED", "STATUS_REPLY", "STATUS_SCHED",
+           "Membership"]
 
 log = logging.getLogger("asynccoll.comm")
 
@@ -38,6 +45,11 @@ CLOSE_SCHED = 3 << 60
 #: the schedule id of the loss notices; execution = the sender's notice count, payload = the
 #: lost rank as one int64
 LOST_SCHED = CLOSE_SCHED + 1
+#: the schedule id of status probes (execution = the asker's probe count, no payload) and of
+#: their answers (the same execution; JSON of :meth:`LiveOps.statuses`, activation frames, so
+#: an answer that comes after the asker gave up is dropped without complaint)
+STATUS_SCHED = CLOSE_SCHED + 2
+STATUS_REPLY = CLOSE_SCHED + 3
 #: seconds a closing rank lets the executions under way here finish once every rank closed
 IN_FLIGHT_GRACE = 2.0
 _NOTHING = memoryview(b"")
@@ -56,6 +68,8 @@ class Membership:
         self._closing: Callable[[], bool] = lambda: False
         self._sent = 0
         self._recvs: dict[int, asyncio.Future[Message]] = {}
+        self._asks: dict[int, asyncio.Future[Message]] = {}
+        self._probes = 0
 
     @property
     def _peers(self) -> list[int]:
@@ -70,17 +84,75 @@ class Membership:
         self.transport.on_peer_lost(self._on_peer_lost)
         for r in self._peers:
             self._post_recv(r, 0)
+            self._post_ask(r, 0)
+        self.live.prober = self
 
     def stop(self) -> None:
-        """Stop listening for notices (the communicator closes)."""
-        for f in self._recvs.values():
+        """Stop listening for notices and probes (the communicator closes)."""
+        if self.live.prober is self:
+            self.live.prober = None
+        for f in (*self._recvs.values(), *self._asks.values()):
             f.cancel()
         self._recvs.clear()
+        self._asks.clear()
+
+    # -- status probes -----------------------------------------------------------------------
+    def _post_ask(self, src: int, seq: int) -> None:
+        self._listen(STATUS_SCHED, self._asks, self._on_ask, src, seq)
+
+    def _on_ask(self, src: int, seq: int, fut: asyncio.Future[Message]) -> None:
+        if fut.cancelled() or fut.exception() is not None or self._closing():
+            return
+        self._post_ask(src, seq + 1)
+        try:
+            answer = json.dumps(self.live.statuses()).encode()
+        except Exception as exc:  # an answer must never break the runtime
+            answer = json.dumps([{"error": repr(exc)}]).encode()
+        self.transport.post_frame(src, int(Kind.ACTIVATION), STATUS_REPLY, seq, 0,
+                                  memoryview(answer)).add_done_callback(ignore_outcome)
+
+    async def probe(self, window: float) -> dict[int, list[dict[str, object]] | None]:
+        """Ask every other rank what its executors wait for; wait at most ``window`` seconds
+        (less once all answered). Returns, per rank, its executors' statuses
+        (:func:`~asynccoll.sched.waits.wait_status`), or ``None`` for a rank that did not
+        answer (stopped, its loop blocked, or lost). Runs on the transport's loop; costs one
+        empty message to and one small answer from each peer."""
+        t = self.transport
+        seq = self._probes
+        self._probes += 1
+        peers = self._peers
+        futs = {r: t.post_recv(r, STATUS_REPLY, seq, 0) for r in peers}
+        for r in peers:
+            t.post_frame(r, int(Kind.DATA), STATUS_SCHED, seq, 0,
+                         _NOTHING).add_done_callback(ignore_outcome)
+        out: dict[int, list[dict[str, object]] | None] = {}
+        try:
+            if futs:
+                await asyncio.wait(list(futs.values()), timeout=window)
+            for r, f in futs.items():
+                out[r] = None
+                if f.done() and not f.cancelled() and f.exception() is None:
+                    try:
+                        got = json.loads(bytes(f.result().payload))
+                    except ValueError:
+                        continue
+                    if isinstance(got, list):
+                        out[r] = [x for x in got if isinstance(x, dict)]
+        finally:
+            t.finish(STATUS_REPLY, seq)  # retire the unanswered; a late answer is dropped
+        return out
 
     def _post_recv(self, src: int, seq: int) -> None:
-        fut = self.transport.post_recv(src, LOST_SCHED, seq, 0)
-        self._recvs[src] = fut
-        fut.add_done_callback(functools.partial(self._on_notice, src, seq))
+        self._listen(LOST_SCHED, self._recvs, self._on_notice, src, seq)
+
+    def _listen(self, sched: int, box: dict[int, asyncio.Future[Message]],
+                on: Callable[[int, int, asyncio.Future[Message]], None], src: int,
+                seq: int) -> None:
+        """Post the receive of notice ``seq`` from ``src`` on channel ``sched``; ``on(src,
+        seq, fut)`` handles it (and posts the next)."""
+        fut = self.transport.post_recv(src, sched, seq, 0)
+        box[src] = fut
+        fut.add_done_callback(functools.partial(on, src, seq))
 
     def _on_notice(self, src: int, seq: int, fut: asyncio.Future[Message]) -> None:
         if fut.cancelled() or fut.exception() is not None or self._closing():
@@ -103,7 +175,8 @@ class Membership:
 
     def learn(self, exc: PeerLostError, *, tell: bool) -> None:
         """Rank ``exc.rank`` is lost: tell every other peer (``tell``), and, the first time,
-        fail every execution under way with a :class:`PeerLostError` naming it."""
+        write the flight record (:meth:`LiveOps.record_flight`) to the trace files and fail
+        every execution under way with a :class:`PeerLostError` naming it."""
         t = self.transport
         first = self.lost is None
         if first:
@@ -118,6 +191,11 @@ class Membership:
                                  note).add_done_callback(ignore_outcome)
             self._sent += 1
         if first:
+            # the post-mortem: this rank's last collectives, into its trace (when it traces)
+            try:
+                self.live.record_flight(f"rank {exc.rank} lost ({exc.reason})")
+            except Exception as err:  # a post-mortem must not stop the failing of executions
+                log.warning("rank %d: no flight record: %r", t.rank, err)
             for ex in self.live.executors():
                 ex.abort(PeerLostError(exc.rank, exc.reason))
 

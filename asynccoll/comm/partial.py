@@ -132,6 +132,8 @@ class PartialAllreduce:
         self._ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=True,
                             on_complete=self._on_complete, trace_sink=sink,
                             kernels=_locked_snapshots(base, self._lock))
+        if kind != "quorum":  # who may start an execution: named in stall warnings
+            self._ex.initiators = self._initiators
         if live is not None:
             live.add(self._ex, trace)
 
@@ -381,6 +383,9 @@ class PartialAllreduce:
                     self._value = self._contribution.merge(self._value, value)
                     self._vmeta += vmeta
                 self._given = min(self._given, self._round - 1)  # something to hand out
+
+    def _initiators(self, e: int) -> frozenset[int]:
+        return initiators(self.kind, e, self.world_size, self.seed)
 
     def _force(self, e: int) -> None:
         """Activate execution ``e`` here from outside the initiator set (a message to self;

@@ -6,10 +6,12 @@
 - :mod:`~asynccoll.inspect.tracefile`: reading the trace files a run wrote;
 - :mod:`~asynccoll.inspect.summary`: per-collective and per-execution summaries of traces;
 - :mod:`~asynccoll.inspect.perfetto`: Chrome trace-event JSON and the HTML timeline;
-- :mod:`~asynccoll.inspect.pending`: explain hangs from snapshots or live executors.
+- :mod:`~asynccoll.inspect.pending`: explain hangs from snapshots or live executors;
+- :mod:`~asynccoll.inspect.stragglers`: lateness per rank (the straggler report).
 
-Writing traces and the live-op registry (with its ``SIGUSR1`` dump) belong to the engine:
-:class:`asynccoll.sched.TraceWriter`, :class:`asynccoll.sched.LiveOps`.
+Writing traces, the live-op registry (with its ``SIGUSR1`` dump), what a rank waits for
+(:mod:`asynccoll.sched.waits`) and the flight recorder (:mod:`asynccoll.sched.flight`) belong
+to the engine: :class:`asynccoll.sched.TraceWriter`, :class:`asynccoll.sched.LiveOps`.
 
 The ``asynccoll inspect`` command is :mod:`asynccoll.inspect.cli`. Submodules are imported
 lazily, so importing this package costs nothing.

@@ -5,8 +5,9 @@
     asynccoll inspect schedule KIND --ranks P [--rank R] [--size BYTES] [--algorithm A]
                                [--format text|dot|json|html|png] [--out FILE]
     asynccoll inspect trace DIR [--execution N] [--sched-id S] [--perfetto OUT.json]
-                               [--html OUT.html] [--png OUT.png]
+                               [--html OUT.html] [--png OUT.png] [--stragglers [PLOT.png]]
     asynccoll inspect pending DIR [--pid PID --wait SECONDS]
+    asynccoll inspect flight DIR [--rank R] [--all]
     asynccoll inspect kinds
 
 ``pending --pid PID`` sends ``SIGUSR1`` to a live rank first: the handler each Communicator
@@ -14,6 +15,9 @@ installs (when created on its process's main thread) writes a ``pending`` snapsh
 waiting executor into its trace file (``rank-R.jsonl`` in DIR, when tracing into DIR) and prints
 them to the rank's stderr; the rank keeps running. The command then waits up to ``--wait``
 seconds for the files to grow and explains them.
+
+``flight`` prints the flight records ranks wrote into DIR (on a timeout, or on ``SIGUSR1``):
+each rank's last collectives, the latest record per rank (``--all``: every record).
 
 Bad arguments (unknown kind, P < 1, rank outside 0..P-1, a missing trace directory, no process
 PID) print a message listing what is valid and exit with status 2.
@@ -53,12 +57,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--html", default=None, metavar="OUT.html", help="write a timeline page")
     t.add_argument("--png", default=None, metavar="OUT.png",
                    help="draw the timeline into a PNG (needs matplotlib)")
+    t.add_argument("--stragglers", nargs="?", const="", default=None, metavar="PLOT.png",
+                   help="rank lateness per rank (percentiles, how often last, fresh data); "
+                        "with PLOT.png also plot lateness over time (needs matplotlib)")
     q = sub.add_parser("pending", help="explain a hang from the pending snapshots in DIR")
     q.add_argument("dir")
     q.add_argument("--pid", type=int, default=None,
                    help="first signal this process (SIGUSR1): its communicators, tracing into "
                         "DIR, write their pending ops there (and print them to its stderr)")
     q.add_argument("--wait", type=float, default=2.0, help="seconds to wait after --pid")
+    fl = sub.add_parser("flight", help="the last collectives of each rank (flight records)")
+    fl.add_argument("dir")
+    fl.add_argument("--rank", "-r", type=int, default=None, help="only this rank")
+    fl.add_argument("--all", action="store_true", help="every record, not only the latest")
     sub.add_parser("kinds", help="list the collective kinds `schedule` can render")
 
 
@@ -73,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
             return _trace(args)
         if args.inspect_command == "pending":
             return _pending(args)
+        if args.inspect_command == "flight":
+            return _flight(args)
         return _kinds()
     except (ValueError, KeyError, TraceFormatError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
@@ -131,6 +144,15 @@ def _trace(args: argparse.Namespace) -> int:
     from .tracefile import load_dir
 
     traces = load_dir(args.dir)
+    if args.stragglers is not None:
+        from .stragglers import render_stragglers, stragglers, stragglers_png
+
+        reps = [r for r in stragglers(traces) if args.sched_id in (None, r.sched_id)]
+        sys.stdout.write(render_stragglers(reps))
+        if args.stragglers:
+            stragglers_png(reps, args.stragglers, f"lateness, trace {args.dir}")
+            print(f"wrote {args.stragglers}")
+        return 0
     if args.execution is not None:
         sys.stdout.write(render_execution(execution_detail(traces, args.execution,
                                                            args.sched_id)))
@@ -166,4 +188,26 @@ def _pending(args: argparse.Namespace) -> int:
                 break
             time.sleep(0.05)
     sys.stdout.write(render_explanations(explain(load_dir(args.dir))))
+    return 0
+
+
+def _flight(args: argparse.Namespace) -> int:
+    from ..sched.flight import flight_text
+    from .tracefile import load_dir
+
+    traces = load_dir(args.dir)
+    if args.rank is not None and args.rank not in traces:
+        raise ValueError(f"--rank {args.rank}: no trace file of that rank in {args.dir!r} "
+                         f"(ranks: {sorted(traces)})")
+    shown = 0
+    for r, rt in sorted(traces.items()):
+        if args.rank not in (None, r):
+            continue
+        for rec in rt.flights if args.all else rt.flights[-1:]:
+            print(f"rank {r}, {rec.get('reason', '?')}:")
+            sys.stdout.write(flight_text(rec.get("entries") or [], r))
+            shown += 1
+    if not shown:
+        print("no flight records: a rank writes one on a timeout or on SIGUSR1 "
+              "(`asynccoll inspect pending DIR --pid PID`)")
     return 0

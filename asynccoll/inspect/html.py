@@ -94,7 +94,12 @@ document.getElementById('main').appendChild(svg);
 _TIMELINE_JS = r"""
 const D = JSON.parse(document.getElementById('data').textContent);
 const NS = 'http://www.w3.org/2000/svg', LH = 26, PX = 90, PY = 30;
-let scale = Math.max(0.05, 1100 / Math.max(D.span, 1));
+// Fit the whole run into the window on open: from the first slice to the last end.
+const T0 = D.slices.reduce((m, s) => Math.min(m, s.ts), Infinity) || 0;
+const T1 = Math.max(D.span, T0 + 1);
+const MAIN = document.getElementById('main');
+let scale = Math.max(200, (MAIN.clientWidth || window.innerWidth || 1100) - 2 * PX - 20)
+  / (T1 - T0);
 function el(tag, attrs, parent) {
   const e = document.createElementNS(NS, tag);
   for (const k in attrs) e.setAttribute(k, attrs[k]);
@@ -103,16 +108,21 @@ function el(tag, attrs, parent) {
 function draw() {
   const old = document.getElementById('tl'); if (old) old.remove();
   const svg = document.createElementNS(NS, 'svg'); svg.setAttribute('id', 'tl');
-  svg.setAttribute('width', PX * 2 + D.span * scale);
+  const W = PX * 2 + (T1 - T0) * scale;
+  svg.setAttribute('width', W);
   svg.setAttribute('height', PY * 2 + D.rows.length * LH);
-  const X = t => PX + t * scale, Y = r => PY + r * LH;
+  const X = t => PX + (t - T0) * scale, Y = r => PY + r * LH;
   D.rows.forEach((name, r) => {
-    el('rect', {x: 0, y: Y(r), width: PX * 2 + D.span * scale, height: LH - 2,
+    el('rect', {x: 0, y: Y(r), width: W, height: LH - 2,
                 fill: r % 2 ? '#f7f7f7' : '#fff'}, svg);
     el('text', {x: 4, y: Y(r) + 16}, svg).textContent = name;
   });
-  for (let t = 0; t <= D.span; t += D.tick)
-    el('text', {x: X(t), y: 14, fill: '#666'}, svg).textContent = (t / 1000).toFixed(2) + ' ms';
+  // a tick every 1, 2 or 5 x 10^k µs, at least 90 px apart
+  let tick = Math.pow(10, Math.floor(Math.log10(Math.max(90 / scale, 1e-3))));
+  for (const m of [1, 2, 5, 10]) if (m * tick * scale >= 90) { tick *= m; break; }
+  for (let t = Math.ceil(T0 / tick) * tick; t <= T1; t += tick)
+    el('text', {x: X(t), y: 14, fill: '#666'}, svg).textContent = (t / 1000).toFixed(
+      tick >= 1000 ? 0 : tick >= 100 ? 1 : tick >= 10 ? 2 : 3) + ' ms';
   let selected = null;
   for (const s of D.slices) {
     const r = el('rect', {x: X(s.ts), y: Y(s.row) + 3, width: Math.max(1.5, s.dur * scale),
@@ -190,10 +200,11 @@ def schedule_html(schedules: Sequence[Schedule], title: str = "") -> str:
 def timeline_html(title: str, rows: Sequence[str], slices: Sequence[dict[str, Any]],
                   flows: Sequence[dict[str, Any]], span_us: float) -> str:
     """A timeline page: ``rows`` names each track; a slice has ``row, ts, dur`` (µs from the
-    run's start), ``name``, ``color`` and ``fields``; a flow joins ``(r0, t0)`` to ``(r1, t1)``."""
-    tick = 10 ** max(0, len(str(int(max(span_us, 1)))) - 1)
+    run's start), ``name``, ``color`` and ``fields``; a flow joins ``(r0, t0)`` to ``(r1, t1)``.
+    On open the page fits the whole run (first slice to last end) into the window's width;
+    the zoom buttons halve or double the scale from there."""
     data = {"rows": list(rows), "slices": list(slices), "flows": list(flows),
-            "span": span_us, "tick": tick}
+            "span": span_us}
     table = ("<details><summary>all slices</summary><table><tr><th>track</th><th>op</th>"
              "<th>start µs</th><th>µs</th></tr>"
              + "".join(f"<tr><td>{escape(rows[s['row']])}</td><td>{escape(s['name'])}</td>"

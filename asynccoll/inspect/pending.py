@@ -23,6 +23,7 @@ from typing import Any
 
 from ..sched import Executor, Schedule
 from ..sched.tracefile import pending_snapshot
+from ..sched.waits import follow_waits
 from .graph import match_messages
 from .tracefile import RankTrace
 
@@ -60,6 +61,9 @@ def _state(s: Schedule | None, snap: Mapping[str, Any] | None, done: bool) -> st
     rec = snap.get("record")
     if rec is None:
         return "not armed"
+    status = snap.get("status")
+    if isinstance(status, Mapping) and status.get("state") not in (None, "idle"):
+        return str(status["state"])  # what the rank saw of itself: called, not called, ...
     if rec.get("started") is not None:
         return "started"
     rows = _rows(snap)
@@ -114,11 +118,15 @@ def _explain_one(sid: int, name: str, e: int, world: int, scheds: Mapping[int, S
             continue
         s = scheds.get(r)
         for _, i, desc in snap.get("pending", []):
-            op = s.ops[i] if s is not None else None
+            op = s.ops[i] if s is not None and 0 <= i < len(s.ops) else None
             if op is None or op.kind not in ("send", "recv"):
                 lines.append(f"  rank {r}: {desc}")
                 continue
             peer, pst = op.peer, state[op.peer]
+            if peer == r or op.msg == "activation" or (
+                    not op.deps and state[r] in ("called", "not called")):
+                lines.append(f"  rank {r}: {desc}")  # a way to be activated, not a wait
+                continue
             if op.kind == "send":
                 m = recv_of.get((r, i))
                 where = "" if m is None else f"receive op {m.dst_op} of "
@@ -142,7 +150,10 @@ def _explain_one(sid: int, name: str, e: int, world: int, scheds: Mapping[int, S
                 ps = scheds.get(peer)
                 need_start, upstream = (_blockers(ps, _rows(snaps.get(peer)), m.src_op)
                                         if ps is not None else (False, set()))
-                if need_start:
+                if need_start and pst == "called":
+                    why = (f"rank {peer}'s send op {m.src_op} has not fired: rank {peer} "
+                           f"called execution {e} and waits to be activated")
+                elif need_start:
                     culprits.add(peer)
                     why = (f"rank {peer}'s send op {m.src_op} waits for rank {peer} to call "
                            f"execution {e}: rank {peer} has not called (never started) it")
@@ -151,6 +162,17 @@ def _explain_one(sid: int, name: str, e: int, world: int, scheds: Mapping[int, S
                            + (f"; rank {peer} waits on rank(s) {sorted(upstream)}"
                               if upstream else ""))
             lines.append(f"  rank {r}: {desc}: {why}")
+    statuses = _statuses(sid, e, world, snaps, done)
+    if statuses is not None:
+        # Every rank said what it waits for: follow the waits (as a live stall warning does)
+        # instead of guessing from the schedules, which cannot tell a rank that called and
+        # waits for its initiator from one that never called.
+        culprits = set()
+        for r, st in statuses.items():
+            if st is None or st[0].get("completed", -1) >= e:
+                continue
+            absent, _, _ = follow_waits(r, st[0], statuses)
+            culprits.update(absent)
     if culprits:
         lines.append(f"  => waiting on rank(s) {sorted(culprits)}, which never joined "
                      f"execution {e}")
@@ -158,6 +180,25 @@ def _explain_one(sid: int, name: str, e: int, world: int, scheds: Mapping[int, S
         lines.append("  => every awaited rank has joined; a dependency cycle or lost message")
     return Explanation(sid, name, e, sorted(culprits),
                        {r: sorted(p) for r, p in waits.items()}, lines)
+
+
+def _statuses(sid: int, e: int, world: int, snaps: Mapping[int, Mapping[str, Any] | None],
+              done: Mapping[int, set[int]]) -> dict[int, list[dict[str, Any]] | None] | None:
+    """Each rank's status of execution ``e`` as a probe would answer (``None``: left no
+    snapshot), or ``None`` when some snapshot predates statuses."""
+    out: dict[int, list[dict[str, Any]] | None] = {}
+    for r in range(world):
+        snap = snaps.get(r)
+        if e in done.get(r, set()):
+            out[r] = [{"sid": sid, "execution": e + 1, "completed": e, "state": "completed",
+                       "waits": [], "text": f"completed execution {e}"}]
+        elif snap is None:
+            out[r] = None
+        elif not isinstance(snap.get("status"), Mapping):
+            return None
+        else:
+            out[r] = [dict(snap["status"])]
+    return out
 
 
 def _fired(snaps: Mapping[int, Mapping[str, Any] | None], r: int, i: int) -> bool:

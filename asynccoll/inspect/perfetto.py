@@ -3,7 +3,11 @@ HTML timeline.
 
 Each rank is a process (``pid`` = rank). Within it, each collective gets a track of its
 executions and as many op tracks as needed so that no two op slices of one track overlap
-(``tid`` = ``sched_id * 1000 + lane``; lane 0 holds the executions). Ops are complete events
+(lane 0 holds the executions). Thread ids are small and stable: ``tid`` = 1 + the index of
+``(sched_id, lane)`` in the run's sorted table of tracks (the same track has the same id on
+every rank), named by ``thread_name`` metadata and listed in ``otherData.tracks``; schedule
+ids are 64-bit hashes, and ids built from them would not survive a reader that takes JSON
+numbers as doubles. Ops are complete events
 (``"ph": "X"``) from firing to completion (a source receive, posted when the execution is
 armed, from the rank's start of the execution); each message is a flow from its send slice
 (``"ph": "s"``) to its matching receive slice (``"ph": "f"``, ``"bp": "e"``) with one id per
@@ -22,9 +26,7 @@ from .graph import KIND_COLOR, match_messages, op_label
 from .tracefile import RankTrace
 
 __all__ = ["Slice", "Timeline", "perfetto_json", "timeline", "timeline_page", "timeline_png",
-           "trace_events"]
-
-LANES_PER_SCHED = 1000
+           "trace_events", "track_table"]
 
 
 @dataclass
@@ -99,7 +101,8 @@ def timeline(traces: Mapping[int, RankTrace]) -> Timeline:
                 slices.append(Slice(r, sid, 0, (start - t0) * 1e6,
                                     max(0.0, ((end if end is not None else start) - start) * 1e6),
                                     f"{names.get(sid, sid)} #{e}", "execution",
-                                    {k: v for k, v in rec.items() if k != "ops"}))
+                                    {k: str(v) if k == "sched_id" else v
+                                     for k, v in rec.items() if k != "ops"}))
             for i, (_posted, fired, done, nbytes) in enumerate(rows):
                 if fired is None or done is None:
                     continue
@@ -135,18 +138,36 @@ def timeline(traces: Mapping[int, RankTrace]) -> Timeline:
 
 def trace_events(traces: Mapping[int, RankTrace]) -> list[dict[str, Any]]:
     """The ``traceEvents`` list: metadata, X slices, and s/f flow pairs."""
-    tl = timeline(traces)
+    return _events(timeline(traces), traces)[0]
+
+
+def track_table(tl: Timeline) -> dict[tuple[int, int], int]:
+    """``(sched_id, lane) -> tid``: 1, 2, ... in (sched_id, lane) order."""
+    return {k: i for i, k in enumerate(sorted({(s.sched_id, s.lane) for s in tl.slices}), 1)}
+
+
+def _events(tl: Timeline, traces: Mapping[int, RankTrace]
+            ) -> tuple[list[dict[str, Any]], dict[int, str]]:
     ev: list[dict[str, Any]] = []
+    table = track_table(tl)
+
+    def _tid(sid: int, lane: int) -> int:
+        return table[(sid, lane)]
+
     tracks = sorted({(s.rank, s.sched_id, s.lane) for s in tl.slices})
     for r in sorted(traces):
         ev.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "ts": 0,
                    "args": {"name": f"rank {r}"}})
         ev.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "ts": 0,
                    "args": {"sort_index": r}})
+    names = {tid: f"{tl.names.get(sid, sid)} " + ("executions" if lane == 0 else f"ops {lane}")
+             for (sid, lane), tid in table.items()}
     for r, sid, lane in tracks:
-        what = "executions" if lane == 0 else f"ops {lane}"
-        ev.append({"name": "thread_name", "ph": "M", "pid": r, "tid": _tid(sid, lane), "ts": 0,
-                   "args": {"name": f"{tl.names.get(sid, sid)} {what}"}})
+        tid = _tid(sid, lane)
+        ev.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "ts": 0,
+                   "args": {"name": names[tid]}})
+        ev.append({"name": "thread_sort_index", "ph": "M", "pid": r, "tid": tid, "ts": 0,
+                   "args": {"sort_index": tid}})
     for s in tl.slices:
         ev.append({"name": s.name, "cat": s.cat, "ph": "X", "ts": s.ts, "dur": s.dur,
                    "pid": s.rank, "tid": _tid(s.sched_id, s.lane), "args": s.args})
@@ -157,17 +178,18 @@ def trace_events(traces: Mapping[int, RankTrace]) -> list[dict[str, Any]]:
                    "pid": sa.rank, "tid": _tid(sa.sched_id, sa.lane)})
         ev.append({"name": "message", "cat": "message", "ph": "f", "bp": "e", "id": fid,
                    "ts": sb.ts + sb.dur, "pid": sb.rank, "tid": _tid(sb.sched_id, sb.lane)})
-    return ev
-
-
-def _tid(sid: int, lane: int) -> int:
-    return sid * LANES_PER_SCHED + lane
+    return ev, names
 
 
 def perfetto_json(traces: Mapping[int, RankTrace]) -> str:
-    """The whole JSON document (``{"traceEvents": [...], "displayTimeUnit": "ms"}``)."""
-    return json.dumps({"traceEvents": trace_events(traces), "displayTimeUnit": "ms",
-                       "otherData": {"source": "asynccoll inspect"}}, separators=(",", ":"))
+    """The whole JSON document (``{"traceEvents": [...], "displayTimeUnit": "ms",
+    "otherData": {"tracks": {tid: name}, "sched_ids": {tid: sched_id as a string}}}``)."""
+    tl = timeline(traces)
+    ev, names = _events(tl, traces)
+    sids = {tid: str(sid) for (sid, _), tid in track_table(tl).items()}
+    return json.dumps({"traceEvents": ev, "displayTimeUnit": "ms",
+                       "otherData": {"source": "asynccoll inspect", "tracks": names,
+                                     "sched_ids": sids}}, separators=(",", ":"))
 
 
 def timeline_page(traces: Mapping[int, RankTrace], title: str = "asynccoll trace") -> str:
@@ -182,7 +204,7 @@ def timeline_page(traces: Mapping[int, RankTrace], title: str = "asynccoll trace
     colors = {**KIND_COLOR, "execution": "#9c755f", "op": "#999999"}
     sl = [{"row": row_of[(s.rank, s.sched_id, s.lane)], "ts": s.ts, "dur": s.dur,
            "name": f"rank {s.rank}: {s.name}", "color": colors.get(s.cat, "#999999"),
-           "fields": {"rank": s.rank, "sched_id": s.sched_id, "name": s.name, "start_us": s.ts,
+           "fields": {"rank": s.rank, "sched_id": str(s.sched_id), "name": s.name, "start_us": s.ts,
                       "dur_us": s.dur, **s.args}} for s in tl.slices]
     fl = []
     for a, b in tl.flows:

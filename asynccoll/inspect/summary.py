@@ -5,9 +5,11 @@ number of contributors (NAP: the number of active processes whose data entered a
 latency percentiles and staleness. Per execution: on each rank, how it was activated, when it
 started and completed, bytes sent and received, initiator and contributors.
 
-Where the run recorded ``initiator``/``initiators`` or ``contributors`` in ``Trace.extra`` they
-are used as given; otherwise initiators are the ranks that activated the execution from inside
-(an upper bound of the true initiator set for solo collectives) and contributors are unknown.
+The **initiators** of an execution are the ranks that actually started it: their internal start
+(or a forced activation) came before any activation message reached them. A rank that called
+after an activation had reached it is not an initiator, even where it was allowed to start the
+execution; the allowed set S(e) the runtime recorded (``initiators`` in ``Trace.extra``) is
+kept apart (``allowed``). ``contributors`` are used as the run recorded them, else unknown.
 Latency of a rank in an execution is completion minus its start: its internal activation, else
 the firing of its first op past the sources (the external activation's arrival). Staleness is
 the ``missed``/``staleness`` a rank recorded.
@@ -42,6 +44,8 @@ class ExecutionDetail:
     sent: dict[int, int] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
     initiators: list[int] = field(default_factory=list)
+    #: the initiator set S(e) the runtime recorded (who was allowed to start), if any
+    allowed: list[int] | None = None
     contributors: list[int] | None = None
     staleness: dict[int, float] = field(default_factory=dict)
     extra: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -71,11 +75,23 @@ class CollectiveSummary:
 
 
 _STD_KEYS = {"type", "sched_id", "execution", "armed", "started", "completed", "activation",
-             "ops"}
+             "ops", "initiator", "initiators"}  # the last two: shown as ``allowed``
+
+
+def _initiated(r: int, rec: Mapping[str, Any], k: Sequence[tuple[str, bool, int]]) -> bool:
+    """Whether rank ``r`` started the execution itself: its start (or a forced activation, a
+    message to itself) came before any activation message from another rank."""
+    ops = rec.get("ops") or []
+    own = [] if rec.get("started") is None else [float(rec["started"])]
+    other: list[float] = []
+    for i, row in enumerate(ops):
+        if i < len(k) and k[i][2] >= 0 and row[2] is not None:
+            (own if k[i][2] == r else other).append(float(row[2]))
+    return bool(own) and (not other or min(own) <= min(other))
 
 
 def _detail(sched_id: int, name: str, e: int, recs: Mapping[int, dict[str, Any]],
-            kinds: Mapping[int, list[tuple[str, bool]]]) -> ExecutionDetail:
+            kinds: Mapping[int, list[tuple[str, bool, int]]]) -> ExecutionDetail:
     d = ExecutionDetail(sched_id, name, e)
     given: set[int] = set()
     internal: list[int] = []
@@ -93,7 +109,7 @@ def _detail(sched_id: int, name: str, e: int, recs: Mapping[int, dict[str, Any]]
         if rec.get("completed") is not None:
             d.completed[r] = float(rec["completed"])
         d.activation[r] = str(rec.get("activation", "?"))
-        if d.activation[r] == "internal":
+        if _initiated(r, rec, k):
             internal.append(r)
         d.sent[r] = sum(int(row[3]) for i, row in enumerate(ops)
                         if i < len(k) and k[i][0] == "send")
@@ -112,7 +128,8 @@ def _detail(sched_id: int, name: str, e: int, recs: Mapping[int, dict[str, Any]]
         extra = {k2: v for k2, v in rec.items() if k2 not in _STD_KEYS}
         if extra:
             d.extra[r] = extra
-    d.initiators = sorted(given) if given else internal
+    d.initiators = internal
+    d.allowed = sorted(given) if given else None
     return d
 
 
@@ -135,15 +152,19 @@ def summarize(traces: Mapping[int, RankTrace]) -> list[CollectiveSummary]:
 
 
 def _schedule_info(traces: Mapping[int, RankTrace], sid: int
-                   ) -> tuple[str, dict[str, Any], dict[int, list[tuple[str, bool]]]]:
-    """Name, metadata, and per rank each op's (kind, has dependencies)."""
+                   ) -> tuple[str, dict[str, Any], dict[int, list[tuple[str, bool, int]]]]:
+    """Name, metadata, and per rank each op's (kind, has dependencies, the peer of an
+    activation receive that is a source, else -1)."""
     name, meta = "", {}
-    kinds: dict[int, list[tuple[str, bool]]] = {}
+    kinds: dict[int, list[tuple[str, bool, int]]] = {}
     for r, rt in traces.items():
         rec = rt.schedules.get(sid)
         if rec is None:
             continue
-        kinds[r] = [(op["kind"], bool(op.get("deps"))) for op in rec["schedule"]["ops"]]
+        kinds[r] = [(op["kind"], bool(op.get("deps")),
+                     int(op.get("peer", -1)) if op["kind"] == "recv" and not op.get("deps")
+                     and op.get("msg") == "activation" else -1)
+                    for op in rec["schedule"]["ops"]]
         meta = {k: v for k, v in rec.items() if k not in ("type", "sched_id", "schedule")}
         name = str(rec.get("collective") or rec.get("name") or "")
     return name or f"sched {sid}", meta, kinds
@@ -245,7 +266,8 @@ def render_execution(details: Sequence[ExecutionDetail], width: int = 110) -> st
     con = Console(record=True, width=width, file=io.StringIO(), color_system=None)
     for d in details:
         t0 = min(d.start.values(), default=0.0)
-        t = Table(title=f"{d.name} execution {d.execution}: initiators {d.initiators}, "
+        allowed = "" if d.allowed is None else f" (allowed {d.allowed})"
+        t = Table(title=f"{d.name} execution {d.execution}: initiators {d.initiators}{allowed}, "
                         f"contributors {d.contributors if d.contributors is not None else '?'}, "
                         f"latency {d.latency * 1e6:.0f} µs", title_justify="left")
         for col in ("rank", "activation", "start µs", "done µs", "sent B", "recv B",

@@ -46,6 +46,8 @@ class RankTrace:
     schedules: dict[int, dict[str, Any]] = field(default_factory=dict)
     executions: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     pending: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    #: ``flight`` records (the last collectives, taken on a timeout or a dump), oldest first
+    flights: list[dict[str, Any]] = field(default_factory=list)
 
     def schedule(self, sched_id: int) -> Schedule | None:
         """The schedule recorded under ``sched_id`` (``None`` if this rank has none)."""
@@ -80,6 +82,9 @@ def load_file(path: str | os.PathLike[str]) -> RankTrace:
     rt = RankTrace(int(h["rank"]), int(h["world_size"]), p, h)
     for n, rec in it:
         t = rec["type"]
+        if t == "flight":
+            rt.flights.append(rec)
+            continue
         if t not in ("schedule", "execution", "pending"):
             continue  # unknown record types are for newer readers
         sid = rec.get("sched_id")

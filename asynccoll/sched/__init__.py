@@ -1,5 +1,6 @@
 """The schedule engine: ops, dependencies, schedules, the executor, the kernel registry, trace
-recording and the live-op registry."""
+recording, the live-op registry, what an execution waits for (:mod:`.waits`) and the flight
+recorder (:mod:`.flight`)."""
 
 from .executor import Executor
 from .kernels import BUILTIN_KERNELS, Kernel, KernelRegistry, Payload, register_kernel

@@ -19,7 +19,7 @@ import asyncio
 import functools
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,8 @@ from ..transport.frames import Format, Kind, Message
 from ..transport.matching import ignore_outcome
 from .kernels import BUILTIN_KERNELS, Kernel, Payload
 from .schedule import BufRef, Schedule
-from .trace import Trace
+from .trace import COMPLETED, Trace
+from .waits import activation_op, wait_status
 
 __all__ = ["Executor"]
 
@@ -117,6 +118,19 @@ class Executor:
         self._error: BaseException | None = None
         self.execution = 0
         self.completed = -1
+        # What explains a wait (read only on a stall, a timeout or a dump; see pending()):
+        #: the :class:`~asynccoll.sched.LiveOps` tracking this executor (set by its ``add``)
+        self.live: Any = None
+        #: the latest execution a call waited for (-1: none), set by whoever waits: with
+        #: :attr:`execution` equal to it, this rank has called the current execution
+        self.called = -1
+        #: when that call began waiting (``time.time()``)
+        self.called_at = _NAN
+        #: ``initiators(e)``: the ranks whose start may begin execution ``e``, when the owner
+        #: of a partial schedule knows them (None: unknown); names the initiator waited for
+        self.initiators: Callable[[int], Collection[int]] | None = None
+        #: ``(execution, text)``: the latest explanation that asked the other ranks
+        self.note: tuple[int, str] | None = None
         self.bind(buffers or {})
         if persistent:
             self._arm()
@@ -280,21 +294,85 @@ class Executor:
 
     def pending(self) -> list[tuple[int, int, str]]:
         """``(rank, op id, description)`` of each op of the current execution not yet done
-        (empty once it completed or failed: what it left unmatched was retired)."""
+        (empty once it completed or failed: what it left unmatched was retired), after one
+        entry with op id -1 that says what the execution waits for as a whole (the ranks it
+        waits for, never this rank itself; the latest explanation that asked the other ranks
+        when there is one for this execution: :attr:`note`). Costs O(ops)."""
         out: list[tuple[int, int, str]] = []
         if not self._armed:
             return out
+        me = self.schedule.rank
         done = self._t_done
+        act = activation_op(self)
+        # before activation, the receives that would activate it are paths, not waits
+        paths = set() if act is None or done[act] == done[act] else \
+            set(self.schedule.ops[act].deps)
         for i, op in enumerate(self.schedule.ops):
             if done[i] == done[i]:  # not NaN: completed
                 continue
             if self._fired[i] or (op.kind == "recv" and not op.deps and self._armed):
-                what = {"send": "sending to", "recv": "waiting for"}.get(op.kind)
                 desc = f"op {i} {op.describe()}"
-                if what:
-                    desc += f" ({what} rank {op.peer})"
-                out.append((self.schedule.rank, i, desc))
-        return out
+                if op.kind in ("send", "recv"):
+                    if op.peer == me:
+                        desc += " (a message of this rank to itself)"
+                    elif op.msg == "activation" or i in paths:
+                        desc += f" (an activation path, via rank {op.peer})"
+                    else:
+                        what = "sending to" if op.kind == "send" else "waiting for"
+                        desc += f" ({what} rank {op.peer})"
+                out.append((me, i, desc))
+        note = self.note
+        head = note[1] if note is not None and note[0] == self.execution \
+            else wait_status(self)["text"]
+        return [(me, -1, head), *out]
+
+    def status(self) -> dict[str, Any]:
+        """What the current execution waits for, as data (see
+        :func:`~asynccoll.sched.waits.wait_status`). O(ops)."""
+        return wait_status(self)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    @property
+    def armed(self) -> bool:
+        """True while an execution is armed (posted) and not yet completed or failed."""
+        return self._armed
+
+    @property
+    def started(self) -> bool:
+        """True once the armed execution was started from inside (:meth:`start`)."""
+        return self._armed and self._started
+
+    def progress(self) -> tuple[bytearray, list[float]]:
+        """The armed execution's per-op fired flags and completion times (``nan``: not yet),
+        live (not copies: read, never write)."""
+        return self._fired, self._t_done
+
+    def last_heard(self, peer: int) -> tuple[float, int] | None:
+        """``(time, execution)`` of the latest receive from ``peer`` this executor completed
+        (the armed execution, then the trace ring), or ``None``. O(ops x trace capacity)."""
+        ops = self.schedule.ops
+        idx = [i for i, op in enumerate(ops) if op.kind == "recv" and op.peer == peer]
+        if not idx:
+            return None
+        best: tuple[float, int] | None = None
+        if self._armed:
+            ts = [self._t_done[i] for i in idx if self._t_done[i] == self._t_done[i]]
+            if ts:
+                best = (max(ts), self.execution)
+        tr = self.trace
+        for row in range(tr.capacity):
+            e = tr.meta[row, 0]
+            if e != e:
+                continue
+            col = tr.times[row, idx, COMPLETED]
+            col = col[col == col]
+            if col.size and (best is None or float(col.max()) > best[0]):
+                best = (float(col.max()), int(e))
+        return best
 
     def close(self) -> None:
         """Stop: the pending execution fails with TransportClosedError; receives are retired."""

@@ -14,14 +14,26 @@ import asyncio
 import signal
 import sys
 import threading
+import time
 import weakref
+from collections.abc import Mapping
 from types import FrameType
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from .executor import Executor
+from .flight import DEFAULT_FLIGHT, flight_entries, flight_text
 from .tracefile import TraceWriter
 
-__all__ = ["DumpSignal", "LiveOps"]
+__all__ = ["DumpSignal", "LiveOps", "Prober"]
+
+
+class Prober(Protocol):
+    """Asks the other ranks what they are doing (a communicator's membership does)."""
+
+    async def probe(self, window: float) -> Mapping[int, list[dict[str, Any]] | None]:
+        """Each other rank's :func:`~asynccoll.sched.waits.wait_status` of every executor it
+        tracks, or ``None`` for a rank that did not answer within ``window`` seconds."""
+        ...
 
 
 class LiveOps:
@@ -37,12 +49,55 @@ class LiveOps:
         self._live: weakref.WeakKeyDictionary[Executor, TraceWriter | None] = \
             weakref.WeakKeyDictionary()
         self._lock = threading.RLock()
+        #: who can ask the other ranks what they do (set by the owner's membership), or None
+        self.prober: Prober | None = None
 
     def add(self, ex: Executor, writer: TraceWriter | None = None) -> Executor:
         """Track ``ex``; ``writer`` receives its snapshot on a :meth:`dump`. Returns ``ex``."""
         with self._lock:
             self._live[ex] = writer
+        ex.live = self
         return ex
+
+    def flight(self, n: int = DEFAULT_FLIGHT) -> list[dict[str, Any]]:
+        """The flight record: the last ``n`` collectives of the tracked executors
+        (:func:`~asynccoll.sched.flight.flight_entries`). O(executors x trace ring)."""
+        return flight_entries(self.executors(), n)
+
+    def record_flight(self, reason: str, n: int = DEFAULT_FLIGHT) -> tuple[str, bool]:
+        """Take the flight record and write it as a ``flight`` line (with ``reason``) to every
+        trace writer of the tracked executors; returns its text and whether any writer got
+        it (without one, the caller should log the text)."""
+        entries = self.flight(n)
+        with self._lock:
+            writers = {id(w): w for w in self._live.values() if w is not None}
+        rank = None
+        for ex in self.executors():
+            rank = ex.schedule.rank
+            break
+        for w in writers.values():
+            w.write({"type": "flight", "reason": reason, "time": time.time(),
+                     "entries": entries})
+        return flight_text(entries, rank), bool(writers)
+
+    def statuses(self) -> list[dict[str, Any]]:
+        """:meth:`Executor.status` of every tracked executor (what a probe answers). O(ops)
+        per executor."""
+        return [ex.status() for ex in self.executors()]
+
+    def last_heard(self, peer: int) -> str:
+        """When this rank last received from ``peer`` and in what, as words ("last heard
+        from 2.1 s ago in allreduce (sched_id 3) execution 4"), or "never heard from"."""
+        best: tuple[float, int, Executor] | None = None
+        for ex in self.executors():
+            h = ex.last_heard(peer)
+            if h is not None and (best is None or h[0] > best[0]):
+                best = (h[0], h[1], ex)
+        if best is None:
+            return "never heard from by this rank's collectives"
+        t, e, ex = best
+        return (f"last heard from {time.time() - t:.3g} s ago, in "
+                f"{ex.schedule.name or 'schedule'} (sched_id {ex.sched_id}) execution {e}")
 
     def discard(self, ex: Executor) -> None:
         """Stop tracking ``ex`` (no error if it was not tracked)."""
@@ -64,8 +119,9 @@ class LiveOps:
 
     def dump(self, stream: IO[str] | None = None, *, write_traces: bool = True) -> str:
         """Describe every pending op of every tracked executor, one line per op under a line
-        per executor; write a ``pending`` snapshot (reason ``"dump"``) of each executor with
-        pending ops to its writer unless ``write_traces`` is false. Returns the text, and
+        per executor, then the flight record (:meth:`flight`); write a ``pending`` snapshot
+        (reason ``"dump"``) of each executor with pending ops and a ``flight`` record to the
+        writers unless ``write_traces`` is false. Returns the text, and
         writes it to ``stream`` if given. Costs O(ops) per executor."""
         lines = []
         for ex, writer in self._items():
@@ -81,6 +137,9 @@ class LiveOps:
             if write_traces and writer is not None:
                 writer.write_pending(ex, reason="dump")
         text = "\n".join(lines or ["no live executors"]) + "\n"
+        if lines:
+            text += (self.record_flight("dump")[0] if write_traces
+                     else flight_text(self.flight()))
         if stream is not None:
             stream.write(text)
             stream.flush()

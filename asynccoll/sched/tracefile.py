@@ -147,9 +147,12 @@ def live_record(ex: Executor) -> dict[str, Any] | None:
 
 def pending_snapshot(ex: Executor) -> dict[str, Any]:
     """The ``pending`` record of ``ex``'s current execution, in memory (``ops`` in absolute
-    seconds): ``type``, ``sched_id``, ``execution``, ``pending`` rows and ``record``."""
+    seconds): ``type``, ``sched_id``, ``execution``, ``pending`` rows (the first, op id -1,
+    about the execution as a whole), ``status`` (:meth:`Executor.status`: what it waits for,
+    as data) and ``record``."""
     return {"type": "pending", "sched_id": ex.sched_id, "execution": ex.execution,
-            "pending": [list(p) for p in ex.pending()], "record": live_record(ex)}
+            "pending": [list(p) for p in ex.pending()], "status": ex.status(),
+            "record": live_record(ex)}
 
 
 def compact_record(rec: dict[str, Any]) -> dict[str, Any]:

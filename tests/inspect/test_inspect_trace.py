@@ -50,8 +50,19 @@ def validate_trace_events(doc: dict[str, Any]) -> dict[str, int]:
         else:
             assert isinstance(ev["args"]["name" if "name" in ev["name"] else "sort_index"],
                               (str, int))
-    for track, iv in slices.items():  # op lanes never overlap (tid % 1000 != 0)
-        if track[1] % 1000:
+    # small, stable thread ids: each names one track (a table in otherData), the same on
+    # every rank, and fits in 32 bits (Perfetto keeps ids as int32/doubles)
+    tracks = {int(k): v for k, v in doc["otherData"]["tracks"].items()}
+    assert sorted(tracks) == list(range(1, len(tracks) + 1))
+    assert len(set(tracks.values())) == len(tracks)
+    named = {(ev["pid"], ev["tid"]): ev["args"]["name"] for ev in evs
+             if ev["ph"] == "M" and ev["name"] == "thread_name"}
+    for (pid, tid), name in named.items():
+        assert 0 < tid < 2 ** 31, (pid, tid)
+        assert tracks[tid] == name, (pid, tid, name)
+    assert {k for k in slices} <= set(named), "a slice on a track without a name"
+    for track, iv in slices.items():  # op lanes never overlap (only executions may)
+        if not tracks[track[1]].endswith(" executions"):
             iv.sort()
             assert all(a[1] <= b[0] + 1e-6 for a, b in itertools.pairwise(iv)), track
 
@@ -92,7 +103,9 @@ async def test_trace_files_summary_and_perfetto(tmp_path: Path) -> None:
     assert summ.sched_id == 7
     assert summ.ranks == list(range(world))
     assert [d.execution for d in summ.executions] == list(range(n_exec))
-    assert summ.initiators == Counter({0: 1, 1: 1, 2: 1})
+    # every rank started each execution itself; the recorded initiator is who was allowed
+    assert summ.initiators == Counter(dict.fromkeys(range(world), n_exec))
+    assert [d.allowed for d in summ.executions] == [[0], [1], [2]]
     assert summ.nap == Counter({4: 2, 3: 1})
     assert summ.executions[1].contributors == [0, 1, 2]
     assert summ.latency_us["n"] == world * n_exec

@@ -163,8 +163,10 @@ async def test_wait_timeout_lists_pending_ops(inproc2: list[InprocTransport]) ->
     ex.start()
     with pytest.raises(CollectiveTimeoutError, match="waiting for rank 1") as info:
         await ex.wait(0.01)
-    assert [(r, i) for r, i, _ in info.value.pending] == [(0, 1)]
-    assert "op 1 recv(peer=1, tag=0, buf=tmp)" in info.value.pending[0][2]
+    # first the execution as a whole (op id -1), then each pending op
+    assert [(r, i) for r, i, _ in info.value.pending] == [(0, -1), (0, 1)]
+    assert info.value.pending[0][2] == "execution 0: waiting for rank(s) [1]"
+    assert "op 1 recv(peer=1, tag=0, buf=tmp)" in info.value.pending[1][2]
     ex.close()
 
 
@@ -389,7 +391,7 @@ async def test_pending_is_empty_once_complete() -> None:
         s.final = s.nop(deps=[r1, r2], k=1)
         ex = Executor(s.commit(), ts[0], sched_id=1)
         fut = ex.start()
-        assert [i for _, i, _ in ex.pending()] == [0, 1]
+        assert [i for _, i, _ in ex.pending()] == [-1, 0, 1]
         ts[1].post_send(0, _hdr(src=1), b"")
         assert await asyncio.wait_for(fut, 1) == 0
         assert ex.pending() == []  # the receive from rank 2 was retired, not pending
