@@ -26,6 +26,7 @@ from .errors import (
     TransportError,
 )
 from .launch import connect
+from .launch.sync import init
 from .results import PartialResult
 from .sched import BufRef, Executor, Op, Schedule, SlotSpec, register_kernel
 from .train import ODSGD, RNA, BackupSGD, EagerSGD, StepInfo, TopKSGD
@@ -68,5 +69,6 @@ __all__ = [
     "TransportError",
     "__version__",
     "connect",
+    "init",
     "register_kernel",
 ]

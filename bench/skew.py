@@ -101,9 +101,11 @@ def asynccoll_child(rank: int, P: int, port: int, iters: int, warmup: int, impls
 
 def summarise(impl: str, P: int, lat_by_rank: list[list[float]], nap: float) -> dict[str, Any]:
     per_iter = np.mean(np.array(lat_by_rank), axis=0) * 1e6  # mean over ranks, per iteration
+    # where the time goes: which ranks wait (rank r calls r x skew after the barrier)
+    per_rank = [round(float(np.mean(v)) * 1e6, 1) for v in lat_by_rank]
     return {"impl": impl, "P": P, "iters": len(per_iter),
             "latency_us_mean": float(np.mean(per_iter)), **stats("latency_us", per_iter),
-            "nap_mean": nap}
+            "nap_mean": nap, "latency_us_mean_by_rank": per_rank}
 
 
 def run_asynccoll(P: int, iters: int, warmup: int, skew: float) -> list[dict[str, Any]]:

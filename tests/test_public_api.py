@@ -28,6 +28,7 @@ EXPECTED = {
     "TransportError",
     "__version__",
     "connect",
+    "init",
     "register_kernel",
     # sparse allreduce (asynccoll.collectives.sparse, .feedback)
     "ErrorFeedback",

@@ -299,7 +299,8 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
         data_in = [i for i in range(first, len(s.ops))
                    if s.ops[i].kind == "recv" and not s.ops[i].deps]
         # without them the dropped activation edge would leave this rank unreachable
-        assert data_in and all(s.ops[i].peer == fused for i in data_in), (rank, fused)
+        assert data_in, (rank, fused)
+        assert all(s.ops[i].peer == fused for i in data_in), (rank, fused)
         add_triggers(s, activated, data_in)
     if not packed:
         done.append(build_allreduce(s, m, np.int64, "sum", None, slot="meta",

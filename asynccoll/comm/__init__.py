@@ -3,9 +3,11 @@
 :mod:`.communicator` (the :class:`Communicator`), :mod:`.progress` (the engine and the bridge
 between loops), :mod:`.blocking` (``comm.blocking``), :mod:`.partial` (the persistent partial
 allreduce handle) with :mod:`.contribution` (what a rank contributes to it: dense or sparse
-data), :mod:`.dense` (the cached synchronous collectives), :mod:`.sparse` (the sparse allreduce
-runtime and its persistent handle), :mod:`.membership` (lost ranks told to everyone, the
-goodbyes of an orderly close) and :mod:`.stall` (stall warnings).
+data), :mod:`.dense` (the cached synchronous collectives) with :mod:`.shm` (the allreduce
+through shared memory on one host, hierarchical across hosts), :mod:`.sparse` (the sparse
+allreduce runtime and its persistent handle), :mod:`.tensors` (torch tensors in and out),
+:mod:`.membership` (lost ranks told to everyone, the goodbyes of an orderly close, the status
+probe) and :mod:`.stall` (stall warnings).
 ``connect()``, which reads the environment and runs the rendezvous, lives in
 :mod:`asynccoll.launch`.
 """

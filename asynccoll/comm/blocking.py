@@ -1,14 +1,22 @@
-"""``comm.blocking``: a Communicator's collectives as plain calls, for code without a loop."""
+"""``comm.blocking``: a Communicator's collectives as plain calls, for code without a loop.
+
+It is also what :func:`asynccoll.init` returns: the synchronous communicator of a synchronous
+training loop (``loss.backward(); opt.step()``), backed by the progress thread. The async API
+(``await asynccoll.connect()``) stays as it is; both share one Communicator.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from collections.abc import Callable, Coroutine
+from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 from ..results import PartialResult
 from .progress import ProgressEngine
 
-__all__ = ["BlockingCollectives"]
+__all__ = ["BlockingCollectives", "BlockingPartial"]
 
 T = TypeVar("T")
 R = PartialResult
@@ -28,9 +36,49 @@ class _Collectives(Protocol):
                                quantize: int | None, timeout: float | None, *,
                                delta: float | None, bucket: int, seed: int) -> Any: ...
     async def solo_allreduce(self, x: Any, timeout: float | None) -> R: ...
+    def _shortcut_blocking(self, kind: str, x: Any, timeout: float | None,
+                           quorum: int | None = None) -> R: ...
     async def majority_allreduce(self, x: Any, timeout: float | None) -> R: ...
     async def two_choice_allreduce(self, x: Any, timeout: float | None) -> R: ...
     async def quorum_allreduce(self, x: Any, k: int, timeout: float | None) -> R: ...
+    def partial_allreduce(self, kind: str, like: Any, op: str, accumulate: bool | str,
+                          quorum: int | None, seed: int | None, name: str | None,
+                          algorithm: str | None, timeout: float | None) -> Any: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+
+
+class _Handle(Protocol):
+    """What :class:`BlockingPartial` needs of a partial allreduce handle."""
+
+    def blocking(self, x: Any, timeout: float | None = None) -> PartialResult: ...
+    def flush_blocking(self, timeout: float | None = None) -> PartialResult: ...
+
+
+class BlockingPartial:
+    """A partial allreduce handle whose call and flush block: ``h(x)``, ``h.flush()``.
+
+    ``handle``: the :class:`~asynccoll.PartialAllreduce` underneath (its ``await h(x)`` still
+    works from a loop). Raises what the handle raises.
+    """
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def __call__(self, x: Any, timeout: float | None = None) -> PartialResult:
+        """``await handle(x)``, blocking: contribute ``x``, return a PartialResult."""
+        h: _Handle = self.handle
+        return h.blocking(x, timeout)
+
+    def flush(self, timeout: float | None = None) -> PartialResult:
+        """``await handle.flush()``, blocking (collective)."""
+        h: _Handle = self.handle
+        return h.flush_blocking(timeout)
+
+    def __repr__(self) -> str:
+        return f"BlockingPartial({self.handle!r})"
 
 
 class BlockingCollectives:
@@ -38,7 +86,9 @@ class BlockingCollectives:
 
     Each runs on the progress thread and blocks until done; ``RuntimeError`` with
     ``progress="inline"`` (there is no other thread to run them). Made by the Communicator
-    with its ``engine`` and its blocking ``close``.
+    with its ``engine`` and its blocking ``close``. Arguments, results and errors are those of
+    the Communicator's coroutines (torch tensors included). ``with asynccoll.init() as comm:``
+    closes it on exit (at once, without goodbyes, on an exception).
     """
 
     def __init__(self, comm: _Collectives, engine: ProgressEngine,
@@ -49,6 +99,50 @@ class BlockingCollectives:
 
     def _do(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._engine.run_blocking(coro)
+
+    @property
+    def comm(self) -> Any:
+        """The :class:`~asynccoll.Communicator` these calls run on (its coroutines too)."""
+        return self._comm
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self._comm.rank
+
+    @property
+    def size(self) -> int:
+        """The world size P."""
+        return self._comm.size
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` (a coroutine of this communicator) on the progress thread and return
+        at once with a ``concurrent.futures.Future`` of its result: for callbacks that must
+        not block (a DDP communication hook). ``RuntimeError`` with ``progress="inline"``."""
+        if self._engine.mode != "thread":
+            coro.close()
+            raise RuntimeError("submit needs progress='thread'")
+        return asyncio.run_coroutine_threadsafe(coro, self._engine.loop)
+
+    def partial_allreduce(self, kind: str, like: Any, op: str = "sum",
+                          accumulate: bool | str = False, quorum: int | None = None,
+                          seed: int | None = None, name: str | None = None,
+                          algorithm: str | None = None,
+                          timeout: float | None = None) -> BlockingPartial:
+        """:meth:`Communicator.partial_allreduce <asynccoll.Communicator.partial_allreduce>`
+        (same arguments), whose calls block: ``h(x)``, ``h.flush()``."""
+        return BlockingPartial(self._comm.partial_allreduce(
+            kind, like, op, accumulate, quorum, seed, name, algorithm, timeout))
+
+    def __enter__(self) -> BlockingCollectives:
+        return self
+
+    def __exit__(self, tp: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._close(None if tp is None else 0)
+
+    def __repr__(self) -> str:
+        return f"<blocking {self._comm!r}>"
 
     def allreduce(self, x: Any, op: str = "sum", algorithm: str | None = None,
                   timeout: float | None = None, *, out: Any = None) -> Any:
@@ -74,16 +168,16 @@ class BlockingCollectives:
                                                     delta=delta, bucket=bucket, seed=seed))
 
     def solo_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        return self._do(self._comm.solo_allreduce(x, timeout))
+        return self._comm._shortcut_blocking("solo", x, timeout)
 
     def majority_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        return self._do(self._comm.majority_allreduce(x, timeout))
+        return self._comm._shortcut_blocking("majority", x, timeout)
 
     def two_choice_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        return self._do(self._comm.two_choice_allreduce(x, timeout))
+        return self._comm._shortcut_blocking("two_choice", x, timeout)
 
     def quorum_allreduce(self, x: Any, k: int, timeout: float | None = None) -> PartialResult:
-        return self._do(self._comm.quorum_allreduce(x, k, timeout))
+        return self._comm._shortcut_blocking("quorum", x, timeout, k)
 
     def close(self, timeout: float | None = None) -> None:
         """:meth:`Communicator.close` (collective; ``timeout`` as there) for code without an

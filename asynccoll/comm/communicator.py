@@ -7,6 +7,8 @@ environment describes (or the one given by arguments) and returns a :class:`Comm
 **Results are new arrays.** ``await comm.allreduce(x)`` returns a new array and leaves ``x``
 alone, as the functional collectives of torch.distributed and mpi4py's lowercase methods do; a
 partial collective returns a :class:`~asynccoll.PartialResult` whose ``value`` is new too.
+Torch tensors go wherever arrays go and come back as tensors (:mod:`.tensors`: CPU tensors
+without copies, CUDA tensors through DLPack, non-contiguous ones refused).
 
 **Ordering.** Synchronous collectives must be called in the same order on every rank (the MPI
 rule): schedules are identified by the order in which each distinct ``(collective, count,
@@ -59,6 +61,7 @@ from .partial import PartialAllreduce, stable_id
 from .progress import ProgressEngine
 from .sparse import SparseAllreduceHandle, SparseOps, as_host, to_device
 from .stall import DEFAULT_STALL_WARN
+from .tensors import TensorKind, TensorPartialAllreduce, from_tensor, wrap_result
 
 __all__ = ["Communicator"]
 
@@ -179,8 +182,20 @@ class Communicator:
 
     async def __aexit__(self, tp: type[BaseException] | None, *exc: object) -> None:
         # Leaving on an exception is an abort: do not keep the peers waiting for our goodbye;
-        # they learn of it as a lost peer at once.
+        # they learn of it as a lost peer at once. The flight record (the last collectives)
+        # goes to the trace, or to the log, first.
+        if tp is not None and not self._closed:
+            self._record_flight(f"exit after {tp.__name__}: {exc[0]!r}")
         await self.close(timeout=None if tp is None else 0)
+
+    def _record_flight(self, reason: str) -> None:
+        try:
+            text, written = self._engine.call(lambda: self.live.record_flight(reason))
+        except Exception as err:  # a failing record must not hide the exception leaving
+            log.debug("rank %d: no flight record: %r", self.rank, err)
+            return
+        if not written and text:
+            log.warning("rank %d: %s; the last collectives:\n%s", self.rank, reason, text)
 
     async def close(self, timeout: float | None = None) -> None:
         """Close collectively and in order, as ``MPI_Finalize`` does; idempotent.
@@ -256,17 +271,27 @@ class Communicator:
                         timeout: float | None = None, *, out: Any = None) -> Any:
         """Reduce ``x`` element-wise over all ranks and return the result.
 
-        ``op``: ``sum``, ``prod``, ``min``, ``max``. ``algorithm``: ``recursive_doubling``,
-        ``ring``, ``rabenseifner``, ``shm`` (through shared memory, every rank on one host:
-        :mod:`asynccoll.comm.shm`) or ``None``: ``shm`` from 256 KiB up when every rank is on
-        this host, else chosen by size and P. Every rank ends with bitwise identical results. By default the result is a new array (``x`` is left as
-        it is), which costs an allocation and a copy of ``x``; ``out=`` names a contiguous array
-        of ``x``'s shape and dtype to hold it instead, and ``out=x`` reduces in place with
-        neither (as ``torch.distributed.all_reduce`` and ``MPI_IN_PLACE`` do). Do not touch
-        ``out`` until the call returns. Raises ``ValueError``/``TypeError`` naming ``out``
-        when it does not fit.
+        ``op``: ``sum``, ``prod``, ``min``, ``max``, or ``avg`` (the sum divided by P, for
+        floating-point data only; as torch.distributed's ``ReduceOp.AVG``). ``algorithm``:
+        ``recursive_doubling``, ``ring``, ``rabenseifner``, ``shm`` (through shared memory,
+        every rank on one host: :mod:`asynccoll.comm.shm`) or ``None``: ``shm`` from 256 KiB
+        up when every rank is on this host, else chosen by size and P. Every rank ends with
+        bitwise identical results. By default the result is a new array
+        (``x`` is left as it is), which costs an allocation and a copy of ``x``; ``out=``
+        names a contiguous array of ``x``'s shape and dtype to hold it instead, and ``out=x``
+        reduces in place with neither (as ``torch.distributed.all_reduce`` and
+        ``MPI_IN_PLACE`` do). Do not touch ``out`` until the call returns. Raises
+        ``ValueError``/``TypeError`` naming ``out`` when it does not fit. ``x`` and ``out``
+        may be torch tensors (:mod:`asynccoll.comm.tensors`): the result is then a tensor.
         """
+        given_out = out
+        x_in = x
+        x, kind = from_tensor(x, "x")
+        okind: TensorKind | None = None
+        if out is not None:
+            out, okind = (x, kind) if out is x_in else from_tensor(out, "out")
         _check_x(x)
+        op, average = _avg_op(op, x)
         check_op(op)
         if out is None:
             buf = _flat_copy(x)
@@ -279,10 +304,19 @@ class Communicator:
                 out[...] = x
             buf = out.reshape(-1)
         await self._run(self._dense_allreduce(buf, op, algorithm, timeout))
-        return buf.reshape(x.shape) if out is None else out
+        if average:
+            buf /= self.size
+        if out is None:
+            res = buf.reshape(x.shape)
+            return res if kind is None else kind.wrap(res)
+        if okind is not None:
+            okind.write_back(given_out, out)
+            return given_out
+        return out
 
     async def broadcast(self, x: Any, root: int = 0, timeout: float | None = None) -> Any:
         """Return a new array holding ``root``'s ``x`` (every rank passes the same shape)."""
+        x, kind = from_tensor(x, "x")
         _check_x(x)
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)) \
                 or not 0 <= root < self.size:
@@ -291,10 +325,11 @@ class Communicator:
         key = ("broadcast", out.size, out.dtype.str, int(root))
         await self._run(self._dense_call(key, lambda: dense.broadcast(
             self.rank, self.size, out.size, out.dtype, int(root)), out, timeout))
-        return out.reshape(x.shape)
+        return _as_kind(out.reshape(x.shape), kind)
 
     async def allgather(self, x: Any, timeout: float | None = None) -> Any:
         """Return a new array of shape ``(P, *x.shape)``: row r is rank r's ``x``."""
+        x, kind = from_tensor(x, "x")
         _check_x(x)
         n = int(x.size)
         out = np.empty((self.size, n), x.dtype) if isinstance(x, np.ndarray) \
@@ -304,7 +339,7 @@ class Communicator:
         key = ("allgather", n, flat.dtype.str)
         await self._run(self._dense_call(key, lambda: dense.allgather(
             self.rank, self.size, n, flat.dtype), flat, timeout))
-        return out.reshape((self.size, *x.shape))
+        return _as_kind(out.reshape((self.size, *x.shape)), kind)
 
     async def reduce_scatter(self, x: Any, op: str = "sum",
                              timeout: float | None = None) -> Any:
@@ -312,16 +347,21 @@ class Communicator:
 
         Blocks follow ``numpy.array_split``'s rule (the first ``x.size % P`` blocks have one
         element more), so with P dividing ``x.size`` it is MPI_Reduce_scatter_block. Returns a
-        new 1-D array.
+        new 1-D array. ``op="avg"`` divides the sum by P (floating-point data only).
         """
+        x, kind = from_tensor(x, "x")
         _check_x(x)
+        op, average = _avg_op(op, x)
         check_op(op)
         work = _flat_copy(x)
         key = ("reduce_scatter", work.size, work.dtype.str, op)
         await self._run(self._dense_call(key, lambda: dense.reduce_scatter(
             self.rank, self.size, work.size, work.dtype, op), work, timeout))
         b = block_bounds(work.size, self.size)
-        return work[b[self.rank]:b[self.rank + 1]].copy()
+        res = work[b[self.rank]:b[self.rank + 1]].copy()
+        if average:
+            res /= self.size
+        return _as_kind(res, kind)
 
     async def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32,
                     timeout: float | None = None) -> Any:
@@ -385,6 +425,7 @@ class Communicator:
         communicator's), ``ExecutionError`` when ranks disagree on the vector.
         """
         self._check_open()
+        x, kind = from_tensor(x, "x")
         host, device = as_host(x)
         if isinstance(host, np.ndarray) and not host.flags.c_contiguous:
             raise ValueError(f"x must be C-contiguous (got strides {host.strides})")
@@ -399,7 +440,8 @@ class Communicator:
                                                timeout=t, agree=agree))
         if isinstance(res, np.ndarray) and not isinstance(x, SparseVector):
             res = res.reshape(x.shape)
-        return to_device(res) if device else res
+        res = to_device(res) if device else res
+        return res if isinstance(res, SparseVector) else _as_kind(res, kind)
 
     def sparse_allreduce_handle(self, size: int, dtype: Any = np.float32, *,
                                 name: str | None = None, density: float | None = None,
@@ -461,6 +503,13 @@ class Communicator:
         of those results divided by its own ``count`` (the per-execution average, what
         averaging by contributions needs: dividing summed results by summed counts would weigh
         executions by their size; dense floating-point data and ``op="sum"`` only).
+        ``op="avg"``: **averaging by contributions**: each execution's sum is divided by its
+        own ``count`` (the local contributions summed into it, over all ranks; an empty
+        execution stays zeros), not by P; with ``accumulate`` the value is the sum of those
+        per-execution averages (``"mean"``). Floating-point data only.
+        **Tensors**: ``like`` and every call's ``x`` may be torch tensors (CPU or CUDA, see
+        :mod:`asynccoll.comm.tensors`); a call returns its value as the type of its ``x``,
+        ``flush`` as the type of ``like``.
         ``seed``: the initiator draws' seed (default: from the name). ``name``: identifies
         the handle across ranks (default: the order of creation). ``timeout``: default per
         call.
@@ -478,6 +527,7 @@ class Communicator:
         are answered from now on); costs O(P log P) Python work.
         """
         self._check_open()
+        like, like_kind = from_tensor(like, "like")
         sparse = isinstance(like, SparseVector)
         if not sparse:
             check_array(like, "like")
@@ -485,10 +535,15 @@ class Communicator:
                 raise ValueError("density and delta apply to sparse handles only (like must "
                                  "be a SparseVector)")
         check_kind(kind, self.size, quorum)
-        check_op(op)
         if accumulate not in (False, True, "sum", "mean"):
             raise ValueError(f"accumulate must be False, True, 'sum' or 'mean', got "
                              f"{accumulate!r}")
+        average = op == "avg"
+        if average:
+            _avg_op(op, like)
+            op = "sum"
+            accumulate = "mean" if accumulate else False
+        check_op(op)
         if accumulate == "mean" and (sparse or op != "sum"
                                      or not np.issubdtype(np.dtype(like.dtype), np.floating)):
             raise ValueError("accumulate='mean' needs dense floating-point data and op='sum' "
@@ -505,12 +560,13 @@ class Communicator:
         contribution: Contribution = (
             SparseContribution(op, algorithm, density=density, delta=delta) if sparse
             else DenseContribution(op, algorithm))
-        h = self._engine.call(lambda: PartialAllreduce(
+        h = self._engine.call(lambda: TensorPartialAllreduce(
             self._engine, self.transport, contribution, kind=kind, like=like,
             accumulate="sum" if accumulate is True else accumulate, quorum=quorum, seed=s,
             name=name, timeout=t,
             trace=self._writer, kernels=self.kernels, live=self.live,
-            stall_warn=self.stall_warn))
+            stall_warn=self.stall_warn, average=average and not accumulate,
+            like_kind=like_kind))
         self._handles[name] = h
         return h
 
@@ -526,27 +582,53 @@ class Communicator:
             self._shortcuts[key] = h
         return h
 
+    async def _shortcut_call(self, kind: str, x: Any, timeout: float | None,
+                             quorum: int | None = None) -> PartialResult:
+        a, tkind = from_tensor(x, "x")
+        return wrap_result(await self._shortcut(kind, a, quorum)(a, timeout), tkind)
+
+    def _shortcut_blocking(self, kind: str, x: Any, timeout: float | None,
+                           quorum: int | None = None) -> PartialResult:
+        # the handle's own blocking call: a call that rule 1 answers stays on this thread
+        a, tkind = from_tensor(x, "x")
+        return wrap_result(self._shortcut(kind, a, quorum).blocking(a, timeout), tkind)
+
     async def solo_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
         """``partial_allreduce("solo", like=x)(x)`` with the handle cached per shape/dtype."""
-        return await self._shortcut("solo", x)(x, timeout)
+        return await self._shortcut_call("solo", x, timeout)
 
     async def majority_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
         """``partial_allreduce("majority", like=x)(x)``, cached per shape/dtype."""
-        return await self._shortcut("majority", x)(x, timeout)
+        return await self._shortcut_call("majority", x, timeout)
 
     async def two_choice_allreduce(self, x: Any,
                                    timeout: float | None = None) -> PartialResult:
         """``partial_allreduce("two_choice", like=x)(x)``, cached per shape/dtype."""
-        return await self._shortcut("two_choice", x)(x, timeout)
+        return await self._shortcut_call("two_choice", x, timeout)
 
     async def quorum_allreduce(self, x: Any, k: int,
                                timeout: float | None = None) -> PartialResult:
         """``partial_allreduce("quorum", like=x, quorum=k)(x)``, cached per shape/dtype/k."""
-        return await self._shortcut("quorum", x, k)(x, timeout)
+        return await self._shortcut_call("quorum", x, timeout, k)
 
 
 def _check_x(x: Any) -> None:
     check_array(x, "x")
+
+
+def _avg_op(op: Any, x: Any) -> tuple[Any, bool]:
+    """``("sum", True)`` for ``op="avg"`` on floating-point ``x`` (``ValueError`` naming
+    ``op`` for other data), else ``(op, False)``."""
+    if op != "avg":
+        return op, False
+    dt = x.values.dtype if isinstance(x, SparseVector) else x.dtype
+    if np.dtype(dt).kind not in "fc":
+        raise ValueError(f"op='avg' needs floating-point data, got dtype {dt}")
+    return "sum", True
+
+
+def _as_kind(a: Any, kind: TensorKind | None) -> Any:
+    return a if kind is None else kind.wrap(a)
 
 
 def _flat_copy(x: Any) -> Any:

@@ -181,8 +181,9 @@ class PartialAllreduce:
         return await self._engine.run(self._flush(timeout))
 
     def blocking(self, x: Any, timeout: float | None = None) -> PartialResult:
-        """``h(x)`` for code without an event loop (needs a progress thread)."""
-        if not self._engine.on_loop():
+        """``h(x)`` for code without an event loop (needs a progress thread; a call that
+        rule 1 answers stays on the caller's thread)."""
+        if self._engine.mode == "thread" and not self._engine.on_loop():
             res = self._answer_now(x, None)
             if res is not None:
                 return res

@@ -24,10 +24,13 @@ from ..comm.communicator import Communicator
 from ..results import PartialResult
 from .eager import EagerSGD
 
-__all__ = ["BackupSGD"]
+__all__ = ["BackupSGD", "drop_late"]
 
 
-def _drop_late(acc: Any, x: Any, n: int, late: bool) -> int:
+def drop_late(acc: Any, x: Any, n: int, late: bool) -> int:
+    """The ``combine`` hook of backup workers: a gradient late for its round is dropped, and
+    a timely one replaces whatever the send buffer held (also used by
+    :class:`asynccoll.torch.DistributedOptimizer`'s ``mode="backup"``)."""
     if late:
         return n  # late for its round: dropped
     acc[...] = x  # only this step's gradient; anything older is dropped too
@@ -54,7 +57,7 @@ class BackupSGD(EagerSGD):
         self.backups = backups
 
     def _combine(self) -> Any:
-        return _drop_late
+        return drop_late
 
     def _divisor(self, res: PartialResult) -> int:
         if self.average == "contributions":

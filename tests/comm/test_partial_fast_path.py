@@ -93,3 +93,36 @@ async def test_contributions_are_conserved_while_calls_race_the_runtime() -> Non
     for r in range(P):
         assert np.array_equal(got[r], np.full(N, want, np.float64)), r
     assert sum(at_once) > 0  # the fast path was taken
+
+
+@pytest.mark.timeout(30)
+def test_blocking_calls_answered_at_once_do_not_cross_either() -> None:
+    async def body() -> tuple[Any, Any]:
+        async with local_world(2, "tcp", timeout=10) as comms:
+            h1 = comms[1]._shortcut("solo", np.zeros(N, np.float32))
+            await comms[0].solo_allreduce(np.ones(N, np.float32))  # rank 0 alone: execution 0
+            for _ in range(200):
+                if h1.completed >= 0:
+                    break
+                await asyncio.sleep(0.01)
+            loop = asyncio.get_running_loop()
+            crossed: list[bool] = []
+            real = h1._engine.run_blocking
+
+            def counting(coro: Any) -> Any:
+                crossed.append(True)
+                return real(coro)
+
+            h1._engine.run_blocking = counting  # type: ignore[method-assign]
+            try:
+                # from a thread without a loop, as synchronous training code calls it
+                res = await loop.run_in_executor(
+                    None, comms[1].blocking.solo_allreduce, np.full(N, 2, np.float32))
+            finally:
+                del h1._engine.run_blocking
+            return res, crossed
+
+    res, crossed = asyncio.run(body())
+    assert not crossed
+    assert not res.included
+    assert np.array_equal(res.value, np.ones(N, np.float32))

@@ -80,3 +80,25 @@ async def test_a_lost_rank_leaves_a_flight_record(tmp_path: Path) -> None:
         assert rec["reason"].startswith("rank 2 lost")
         assert any(e["name"] == "allreduce" and e["state"] == "completed"
                    for e in rec["entries"])
+
+
+@pytest.mark.timeout(30)
+async def test_leaving_on_an_error_leaves_a_flight_record(tmp_path: Path) -> None:
+    x = np.ones(4)
+
+    async def rank(c: object, r: int) -> None:
+        async with c:  # type: ignore[attr-defined]
+            await c.allreduce(x)  # type: ignore[attr-defined]
+            if r == 0:
+                raise KeyError("the application failed")
+            await asyncio.sleep(0.5)
+
+    async with local_world(2, trace=str(tmp_path)) as comms:
+        got = await asyncio.gather(*(rank(c, r) for r, c in enumerate(comms)),
+                                   return_exceptions=True)
+    assert isinstance(got[0], KeyError)
+    rt = load_dir(tmp_path)[0]
+    assert rt.flights, "no flight record when leaving on an error"
+    rec = rt.flights[-1]
+    assert rec["reason"].startswith("exit after KeyError")
+    assert any(e["name"] == "allreduce" and e["state"] == "completed" for e in rec["entries"])

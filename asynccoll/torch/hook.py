@@ -1,0 +1,240 @@
+"""A DDP communication hook running a partial allreduce per bucket (eager-SGD §5 for DDP).
+
+``state, hook = partial_hook(comm, kind="majority")`` then ``ddp.register_comm_hook(state,
+hook)``. Each DDP bucket gets one persistent partial handle (``op="avg"``), made at the
+bucket's first partial step and named by the hook's ``name``, the bucket's index and size, so
+equal on every rank. The hook starts the bucket's call on the progress thread and returns a
+``torch.futures.Future`` at once, so buckets overlap with the rest of the backward pass.
+
+* **Averaging by contributions**: the future resolves to the bucket's gradients summed over the
+  local gradients the execution holds and divided by their number (``count``), not by P: a
+  round that only three of four ranks made is the mean of those three.
+* **Stale gradients** (eager-SGD §5): a rank whose gradient arrives after its round started
+  gets that round's result at once and its gradient stays in the handle's send buffer for the
+  next round: never dropped, never counted twice.
+* ``average="world"`` divides every round's sum by P instead (eager-SGD's choice): every
+  gradient then enters the model exactly once with weight 1/P, as under synchronous SGD,
+  however the rounds split the steps. Under solo, where ranks out of phase start several
+  small rounds per step, averaging by contributions sums several full-size averages into one
+  step (a larger effective rate); ``"world"`` keeps the step size of synchronous SGD.
+* **accumulate** (default True): a rank that missed rounds gets the sum of their per-round
+  averages (every rank applies the same total, so plain-SGD replicas stay equal after
+  :meth:`PartialHookState.finish`); False: only the latest round's average (the paper).
+* ``kind="sync"``: a plain averaging allreduce per bucket, DDP's default hook over asynccoll.
+* **The first step is synchronous** whatever the kind: DDP rebuilds its buckets after its first
+  iteration, and handles are only made for the buckets it keeps.
+
+``state.buckets`` holds, per bucket index, what its latest step did (:class:`BucketStep`:
+round, included, contributors, count, staleness); ``state.finish()`` (collective, on every
+rank after the last backward) flushes every bucket and writes what was still in flight into
+the parameters' ``.grad`` (then ``optimizer.step()`` applies it: pass the optimizer).
+DDP's ``broadcast_buffers`` re-synchronises buffers through its own process group at every
+forward: pass ``broadcast_buffers=False`` for models with buffers, or stragglers make everyone
+wait there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..collectives.partial import check_kind
+from ..comm.blocking import BlockingCollectives
+from ..results import PartialResult
+from ._comm import blocking, pieces
+
+__all__ = ["BucketStep", "PartialHookState", "partial_hook"]
+
+KINDS = ("solo", "majority", "two_choice", "quorum", "sync")
+
+
+@dataclass(frozen=True)
+class BucketStep:
+    """What one bucket's latest step did (the fields of :class:`~asynccoll.PartialResult`,
+    plus ``step``: this rank's step count for the bucket, and ``staleness``: how many
+    consecutive steps of this rank, this one included, were not in the result they got)."""
+
+    step: int
+    round: int
+    included: bool
+    contributors: frozenset[int]
+    count: int
+    staleness: int
+    missed: int = 0
+
+
+class PartialHookState:
+    """The state of :func:`partial_hook` (the ``state`` DDP passes to the hook).
+
+    ``buckets``: bucket index -> :class:`BucketStep` of its latest step (updated on the
+    progress thread as each future resolves). ``steps``: backward passes seen (counted at
+    bucket 0, which DDP always reduces first). ``calls``: buckets handed to the hook so far
+    (this rank's contributions: over all ranks, the ``count`` of every result plus what
+    :meth:`finish` drains adds up to P times this).
+    """
+
+    def __init__(self, comm: BlockingCollectives, kind: str, quorum: int | None,
+                 accumulate: bool, name: str, seed: int | None = None,
+                 average: str = "contributions") -> None:
+        self.comm = comm
+        self.kind = kind
+        self.quorum = quorum
+        self.accumulate = accumulate
+        self.name = name
+        self.seed = seed
+        self.average = average
+        self.buckets: dict[int, BucketStep] = {}
+        self.steps = 0
+        #: buckets handed to the hook so far (this rank's contributions, for accounting)
+        self.calls = 0
+        self._handles: dict[tuple[int, int, str], Any] = {}
+        self._params: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (f"PartialHookState(kind={self.kind!r}, name={self.name!r}, steps={self.steps}, "
+                f"buckets={len(self._params)})")
+
+    def _handle(self, index: int, buf: torch.Tensor) -> Any:
+        key = (index, buf.numel(), str(buf.dtype))
+        h = self._handles.get(key)
+        if h is None:
+            h = self.comm.comm.partial_allreduce(
+                self.kind, like=buf, op="avg" if self.average == "contributions" else "sum",
+                accumulate=self.accumulate,
+                quorum=self.quorum, seed=self.seed,
+                name=f"{self.name}/bucket{index}/{buf.numel()}/{buf.dtype}")
+            self._handles[key] = h
+        return h
+
+    def reduce(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """The hook's work for one bucket (see the module doc)."""
+        index = bucket.index()
+        buf = bucket.buffer()
+        self._params[index] = list(bucket.parameters())
+        if index == 0:  # DDP reduces its buckets in index order: 0 opens a backward pass
+            self.steps += 1
+        step = self.steps - 1
+        self.calls += 1
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        P = self.comm.size
+        if self.kind == "sync" or step == 0:
+            cf: concurrent.futures.Future[Any] = self.comm.submit(
+                self.comm.comm.allreduce(buf, op="avg"))
+            everyone = frozenset(range(P))
+            self._record(index, BucketStep(step, step, True, everyone, P, 0))
+
+            def done_sync(f: concurrent.futures.Future[Any]) -> None:
+                _complete(fut, f, lambda v: v)
+
+            cf.add_done_callback(done_sync)
+            return fut
+        cf = self.comm.submit(self._handle(index, buf)(buf))
+
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            _complete(fut, f, lambda r: self._result(index, step, r))
+
+        cf.add_done_callback(done)
+        return fut
+
+    def _result(self, index: int, step: int, res: PartialResult) -> torch.Tensor:
+        prev = self.buckets.get(index)
+        stale = 0 if res.included else (prev.staleness + 1 if prev is not None else 1)
+        self._record(index, BucketStep(step, res.round, res.included, res.contributors,
+                                       res.count, stale, res.missed))
+        value: torch.Tensor = res.value
+        return value if self.average == "contributions" else value.div_(self.comm.size)
+
+    def _record(self, index: int, info: BucketStep) -> None:
+        with self._lock:
+            self.buckets[index] = info
+
+    def finish(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Collective: flush every bucket's handle; write what was still in flight into the
+        parameters' ``.grad`` (zeros where nothing was) and, with ``optimizer``, apply it with
+        one ``optimizer.step()``. Call it on every rank after the last backward pass.
+        Afterwards no gradient is in flight anywhere; under plain SGD with ``accumulate=True``
+        every replica is then equal. Returns how many local gradients the flush held, over all
+        ranks (0: nothing was in flight; ``optimizer.step()`` is then not called)."""
+        held = 0
+        flushed: dict[int, torch.Tensor] = {}
+        # All at once: a rank still in its last backward may wait on a bucket whose
+        # execution only another rank's flush of that bucket can force.
+        keys = sorted(self._handles)
+        futs = [self.comm.submit(self._handles[k].flush()) for k in keys]
+        for key, fut in zip(keys, futs, strict=True):
+            res = fut.result()
+            held += res.count
+            if self.average == "world":
+                res.value.div_(self.comm.size)
+            if key[0] in flushed:
+                flushed[key[0]] = flushed[key[0]] + res.value
+            else:
+                flushed[key[0]] = res.value
+        for index, params in self._params.items():
+            flat = flushed.get(index)
+            if flat is None:
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+                continue
+            for p, piece in pieces(flat, params):
+                p.grad = piece.to(p.dtype).clone()
+        if optimizer is not None and held:
+            optimizer.step()
+        return held
+
+
+def _complete(fut: torch.futures.Future[torch.Tensor], f: concurrent.futures.Future[Any],
+              value: Callable[[Any], torch.Tensor]) -> None:
+    target: Any = fut  # torch types set_exception's argument as the result type
+    exc = f.exception()
+    if exc is not None:
+        target.set_exception(exc)
+        return
+    try:
+        fut.set_result(value(f.result()))
+    except Exception as e:  # a bad result must fail DDP's wait, not the progress thread
+        target.set_exception(e)
+
+
+def partial_hook(comm: Any, kind: str = "majority", quorum: int | None = None,
+                 accumulate: bool = True, *, average: str = "contributions",
+                 name: str = "ddp", seed: int | None = None,
+                 ) -> tuple[PartialHookState, Callable[[PartialHookState, Any],
+                                                       torch.futures.Future[torch.Tensor]]]:
+    """``(state, hook)`` for ``ddp.register_comm_hook(state, hook)`` (module doc).
+
+    ``comm``: a :class:`~asynccoll.Communicator` with a progress thread, or
+    :func:`asynccoll.init`'s communicator. ``kind``: ``solo``, ``majority``, ``two_choice``,
+    ``quorum`` (with ``quorum`` = k ranks) or ``sync``. ``accumulate``, ``average``
+    (``"contributions"`` or ``"world"``): module doc. ``name``:
+    distinct per hook of one communicator, equal on every rank. ``seed``: the initiator draws
+    of every bucket (default: one per bucket, from its name). Raises ``ValueError`` naming
+    ``kind`` or ``quorum``. Costs per bucket and step: one partial allreduce of the bucket
+    (the first step: one allreduce), started without blocking the backward pass.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if average not in ("contributions", "world"):
+        raise ValueError(f"average must be 'contributions' or 'world', got {average!r}")
+    c = blocking(comm)
+    if kind != "sync":
+        check_kind(kind, c.size, quorum)
+    state = PartialHookState(c, kind, quorum, bool(accumulate), name, seed, average)
+
+    def hook(st: PartialHookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        return st.reduce(bucket)
+
+    # DDP compares the annotations with the classes themselves (not the strings that
+    # ``from __future__ import annotations`` leaves).
+    import torch.distributed as dist
+
+    grad_bucket = dist.GradBucket  # type: ignore[attr-defined]
+    hook.__annotations__ = {"st": PartialHookState, "bucket": grad_bucket,
+                            "return": torch.futures.Future[torch.Tensor]}
+    return state, hook

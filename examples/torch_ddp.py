@@ -1,0 +1,155 @@
+"""A small convolutional network on scikit-learn's digits under DDP with ``partial_hook``.
+
+    pip install 'asynccoll[torch]'          # torch (CPU) and scikit-learn; no download
+    asynccoll run -n 4 examples/torch_ddp.py --kind majority
+    torchrun --nproc_per_node 4 examples/torch_ddp.py --kind majority
+
+A plain synchronous PyTorch loop: ``DistributedDataParallel`` over a Gloo process group (for
+DDP's own setup) with asynccoll's communication hook, ``loss.backward(); opt.step()``.
+``--kind gloo`` keeps DDP's default hook (the baseline a PyTorch user has today); ``sync``,
+``solo``, ``majority``, ``two_choice`` and ``quorum`` run asynccoll's hook. Stragglers are
+injected as in eager-SGD §7.2.3: the accelerator's time is simulated by a sleep up to ``c``
+(``--step-ms``; this machine has 2 CPU cores and no GPU) and on every step one rank, drawn
+from a generator seeded alike on all ranks, sleeps ``D = --delay * c`` more. Rank 0 prints test
+accuracy against wall time, and with ``--json FILE`` writes the curve there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import asynccoll
+from asynccoll.torch import broadcast_parameters, init_process_group, partial_hook
+
+Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def digits(seed: int) -> Data:
+    """The 8x8 digits as ``(1, 8, 8)`` images: train and test tensors (no download)."""
+    X, y = load_digits(return_X_y=True)
+    Xtr, Xte, ytr, yte = train_test_split(X / 16.0, y, test_size=0.25, random_state=seed,
+                                          stratify=y)
+    def img(a: np.ndarray) -> torch.Tensor:
+        return torch.tensor(a, dtype=torch.float32).reshape(-1, 1, 8, 8)
+
+    return img(Xtr), torch.tensor(ytr), img(Xte), torch.tensor(yte)
+
+
+def convnet(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 2 * 2, 10))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options both examples share."""
+    p.add_argument("--steps", type=int, default=150, help="steps per rank")
+    p.add_argument("--batch", type=int, default=32, help="batch per rank")
+    p.add_argument("--step-ms", type=float, default=40.0, help="simulated accelerator time c")
+    p.add_argument("--delay", type=float, default=1.0,
+                   help="one straggler per step is delayed by DELAY * c (0: none)")
+    p.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="rank 0 writes its curve and summary here")
+
+
+def train(rank: int, P: int, model: torch.nn.Module, step: Callable[[torch.Tensor], Any],
+          args: argparse.Namespace, data: Data, label: str) -> dict[str, Any]:
+    """The synchronous loop both examples run: ``step(loss)`` does backward and the update.
+
+    Returns rank 0's curve: ``(seconds, step, test accuracy)`` every ``--eval-every`` steps.
+    """
+    Xtr, ytr, Xte, yte = data
+    c, D = args.step_ms / 1000, args.delay * args.step_ms / 1000
+    shard = torch.arange(rank, len(Xtr), P)
+    gen = torch.Generator().manual_seed(args.seed + 1 + rank)
+    stragglers = np.random.default_rng(args.seed).integers(P, size=args.steps)
+
+    def accuracy() -> float:
+        with torch.no_grad():
+            return float((model(Xte).argmax(1) == yte).float().mean())
+
+    curve: list[tuple[float, int, float]] = []
+    t0 = time.perf_counter()
+    for s in range(args.steps):
+        t = time.perf_counter()
+        idx = shard[torch.randint(len(shard), (args.batch,), generator=gen)]
+        loss = torch.nn.functional.cross_entropy(model(Xtr[idx]), ytr[idx])
+        pause = c - (time.perf_counter() - t) + (D if stragglers[s] == rank else 0.0)
+        time.sleep(max(pause, 0.0))
+        step(loss)
+        if rank == 0 and (s + 1) % args.eval_every == 0:
+            curve.append((time.perf_counter() - t0, s + 1, accuracy()))
+            if (s + 1) % (5 * args.eval_every) == 0 or s + 1 == args.steps:
+                print(f"{label:>12} t={curve[-1][0]:6.2f}s step {s + 1:4d} "
+                      f"test accuracy {curve[-1][2]:.3f}", flush=True)
+    return {"label": label, "wall": time.perf_counter() - t0, "curve": curve,
+            "steps": args.steps, "accuracy": accuracy()}
+
+
+def report(rank: int, args: argparse.Namespace, out: dict[str, Any]) -> None:
+    if rank != 0:
+        return
+    print(f"{out['label']:>12}: {out['steps']} steps in {out['wall']:.2f} s "
+          f"({out['wall'] / out['steps'] * 1000:.1f} ms/step), final test accuracy "
+          f"{out['accuracy']:.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**out, "args": vars(args)}, f)
+
+
+def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    with asynccoll.init() as comm:  # asynccoll run, torchrun or SLURM: from the environment
+        init_process_group(comm)  # Gloo, for DDP's own setup
+        try:
+            data = digits(args.seed)
+            net = convnet(args.seed + comm.rank)  # seeded differently on purpose:
+            broadcast_parameters(net, root=0, comm=comm)  # replicas start equal
+            ddp = DDP(net)
+            state = None
+            if args.kind != "gloo":
+                state, hook = partial_hook(comm, args.kind, quorum=args.quorum,
+                                           average=args.average)
+                ddp.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+
+            def step(loss: torch.Tensor) -> None:
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+            label = f"ddp-{args.kind}"
+            out = train(comm.rank, comm.size, ddp, step, args, data, label)
+            if state is not None:
+                state.finish(opt)  # collective: what is still in flight, applied everywhere
+                out["accuracy"] = float((ddp(data[2]).argmax(1) == data[3]).float().mean())
+                out["stale_buckets"] = sum(b.staleness > 0 for b in state.buckets.values())
+            report(comm.rank, args, out)
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kind", default="majority",
+                   choices=("gloo", "sync", "solo", "majority", "two_choice", "quorum"))
+    p.add_argument("--quorum", type=int, default=None, help="k for --kind quorum")
+    p.add_argument("--average", default="contributions", choices=("contributions", "world"),
+                   help="partial_hook's averaging of each round")
+    p.add_argument("--lr", type=float, default=0.1)
+    add_arguments(p)
+    main(p.parse_args())
