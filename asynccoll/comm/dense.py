@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,9 @@ from .shm import (
 )
 from .stall import wait_or_warn
 
-__all__ = ["DenseOps"]
+__all__ = ["DenseOps", "ShmUnavailable"]
+
+log = logging.getLogger("asynccoll.comm")
 
 #: the cache key of the collective that checks the others' definitions
 _AGREE_KEY: tuple[Any, ...] = ("agree",)
@@ -45,6 +48,11 @@ _AGREE_KEY: tuple[Any, ...] = ("agree",)
 #: below this many bytes a cached collective copies through its own buffer instead of
 #: rebinding the executor to the caller's array (rebinding costs O(ops) Python work).
 _SMALL = 64 << 10
+
+
+class ShmUnavailable(ExecutionError):
+    """Shared-memory segments could not be created or mapped on some rank (every rank raises
+    it together); the message says why on the rank where it happened."""
 
 
 class _Arena:
@@ -188,18 +196,33 @@ class DenseOps:
                                   and isinstance(buf, np.ndarray)
                                   and buf.nbytes >= SHM_MIN_BYTES
                                   and (await self._hosts(timeout))[0]):
-            await self._shm_allreduce(buf, op, timeout)
-            return
+            if await self._shm_or_not(buf, op, algorithm, timeout, hier=False):
+                return
         if algorithm == "hier" or (algorithm is None and self._auto_shm and self.size > 1
                                    and isinstance(buf, np.ndarray)
                                    and buf.nbytes >= SHM_MIN_BYTES
                                    and await self._hosts(timeout)
                                    and max(len(g) for g in self._groups) > 1):
-            await self._shm_allreduce(buf, op, timeout, hier=True)
-            return
+            if await self._shm_or_not(buf, op, algorithm, timeout, hier=True):
+                return
         key = ("allreduce", buf.size, buf.dtype.str, op, algorithm)
         await self.call(key, lambda: dense.allreduce(self.rank, self.size, buf.size, buf.dtype,
                                                       op, algorithm), buf, timeout)
+
+    async def _shm_or_not(self, buf: Any, op: str, algorithm: str | None,
+                          timeout: float | None, hier: bool) -> bool:
+        """Run the shared-memory allreduce; when it was the default's choice and the segments
+        cannot be had (every rank learns it together), log it once, stop choosing it and
+        return False so that the caller takes the network path. Asked for by name, raise."""
+        try:
+            await self._shm_allreduce(buf, op, timeout, hier)
+            return True
+        except ShmUnavailable as exc:
+            if algorithm is not None:
+                raise
+            self._auto_shm = False
+            log.warning("%s; the allreduce goes over the network from now on", exc)
+            return False
 
     async def _hosts(self, timeout: float | None) -> tuple[bool, int]:
         """(whether every rank is on this host, the job's segment token): one allgather of
@@ -282,17 +305,23 @@ class DenseOps:
         in their order: this rank's created here, the others mapped, then every one unlinked
         by its owner (collective over all ranks). Every rank fails if one cannot map them."""
         members = list(range(self.size)) if local is None else local
-        own = [Segment.create(segment_path(token, sid, self.rank), nbytes) for sid in sids]
+        own: list[Segment] = []
         mapped: list[list[Segment]] = [[] for _ in sids]
         err: BaseException | None = None
+        try:
+            for sid in sids:
+                own.append(Segment.create(segment_path(token, sid, self.rank), nbytes))
+        except OSError as exc:  # told to the others below, so that every rank gives up
+            err = exc
         try:
             await self.call(("barrier",), lambda: dense.barrier(self.rank, self.size), None,
                             timeout)
             try:
-                for i, sid in enumerate(sids):
-                    mapped[i] = [own[i] if q == self.rank else
-                                 Segment.attach(segment_path(token, sid, q), nbytes)
-                                 for q in members]
+                if err is None:
+                    for i, sid in enumerate(sids):
+                        mapped[i] = [own[i] if q == self.rank else
+                                     Segment.attach(segment_path(token, sid, q), nbytes)
+                                     for q in members]
             except (OSError, ValueError) as exc:
                 err = exc
             flag = np.array([1 if err else 0], np.int64)
@@ -308,9 +337,10 @@ class DenseOps:
             for seg in own:
                 seg.close()
             if err is not None:
-                raise err
-            raise ExecutionError(f"rank {self.rank}: another rank could not map this host's "
-                                 "shared-memory segments (see its error)")
+                raise ShmUnavailable(f"rank {self.rank}: shared memory unavailable: {err}") \
+                    from err
+            raise ShmUnavailable(f"rank {self.rank}: another rank could not create or map "
+                                 "this host's shared-memory segments (see its error)")
         return mapped
 
     async def _arena_allreduce(self, arena: _Arena, buf: Any, op: str,

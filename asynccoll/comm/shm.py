@@ -119,6 +119,16 @@ class Segment:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, nbytes)
+            # Reserve the pages now: a tmpfs too small for them (a container's default
+            # /dev/shm is 64 MB) then fails here, with ENOSPC, instead of killing the process
+            # with SIGBUS at the first write.
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                free = _free_bytes(os.path.dirname(path))
+                raise OSError(exc.errno, f"not enough shared memory for a {nbytes}-byte "
+                              f"segment in {os.path.dirname(path)} ({free} bytes free): give "
+                              "the container more (--shm-size) or set ASYNCCOLL_SHM=0") from exc
             mm = mmap.mmap(fd, nbytes)
         except BaseException:
             os.close(fd)
@@ -167,6 +177,14 @@ class Segment:
                 mm.close()
             except BufferError:  # arrays still export it: it is unmapped when they go
                 pass
+
+
+def _free_bytes(directory: str) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
 
 
 def build_shm_inplace(rank: int, world_size: int, count: int, dtype: Any,

@@ -219,3 +219,32 @@ def test_hierarchical_schedule_keeps_non_leaders_on_their_host() -> None:
             assert peers == set(mine) - {r}
     with pytest.raises(ValueError, match="partition"):
         build_hier_allreduce(0, 3, 10, np.float32, "sum", [[0], [1]])
+
+
+@pytest.mark.timeout(60)
+async def test_a_full_dev_shm_falls_back_to_the_network(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # A container's small /dev/shm: reserving the pages fails (ENOSPC) instead of a SIGBUS
+    # later; the default allreduce then goes over the network, on every rank together.
+    import errno
+    import logging
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = _ours()
+    n = SHM_MIN_BYTES // 4 + 1
+    async with local_world(2, "tcp", timeout=30) as comms:
+        with pytest.raises(asynccoll.ExecutionError, match=r"shm-size|could not create"):
+            await asyncio.gather(*(c.allreduce(np.ones(n, np.float32), algorithm="shm")
+                                   for c in comms))
+        with caplog.at_level(logging.WARNING, logger="asynccoll.comm"):
+            for _ in range(2):
+                got = await asyncio.gather(*(c.allreduce(np.full(n, r + 1.0, np.float32))
+                                             for r, c in enumerate(comms)))
+                assert all(np.array_equal(g, np.full(n, 3.0, np.float32)) for g in got)
+        warned = [r for r in caplog.records if "shared memory unavailable" in r.getMessage()]
+        assert warned
+        assert "--shm-size" in warned[0].getMessage()
+    assert _ours() - before == set()
