@@ -29,6 +29,12 @@ class PartialResult:
       (the initiator and the ranks that arrived before it: eager-SGD's *active processes*).
     * ``flushed``: a flush forced (one of) the execution(s), bypassing the initiator set and
       the quorum.
+    * ``arrivals``: for each rank whose call was waiting in the execution (``fresh``), when it
+      arrived, in seconds after the first of them (the ranks' clocks: exact on one host,
+      offset by the clocks' difference across hosts); empty for a flush.
+    * ``lateness``: this rank's entry in ``arrivals`` (None: its call was not in it).
+    * ``latest_arrival``: the largest entry of ``arrivals`` (how long the last of the waiting
+      calls came after the first; None when empty).
     """
 
     value: Any
@@ -39,14 +45,22 @@ class PartialResult:
     missed: int = 0
     fresh: frozenset[int] = field(default_factory=frozenset)
     flushed: bool = False
+    arrivals: dict[int, float] = field(default_factory=dict)
+    lateness: float | None = None
+    latest_arrival: float | None = None
 
     @classmethod
     def from_meta(cls, value: Any, round: int, included: bool, meta: np.ndarray,
-                  world_size: int, missed: int) -> PartialResult:
+                  world_size: int, missed: int, rank: int | None = None,
+                  arrivals: dict[int, float] | None = None) -> PartialResult:
         """Build from the allreduced ``meta`` vector: P counts, P fresh flags, the signature,
-        the number of ranks that forced the execution."""
+        the number of ranks that forced the execution; ``arrivals`` as the field (decoded by
+        the runtime), ``rank`` this rank."""
         counts = meta[:world_size]
+        arr = arrivals or {}
         return cls(value, round, included,
                    frozenset(np.flatnonzero(counts).tolist()), int(counts.sum()), missed,
                    frozenset(np.flatnonzero(meta[world_size:2 * world_size]).tolist()),
-                   bool(meta[2 * world_size + 1]))
+                   bool(meta[2 * world_size + 1]), arr,
+                   None if rank is None else arr.get(rank),
+                   max(arr.values()) if arr else None)

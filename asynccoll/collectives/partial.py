@@ -44,7 +44,9 @@ One rank's schedule, executed again and again by a persistent executor::
   (``state[SNAPSHOTS]``: execution ``e`` has been activated on this rank iff it is ``> e``).
   The kernel writes ``meta[rank] = count``, ``meta[P + rank] = fresh``, ``meta[2P]`` =
   :func:`signature` and ``meta[2P + 1] = state[FLUSHING]`` (so every rank learns how many ranks
-  were flushing); ``meta`` (2P + 2 int64) is sum-allreduced with the data (appended to it
+  were flushing) and ``meta[2P + 2 + rank]`` = the arrival stamp of the call waiting in it
+  (``state[ARRIVED]``, set by the runtime; 0 when none was); ``meta`` (3P + 2 int64) is
+  sum-allreduced with the data (appended to it
   when :func:`packs_meta` says the data's dtype holds it exactly, else separately), so every rank
   learns the same contributors and counts, and ranks that disagree on the collective find out.
 * The data allreduce is :func:`~asynccoll.collectives.dense.build_allreduce` (algorithm chosen
@@ -71,6 +73,8 @@ from .dense import build_allreduce, first_partner, next_tag
 from .select import choose_allreduce
 
 __all__ = [
+    "ARRIVAL_MOD",
+    "ARRIVED",
     "COUNT",
     "FLUSHING",
     "FRESH",
@@ -83,8 +87,10 @@ __all__ = [
     "TAG_DATA",
     "TAG_FORCE",
     "append_activation_front",
+    "arrival_stamp",
     "build_partial_allreduce",
     "check_kind",
+    "decode_arrivals",
     "identity",
     "initiators",
     "meta_len",
@@ -97,8 +103,8 @@ __all__ = [
 KINDS: tuple[str, ...] = ("solo", "majority", "two_choice", "quorum")
 
 #: indices of the ``state`` slot (int64).
-COUNT, FRESH, SNAPSHOTS, FLUSHING = 0, 1, 2, 3
-STATE_LEN = 4
+COUNT, FRESH, SNAPSHOTS, FLUSHING, ARRIVED = 0, 1, 2, 3, 4
+STATE_LEN = 5
 
 #: tags: quorum arrivals, forced (self) activation, the activation broadcast (it uses
 #: ``TAGS_USED`` tags from ``TAG_ACTIVATION``); the data allreduce from ``TAG_DATA``.
@@ -187,8 +193,33 @@ def initiators(kind: str, execution: int, world_size: int, seed: int = 0) -> fro
 
 
 def meta_len(world_size: int) -> int:
-    """Length of the meta vector: P counts, P fresh flags, the signature, the flushing count."""
-    return 2 * world_size + 2
+    """Length of the meta vector: P counts, P fresh flags, the signature, the flushing count,
+    P arrival stamps (:func:`arrival_stamp`; 0: no call was waiting)."""
+    return 3 * world_size + 2
+
+
+#: arrival stamps are microseconds modulo this (8.4 s): small integers that float32 data,
+#: which may carry the meta vector, holds exactly; differences are read modulo it
+ARRIVAL_MOD = 1 << 23
+
+
+def arrival_stamp(now: float) -> int:
+    """The stamp of a call that arrives at ``now`` (``time.time()``): 1 .. ARRIVAL_MOD."""
+    return int(now * 1e6) % ARRIVAL_MOD + 1
+
+
+def decode_arrivals(stamps: Any) -> dict[int, float]:
+    """Rank -> seconds after the first arrival, for the non-zero ``stamps`` (P of them, as
+    allreduced): differences are taken modulo :data:`ARRIVAL_MOD`, so calls within about
+    4 s of one another are ordered right."""
+    got = np.flatnonzero(stamps)
+    if not got.size:
+        return {}
+    half = ARRIVAL_MOD // 2
+    rel = (np.asarray(stamps)[got].astype(np.int64) - int(stamps[got[0]]) + half) \
+        % ARRIVAL_MOD - half
+    rel -= rel.min()
+    return {int(r): float(t) / 1e6 for r, t in zip(got.tolist(), rel.tolist(), strict=True)}
 
 
 def packs_meta(dtype: Any, op: str, world_size: int) -> bool:
@@ -256,6 +287,8 @@ def write_meta(meta: Any, state: Any, params: Mapping[str, Any]) -> None:
     meta[p + rank] = state[FRESH]
     meta[2 * p] = params["sig"]
     meta[2 * p + 1] = state[FLUSHING]
+    if state[FRESH]:
+        meta[2 * p + 2 + rank] = state[ARRIVED]
     state[COUNT] = 0
     state[FRESH] = 0
     state[SNAPSHOTS] += 1

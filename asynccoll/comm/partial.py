@@ -37,13 +37,24 @@ import collections
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ..collectives import KERNELS as COLLECTIVE_KERNELS
-from ..collectives.partial import COUNT, FLUSHING, FRESH, SNAPSHOTS, TAG_FORCE, initiators
+from ..collectives.partial import (
+    ARRIVED,
+    COUNT,
+    FLUSHING,
+    FRESH,
+    SNAPSHOTS,
+    TAG_FORCE,
+    arrival_stamp,
+    decode_arrivals,
+    initiators,
+)
 from ..errors import BusyError, CollectiveTimeoutError, ExecutionError, TransportClosedError
 from ..results import PartialResult
 from ..sched import Executor, Kernel, KernelRegistry, LiveOps, TraceWriter
@@ -110,7 +121,8 @@ class PartialAllreduce:
         self._given = -1
         self._round = -1  # the latest completed execution whose result is kept
         self._value: Any = None  # latest result (or the sum since given), not yet handed out
-        self._vmeta = np.zeros(2 * P + 2, np.int64)
+        self._vmeta = np.zeros(len(self._meta), np.int64)
+        self._stamps = slice(2 * P + 2, 3 * P + 2)  # the arrival stamps in the meta vector
         self._wait_round = -1
         self._wait_result: PartialResult | None = None
         self._wait_included = False
@@ -261,6 +273,7 @@ class PartialAllreduce:
             self._busy = True
             if not late:
                 self._state[FRESH] = 1
+                self._state[ARRIVED] = arrival_stamp(time.time())
         fut = ex.current  # execution cur's completion
         try:
             if not late:
@@ -337,6 +350,7 @@ class PartialAllreduce:
         self._value = self._contribution.keep(self._value, bool(self.accumulate), scale)
         if summed:
             self._vmeta += self._meta
+            self._vmeta[self._stamps] = self._meta[self._stamps]  # the latest execution's
         else:
             self._vmeta[...] = self._meta
 
@@ -356,7 +370,8 @@ class PartialAllreduce:
         assert value is not None
         given, self._given = self._given, self._round
         res = PartialResult.from_meta(self._contribution.present(value), self._round, included,
-                                      self._vmeta, self.world_size, missed)
+                                      self._vmeta, self.world_size, missed, self.rank,
+                                      decode_arrivals(self._vmeta[self._stamps]))
         self._takes.append((res, value, self._vmeta.copy(), given))
         return res
 
@@ -382,7 +397,9 @@ class PartialAllreduce:
                     self._vmeta[...] = vmeta
                 else:
                     self._value = self._contribution.merge(self._value, value)
+                    stamps = self._vmeta[self._stamps].copy()
                     self._vmeta += vmeta
+                    self._vmeta[self._stamps] = stamps  # the newer execution's
                 self._given = min(self._given, self._round - 1)  # something to hand out
 
     def _initiators(self, e: int) -> frozenset[int]:

@@ -169,7 +169,8 @@ class DistributedOptimizer:
             if res.count:
                 self._apply(self._averaged(res.value))
             info = StepInfo(res.round, res.included, res.contributors, res.count, self._stale,
-                            self._lr(), res.missed, False, res.fresh)
+                            self._lr(), res.missed, False, res.fresh, res.lateness,
+                            res.latest_arrival)
         self.last = info
         return info
 

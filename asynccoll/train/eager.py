@@ -166,7 +166,7 @@ class EagerSGD:
             await self._sync(finished=False)
             synced = True
         return StepInfo(res.round, res.included, res.contributors, res.count, stale, lr,
-                        res.missed, synced, res.fresh)
+                        res.missed, synced, res.fresh, res.lateness, res.latest_arrival)
 
     def _apply(self, value: Any, divisor: int, lr: float) -> None:
         self.updater.apply(self.params, value.reshape(-1) / divisor, lr)

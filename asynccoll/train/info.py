@@ -23,6 +23,8 @@ class StepInfo:
     * ``lr``: the learning rate actually used (RNA scales it by the contributors).
     * ``missed``: rounds completed since this rank's previous step (folded in or superseded).
     * ``synced``: a model synchronisation (flush and parameter average) ran in this step.
+    * ``lateness``, ``latest_arrival``: as :class:`~asynccoll.PartialResult`'s (seconds after
+      the first waiting call of the round; None for synchronous methods).
     """
 
     round: int
@@ -34,3 +36,5 @@ class StepInfo:
     missed: int = 0
     synced: bool = False
     fresh: frozenset[int] = field(default_factory=frozenset)
+    lateness: float | None = None
+    latest_arrival: float | None = None

@@ -8,12 +8,16 @@ import numpy as np
 import pytest
 
 from asynccoll.collectives.partial import (
+    ARRIVAL_MOD,
+    ARRIVED,
     COUNT,
     FRESH,
     SNAPSHOTS,
     STATE_LEN,
+    arrival_stamp,
     build_partial_allreduce,
     check_kind,
+    decode_arrivals,
     identity,
     initiators,
     meta_len,
@@ -137,15 +141,15 @@ def test_final_reachable_without_internal_start(kind: str, quorum: int | None) -
 def test_snapshot_kernel() -> None:
     acc = np.array([1.0, 2.0, 3.0])
     data = np.zeros(3)
-    meta = np.zeros(8, np.int64)
+    meta = np.zeros(meta_len(3), np.int64)
     state = np.zeros(STATE_LEN, np.int64)
-    state[COUNT], state[FRESH] = 2, 1
+    state[COUNT], state[FRESH], state[ARRIVED] = 2, 1, 77
     KERNELS["partial_snapshot"](None, [acc, data, meta, state],
                                 {"rank": 1, "world_size": 3, "op": "max", "sig": 9, "count": 3,
                                  "packed": False}, [])
     assert data.tolist() == [1.0, 2.0, 3.0]
     assert (acc == -np.inf).all()
-    assert meta.tolist() == [0, 2, 0, 0, 1, 0, 9, 0]
+    assert meta.tolist() == [0, 2, 0, 0, 1, 0, 9, 0, 0, 77, 0]  # ... and rank 1's arrival
     assert state[COUNT] == 0
     assert state[FRESH] == 0
     assert state[SNAPSHOTS] == 1
@@ -179,5 +183,22 @@ def test_packed_snapshot_and_choice() -> None:
     KERNELS["partial_snapshot"](None, [acc, data, meta, state],
                                 {"rank": 0, "world_size": 2, "op": "sum", "sig": 7, "count": 2,
                                  "packed": True}, [])
-    assert data.tolist() == [1.0, 2.0, 3, 0, 0, 0, 7, 0]
+    assert data.tolist() == [1.0, 2.0, 3, 0, 0, 0, 7, 0, 0, 0]  # no call waiting: no arrival
     assert acc.tolist() == [0.0, 0.0]
+
+
+def test_arrivals_are_decoded_relative_to_the_first_and_across_the_wrap() -> None:
+    t = 1_700_000_000.0
+    stamps = np.zeros(4, np.int64)
+    stamps[0] = arrival_stamp(t + 0.020)
+    stamps[2] = arrival_stamp(t)
+    stamps[3] = arrival_stamp(t + 0.0505)
+    got = decode_arrivals(stamps)
+    assert set(got) == {0, 2, 3}
+    assert got[2] == 0.0
+    assert abs(got[0] - 0.020) < 2e-6
+    assert abs(got[3] - 0.0505) < 2e-6
+    # a wrap of the microsecond counter between two arrivals does not reorder them
+    wrap = np.array([ARRIVAL_MOD - 5, 0, 10], np.int64)  # stamps 5 us before and 10 us after
+    assert decode_arrivals(wrap) == {0: 0.0, 2: 15e-6}
+    assert decode_arrivals(np.zeros(3, np.int64)) == {}

@@ -126,3 +126,25 @@ def test_blocking_calls_answered_at_once_do_not_cross_either() -> None:
     assert not crossed
     assert not res.included
     assert np.array_equal(res.value, np.ones(N, np.float32))
+
+
+@pytest.mark.timeout(30)
+async def test_results_say_who_arrived_late_and_by_how_much() -> None:
+    async with local_world(3, "tcp", timeout=10) as comms:
+        hs = [c.partial_allreduce("quorum", like=np.zeros(N), quorum=3) for c in comms]
+
+        async def call(r: int, delay: float) -> Any:
+            await asyncio.sleep(delay)
+            return await hs[r](np.ones(N))
+
+        for _ in range(3):
+            rs = await asyncio.gather(call(0, 0.0), call(1, 0.02), call(2, 0.05))
+            for r, res in enumerate(rs):
+                assert set(res.arrivals) == {0, 1, 2}
+                assert res.arrivals[0] == 0.0
+                assert 0.01 < res.arrivals[1] < 0.045
+                assert 0.04 < res.arrivals[2] < 0.09
+                assert res.lateness == res.arrivals[r]
+                assert res.latest_arrival == res.arrivals[2]
+        flushed = await asyncio.gather(*(h.flush() for h in hs))
+        assert all(f.lateness is None or f.lateness >= 0 for f in flushed)
