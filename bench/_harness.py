@@ -157,3 +157,31 @@ def write_json(path: str, bench: str, params: dict[str, Any], rows: list[dict[st
     with open(path, "w") as f:
         json.dump({"bench": bench, "params": params, "env": env_record(packages),
                    "rows": rows, **(extra or {})}, f, indent=1)
+
+
+def bar_plot(rows: list[dict[str, Any]], prefix: str, labels: list[str], path: str, *,
+             ylabel: str, title: str, target: float | None = None,
+             target_label: str = "") -> None:
+    """A bar per row: its ``{prefix}_median`` with the min-max as error bars (PNG at ``path``);
+    says so and writes nothing without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        return
+    med = [r[f"{prefix}_median"] for r in rows]
+    err = [[m - r[f"{prefix}_min"] for m, r in zip(med, rows, strict=True)],
+           [r[f"{prefix}_max"] - m for m, r in zip(med, rows, strict=True)]]
+    fig, ax = plt.subplots(figsize=(max(5, len(rows) * 1.1), 4))
+    ax.bar(range(len(rows)), med, yerr=err, capsize=3)
+    if target is not None:
+        ax.axhline(target, linestyle="--", color="grey", label=target_label)
+        ax.legend()
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

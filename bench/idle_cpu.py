@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import stats, write_json
+from _harness import bar_plot, stats, write_json
 
 
 async def _idle_asynccoll(transport: str, seconds: float) -> float:
@@ -95,24 +95,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot written", file=sys.stderr)
-        return
-    fig, ax = plt.subplots(figsize=(5, 3))
-    med = [r["cpu_pct_median"] for r in rows]
-    err = [[m - r["cpu_pct_min"] for m, r in zip(med, rows, strict=True)],
-           [r["cpu_pct_max"] - m for m, r in zip(med, rows, strict=True)]]
-    ax.bar([r["impl"] for r in rows], med, yerr=err, capsize=3)
-    ax.axhline(1.0, linestyle="--", color="grey", label="target 1 %")
-    ax.set_ylabel("% of one core, idle (median, min-max)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_plot(rows, "cpu_pct", [r["impl"] for r in rows], path,
+             ylabel="% of one core, idle (median, min-max)", title="an idle communicator",
+             target=1.0, target_label="target 1 %")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from asynccoll import Executor, Schedule
 from asynccoll.testing import inproc_world
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import stats, write_json
+from _harness import bar_plot, stats, write_json
 
 CHAIN_OPS = 1000
 FAN_WIDTH = 998
@@ -206,27 +206,10 @@ async def measure(loop_name: str, quick: bool) -> list[dict[str, Any]]:
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot written", file=sys.stderr)
-        return
-    labels = [f"{r['case']}\n{r['impl']}\n{r['loop']}" for r in rows]
-    med = [r["us_per_op_median"] for r in rows]
-    err = [[m - r["us_per_op_min"] for m, r in zip(med, rows, strict=True)],
-           [r["us_per_op_max"] - m for m, r in zip(med, rows, strict=True)]]
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.1), 4))
-    ax.bar(range(len(rows)), med, yerr=err, capsize=3)
-    ax.axhline(10, linestyle="--", color="grey", label="target 10 µs/op")
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel("µs per op (median, min-max)")
-    ax.set_title("schedule engine overhead per op (inproc)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_plot(rows, "us_per_op", [f"{r['case']}\n{r['impl']}\n{r['loop']}" for r in rows], path,
+             ylabel="µs per op (median, min-max)",
+             title="schedule engine overhead per op (inproc)", target=10,
+             target_label="target 10 µs/op")
 
 
 def main(argv: list[str] | None = None) -> int:

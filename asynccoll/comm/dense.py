@@ -254,16 +254,9 @@ class DenseOps:
         async with sh.lock:
             ex, segs = sh.next()
             ex.bind({"data": buf, **segs})
-            fut = ex.start()
             try:
-                await wait_or_warn(fut, timeout, self._stall_warn,
-                                   lambda: f"rank {self.rank}: allreduce (shared memory)",
-                                   ex.pending_text)
-            except asyncio.TimeoutError:
-                sh.close(self._live)
-                self._shm.pop(key, None)
-                raise ex.timeout_error(timeout) from None
-            except BaseException:
+                await self._execute(ex, timeout, "allreduce (shared memory)")
+            except BaseException:  # mid-way: its segments cannot be trusted any more
                 sh.close(self._live)
                 self._shm.pop(key, None)
                 raise
@@ -359,13 +352,16 @@ class DenseOps:
                                          kernels=self._kernels), self._writer)
             arena.executors[op] = ex
         async with arena.lock:
-            fut = ex.start()
-            try:
-                await wait_or_warn(fut, timeout, self._stall_warn,
-                                   lambda: f"rank {self.rank}: allreduce (shared array)",
-                                   ex.pending_text)
-            except asyncio.TimeoutError:
-                raise ex.timeout_error(timeout) from None
+            await self._execute(ex, timeout, "allreduce (shared array)")
+
+    async def _execute(self, ex: Executor, timeout: float | None, what: str) -> None:
+        """Run one execution of ``ex`` and wait for it, warning while it stalls; a timeout
+        raises the executor's CollectiveTimeoutError (naming what is awaited)."""
+        try:
+            await wait_or_warn(ex.start(), timeout, self._stall_warn,
+                               lambda: f"rank {self.rank}: {what}", ex.pending_text)
+        except asyncio.TimeoutError:
+            raise ex.timeout_error(timeout) from None
 
     async def call(self, key: tuple[Any, ...], build: Callable[[], Schedule], data: Any,
                    timeout: float | None) -> None:
@@ -406,12 +402,7 @@ class DenseOps:
             elif data is not None and not fresh:
                 ex.bind({"data": data, **entry.scratch})  # O(ops): views of the new array
             try:
-                fut = ex.start()
-                try:
-                    await wait_or_warn(fut, timeout, self._stall_warn,
-                                       lambda: f"rank {self.rank}: {key[0]}", ex.pending_text)
-                except asyncio.TimeoutError:
-                    raise ex.timeout_error(timeout) from None
+                await self._execute(ex, timeout, str(key[0]))
                 if own is not None:
                     data[...] = own
             except BaseException as exc:

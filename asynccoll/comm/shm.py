@@ -49,7 +49,7 @@ import mmap
 import os
 import secrets
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -195,42 +195,21 @@ def build_shm_inplace(rank: int, world_size: int, count: int, dtype: Any,
     allocation, read-only). Three wake-up rounds: "written", "reduced", and "copied out" —
     the last because the caller may overwrite its array as soon as the call returns, and a
     peer may still be copying this rank's reduced block out of it until then."""
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
+    _check(op, count)
     P, r = world_size, rank
     wire = np.dtype(dtype).str
     s = Schedule(r, P, name="shm_allreduce_inplace")
-    seg = {q: "mine" if q == r else f"peer{q}" for q in range(P)}
-    for slot in seg.values():
+    for slot in _segment_slots(r, range(P)).values():
         s.declare(slot, SlotSpec(count, wire))
-    b = block_bounds(count, P)
-    others = [q for q in range(P) if q != r]
     start = s.nop(label="start")
-    for q in others:
-        s.send(q, None, _READY, deps=start, label="written")
-    ready = [s.recv(q, None, _READY, label="written") for q in others]
-    mine = BufRef("mine", b[r], b[r + 1] - b[r])
-    reduced = start if not others else s.compute(
-        op, [mine, *(BufRef(seg[q], b[r], b[r + 1] - b[r]) for q in others)], mine,
-        deps=[start, *ready], label=f"reduce block {r}")
-    for q in others:
-        s.send(q, None, _REDUCED, deps=reduced, label="reduced")
-    outs = [reduced]
-    for q in others:
-        got = s.recv(q, None, _REDUCED, label="reduced")
-        lo, n = b[q], b[q + 1] - b[q]
-        outs.append(s.compute("copy", [BufRef(seg[q], lo, n)], BufRef("mine", lo, n),
-                              deps=[got, reduced], label=f"copy out block {q}"))
+    outs = _two_shot(s, range(P), count, op, start, "mine", "written")
+    others = [q for q in range(P) if q != r]
     copied = s.nop(deps=outs, label="copied out")
     for q in others:
         s.send(q, None, _DONE, deps=copied, label="copied out")
     done = [s.recv(q, None, _DONE, label="copied out") for q in others]
     s.final = s.nop(deps=[copied, *done], label="final")
-    s.meta["collectives"] = [{"kind": "allreduce", "count": count, "dtype": wire, "op": op,
-                              "algorithm": "shm-inplace"}]
-    return s.commit()
+    return _commit(s, count, wire, op, "shm-inplace")
 
 
 def build_shm_allreduce(rank: int, world_size: int, count: int, dtype: Any,
@@ -239,40 +218,16 @@ def build_shm_allreduce(rank: int, world_size: int, count: int, dtype: Any,
     array, reduced in place), ``mine`` (this rank's segment), ``peer{q}`` (rank q's segment,
     read-only), ``count`` elements of ``dtype`` each. Raises ``ValueError`` naming a bad
     ``op`` or ``count``."""
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
+    _check(op, count)
     P, r = world_size, rank
     wire = np.dtype(dtype).str
     s = Schedule(r, P, name="shm_allreduce")
-    seg = {q: "mine" if q == r else f"peer{q}" for q in range(P)}
-    for slot in ("data", *seg.values()):
+    for slot in ("data", *_segment_slots(r, range(P)).values()):
         s.declare(slot, SlotSpec(count, wire))
-    b = block_bounds(count, P)
-    others = [q for q in range(P) if q != r]
     copied = s.compute("copy", ["data"], "mine", label="copy in")
-    for q in others:
-        s.send(q, None, _READY, deps=copied, label="copied in")
-    ready = [s.recv(q, None, _READY, label="copied in") for q in others]
-    mine = BufRef("mine", b[r], b[r + 1] - b[r])
-    reduced = copied if not others else s.compute(
-        op, [mine, *(BufRef(seg[q], b[r], b[r + 1] - b[r]) for q in others)], mine,
-        deps=[copied, *ready], label=f"reduce block {r}")
-    for q in others:
-        s.send(q, None, _REDUCED, deps=reduced, label="reduced")
-    outs = [s.compute("copy", [mine], BufRef("data", b[r], b[r + 1] - b[r]), deps=reduced,
-                      label=f"copy out block {r}")]
-    for q in others:
-        got = s.recv(q, None, _REDUCED, label="reduced")
-        lo, n = b[q], b[q + 1] - b[q]
-        outs.append(s.compute("copy", [BufRef(seg[q], lo, n)], BufRef("data", lo, n),
-                              deps=[got, reduced],
-                              label=f"copy out block {q}"))
+    outs = _two_shot(s, range(P), count, op, copied, "data", "copied in")
     s.final = s.nop(deps=outs, label="final")
-    s.meta["collectives"] = [{"kind": "allreduce", "count": count, "dtype": wire, "op": op,
-                              "algorithm": "shm"}]
-    return s.commit()
+    return _commit(s, count, wire, op, "shm")
 
 
 def host_groups(hosts: Sequence[int]) -> list[list[int]]:
@@ -293,10 +248,7 @@ def build_hier_allreduce(rank: int, world_size: int, count: int, dtype: Any, op:
     ``mine`` (this rank's segment) and ``peer{q}`` for the other ranks of its host, plus the
     leaders' scratch (``scratch_buffers``). Raises ``ValueError`` naming a bad ``op`` or
     ``count``, or ``groups`` that do not partition the ranks."""
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
+    _check(op, count)
     if sorted(q for g in groups for q in g) != list(range(world_size)):
         raise ValueError(f"groups must partition ranks 0..{world_size - 1}, got {groups}")
     r = rank
@@ -305,35 +257,16 @@ def build_hier_allreduce(rank: int, world_size: int, count: int, dtype: Any, op:
     lead = g[0]
     wire = np.dtype(dtype).str
     s = Schedule(r, world_size, name="hier_allreduce")
-    seg = {q: "mine" if q == r else f"peer{q}" for q in g}
+    seg = _segment_slots(r, g)
     for slot in ("data", *seg.values()):
         s.declare(slot, SlotSpec(count, wire))
     others = [q for q in g if q != r]
     start = s.nop(label="start")
     host_done = start
     if others:  # the host's sum, on every rank of the host (two-shot over shared memory)
-        b = block_bounds(count, len(g))
-        i = g.index(r)
         copied = s.compute("copy", ["data"], "mine", deps=start, label="copy in")
-        for q in others:
-            s.send(q, None, _READY, deps=copied, label="copied in")
-        ready = [s.recv(q, None, _READY, label="copied in") for q in others]
-        mine = BufRef("mine", b[i], b[i + 1] - b[i])
-        reduced = s.compute(op, [mine, *(BufRef(seg[q], b[i], b[i + 1] - b[i])
-                                         for q in others)], mine,
-                            deps=[copied, *ready], label=f"reduce block {i} of the host")
-        for q in others:
-            s.send(q, None, _REDUCED, deps=reduced, label="reduced")
-        outs = [s.compute("copy", [mine], BufRef("data", b[i], b[i + 1] - b[i]),
-                          deps=reduced, label=f"copy out block {i}")]
-        for j, q in enumerate(g):
-            if q == r:
-                continue
-            got = s.recv(q, None, _REDUCED, label="reduced")
-            lo, n = b[j], b[j + 1] - b[j]
-            outs.append(s.compute("copy", [BufRef(seg[q], lo, n)], BufRef("data", lo, n),
-                                  deps=[got, reduced], label=f"copy out block {j}"))
-        host_done = s.nop(deps=outs, label="host sum")
+        host_done = s.nop(deps=_two_shot(s, g, count, op, copied, "data", "copied in"),
+                          label="host sum")
     if r != lead:
         # hand the leader its segment back, then take the result out of it
         s.send(lead, None, _DONE, deps=host_done, label="copied out")
@@ -341,7 +274,7 @@ def build_hier_allreduce(rank: int, world_size: int, count: int, dtype: Any, op:
         res = s.compute("copy", [seg[lead]], "data", deps=[told, host_done],
                         label="copy the result in")
         s.final = s.nop(deps=[res], label="final")
-        return _commit(s, count, wire, op)
+        return _commit(s, count, wire, op, "hier")
     net_done = host_done
     if len(leaders) > 1:
         net_done = _embed(s, leaders, host_done, lambda sub: build_allreduce(
@@ -355,12 +288,58 @@ def build_hier_allreduce(rank: int, world_size: int, count: int, dtype: Any, op:
         s.final = s.nop(deps=[put], label="final")
     else:
         s.final = s.nop(deps=[net_done], label="final")
-    return _commit(s, count, wire, op)
+    return _commit(s, count, wire, op, "hier")
 
 
-def _commit(s: Schedule, count: int, wire: str, op: str) -> Schedule:
+def _segment_slots(rank: int, group: Iterable[int]) -> dict[int, str]:
+    """The slot of each rank's segment: ``mine`` for this rank, ``peer{q}`` for the others."""
+    return {q: "mine" if q == rank else f"peer{q}" for q in group}
+
+
+def _two_shot(s: Schedule, group: Sequence[int], count: int, op: str, after: int, into: str,
+              said: str) -> list[int]:
+    """Append the two-shot sum over the segments of ``group`` (this rank among them) once op
+    ``after`` has the data in ``mine``: tell the peers (label ``said``), reduce this rank's
+    block of every segment into ``mine``, tell them again, copy every block into slot
+    ``into`` (this rank's own only when ``into`` is not ``mine``). Returns the ops whose
+    completion means ``into`` holds the sum."""
+    r = s.rank
+    i = list(group).index(r)
+    seg = _segment_slots(r, group)
+    others = [q for q in group if q != r]
+    b = block_bounds(count, len(group))
+    for q in others:
+        s.send(q, None, _READY, deps=after, label=said)
+    ready = [s.recv(q, None, _READY, label=said) for q in others]
+    mine = BufRef("mine", b[i], b[i + 1] - b[i])
+    reduced = after if not others else s.compute(
+        op, [mine, *(BufRef(seg[q], b[i], b[i + 1] - b[i]) for q in others)], mine,
+        deps=[after, *ready], label=f"reduce block {i}")
+    for q in others:
+        s.send(q, None, _REDUCED, deps=reduced, label="reduced")
+    outs = [reduced if into == "mine" else s.compute(
+        "copy", [mine], BufRef(into, b[i], b[i + 1] - b[i]), deps=reduced,
+        label=f"copy out block {i}")]
+    for j, q in enumerate(group):
+        if q == r:
+            continue
+        got = s.recv(q, None, _REDUCED, label="reduced")
+        lo, n = b[j], b[j + 1] - b[j]
+        outs.append(s.compute("copy", [BufRef(seg[q], lo, n)], BufRef(into, lo, n),
+                              deps=[got, reduced], label=f"copy out block {j}"))
+    return outs
+
+
+def _check(op: str, count: int) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+
+
+def _commit(s: Schedule, count: int, wire: str, op: str, algorithm: str) -> Schedule:
     s.meta["collectives"] = [{"kind": "allreduce", "count": count, "dtype": wire, "op": op,
-                              "algorithm": "hier"}]
+                              "algorithm": algorithm}]
     return s.commit()
 
 
