@@ -34,8 +34,11 @@ the ops and ranks still awaited; anything after :meth:`Communicator.close` raise
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import itertools
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Coroutine
@@ -53,6 +56,7 @@ from ..errors import PeerLostError, TransportClosedError
 from ..results import PartialResult
 from ..sched import DumpSignal, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
+from . import groups
 from .blocking import BlockingCollectives
 from .contribution import Contribution, DenseContribution, SparseContribution
 from .dense import DenseOps
@@ -94,7 +98,7 @@ class Communicator:
                  timeout: float | None = None, close_transport: bool = True,
                  trace: str | None = None, kernels: KernelRegistry | None = None,
                  close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-                 stall_warn: float | None = DEFAULT_STALL_WARN) -> None:
+                 stall_warn: float | None = DEFAULT_STALL_WARN, _child: bool = False) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a Transport, got {type(transport).__name__}")
         if timeout is not None and not timeout > 0:
@@ -126,12 +130,19 @@ class Communicator:
         self._closed = False
         self.blocking = BlockingCollectives(self, self._engine, self._close_blocking)
         self._writer: TraceWriter | None = None
+        self._trace = trace
+        #: the groups made from this communicator (closed before it), and how many were made
+        self._children: list[Communicator] = []
+        self._groups_made = 0
+        self._group_key = "world"
+        self._shrunk: Communicator | None = None
+        self._parent: Communicator | None = None
         if trace is not None:
             self._writer = TraceWriter(trace, transport.rank, transport.world_size)
         self._dense = DenseOps(transport, lambda: next(self._next_id), kernels=self.kernels,
                                live=self.live, writer=self._writer, stall_warn=self.stall_warn)
         self._dump_signal: DumpSignal | None = None
-        if threading.current_thread() is threading.main_thread() \
+        if not _child and threading.current_thread() is threading.main_thread() \
                 and hasattr(signal, "SIGUSR1"):
             self._dump_signal = self.live.install_signal_handler(loop=self._engine.loop)
         #: who is in the job: losses learned and told, goodbyes at close
@@ -214,6 +225,8 @@ class Communicator:
         """
         if self._closed:
             return
+        for child in self._children:
+            await child.close(timeout)
         self._closed = True
         if self._dump_signal is not None:
             self._dump_signal.restore()
@@ -265,6 +278,139 @@ class Communicator:
             coro.close()
             raise TransportClosedError("communicator is closed")
         return await self._engine.run(coro)
+
+    # -- groups (sub-communicators) and shrinking ---------------------------------------------
+    async def split(self, color: int | str | None, key: int | None = None,
+                    timeout: float | None = None) -> Communicator | None:
+        """A sub-communicator of the ranks that pass the same ``color`` (``MPI_Comm_split``).
+
+        Collective over this communicator: every rank calls it, in the same order among its
+        collectives. ``color``: an int >= 0; ``"host"`` for the ranks of this host (its
+        identity as the shared-memory path sees it, ``ASYNCCOLL_HOST_ID`` included: MPI's
+        ``Comm_split_type(SHARED)``); or ``None`` to take part without joining any group
+        (MPI's ``UNDEFINED``; returns ``None``). Ranks in the new group are ordered by ``key``
+        (default: this rank), ties by this communicator's rank. The group shares this
+        communicator's connections (:mod:`asynccoll.comm.groups`); it costs one allgather of
+        two integers. Close it with ``await group.close()`` (collective over the group), or
+        let this communicator's ``close`` close it first.
+        """
+        self._check_open()
+        if color == "host":
+            from .shm import host_hash
+            c = host_hash()
+        elif color is None:
+            c = -1
+        elif isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0:
+            raise ValueError(f"color must be an int >= 0, 'host' or None, got {color!r}")
+        else:
+            c = int(color)
+        if key is None:
+            key = self.rank
+        elif isinstance(key, bool) or not isinstance(key, (int, np.integer)):
+            raise TypeError(f"key must be an int or None, got {key!r}")
+        got = await self.allgather(np.array([c, int(key)], np.int64), timeout)
+        colors, keys = got[:, 0].tolist(), got[:, 1].tolist()
+        n = self._groups_made
+        self._groups_made += 1
+        if c < 0:
+            return None
+        members = groups.split_members(colors, keys, c)
+        return self._make_group(members, f"{self._group_key}/{n}:{c}")
+
+    async def group(self, ranks: Any, timeout: float | None = None) -> Communicator | None:
+        """A sub-communicator of ``ranks`` (this communicator's ranks; group rank i is
+        ``ranks[i]``), as ``torch.distributed.new_group(ranks)`` and Horovod's process sets.
+
+        Collective over this communicator: every rank calls it with the same ``ranks``, in the
+        same order among its collectives; ranks outside the group get ``None``. Ranks that pass
+        different ``ranks`` all get a ``ValueError`` (one allgather of a hash compares them).
+        Raises ``ValueError``/``TypeError`` naming ``ranks`` when they are not distinct ranks.
+        """
+        self._check_open()
+        members = groups.group_members(ranks, self.size)
+        digest = _members_hash(members)
+        got = await self.allgather(np.array([digest], np.int64), timeout)
+        n = self._groups_made
+        self._groups_made += 1
+        if len(set(got[:, 0].tolist())) != 1:
+            differ = sorted(r for r in range(self.size) if int(got[r, 0]) != digest)
+            raise ValueError(f"ranks: the ranks passed different groups to group() (ranks "
+                             f"{differ} differ from rank {self.rank}'s {members})")
+        if self.rank not in members:
+            return None
+        return self._make_group(members, f"{self._group_key}/{n}:{digest}")
+
+    async def shrink(self, timeout: float | None = None) -> Communicator:
+        """A communicator of the ranks not lost (MPI ULFM's ``MPIX_Comm_shrink``).
+
+        After a :class:`~asynccoll.PeerLostError`, every survivor calls it; they agree on the
+        set of lost ranks (the same set on every survivor, even when several ranks died at once
+        or a survivor comes late: :meth:`Membership.agree <.membership.Membership.agree>`) and
+        each gets a new communicator of the others, ranked in their old order, over the
+        connections that remain. Returns the same communicator when called again. Raises
+        :class:`~asynccoll.PeerLostError` when the survivors decided that this rank is lost,
+        :class:`~asynccoll.CollectiveTimeoutError` after ``timeout`` seconds (default: the
+        communicator's timeout).
+        """
+        if self._closed:
+            raise TransportClosedError("communicator is closed")
+        if self._shrunk is not None and not self._shrunk.closed:
+            return self._shrunk
+        wait = self.timeout if timeout is None else timeout
+
+        async def agree() -> frozenset[int]:
+            try:
+                return await asyncio.wait_for(self.membership.agree(), wait)
+            except asyncio.TimeoutError:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: the survivors did not agree within {wait} s "
+                    f"(lost so far: {sorted(self.membership.gone)})") from None
+
+        lost = await self._run(agree())
+        if self.rank in lost:
+            raise PeerLostError(self.rank, "the survivors decided this rank is lost")
+        members = [r for r in range(self.size) if r not in lost]
+        self._groups_made += 1
+        self._shrunk = self._make_group(
+            members, f"{self._group_key}/{self._groups_made - 1}:shrink{_members_hash(members)}")
+        log.info("rank %d: shrunk to %d ranks (lost %s); rank %d of the new communicator",
+                 self.rank, len(members), sorted(lost), self._shrunk.rank)
+        return self._shrunk
+
+    def _make_group(self, members: list[int], key: str) -> Communicator:
+        view = groups.GroupTransport(self.transport, members, key)
+        trace = None if self._trace is None else os.path.join(
+            self._trace, f"group{self._groups_made - 1}-{groups.describe(members)}")
+        child = Communicator(view, progress=self._engine, timeout=self.timeout, trace=trace,
+                             kernels=self.kernels, close_timeout=self.close_timeout,
+                             stall_warn=self.stall_warn, _child=True)
+        child._group_key = key
+        child._parent = self
+        self._children = [c for c in self._children if not c.closed]
+        self._children.append(child)
+        gone = [(g, r) for g, r in enumerate(members) if r in self.membership.gone]
+        if gone:  # lost before the group was made: lost to it too
+
+            def learn() -> None:
+                for g, r in gone:
+                    child.membership.learn(PeerLostError(g, f"rank {r} of the parent was "
+                                                         "lost"), tell=False)
+            self._engine.call(learn)
+        return child
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks of the job (the outermost communicator) that make up this communicator,
+        in rank order: ``range(size)`` for the job itself, the members of a group else."""
+        t = self.transport
+        chain = []
+        while isinstance(t, groups.GroupTransport):
+            chain.append(t.members)
+            t = t.parent
+        out = tuple(range(t.world_size))
+        for m in reversed(chain):
+            out = tuple(out[r] for r in m)
+        return out
 
     # -- synchronous collectives -------------------------------------------------------------
     async def allreduce(self, x: Any, op: str = "sum", algorithm: str | None = None,
@@ -610,6 +756,12 @@ class Communicator:
                                timeout: float | None = None) -> PartialResult:
         """``partial_allreduce("quorum", like=x, quorum=k)(x)``, cached per shape/dtype/k."""
         return await self._shortcut_call("quorum", x, timeout, k)
+
+
+def _members_hash(members: list[int]) -> int:
+    """A non-negative int64 hash of a list of ranks (equal lists, equal hashes)."""
+    d = hashlib.blake2b(np.asarray(members, np.int64).tobytes(), digest_size=8).digest()
+    return int.from_bytes(d, "little") >> 1
 
 
 def _check_x(x: Any) -> None:

@@ -23,10 +23,11 @@ import functools
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from ..errors import PeerLostError
+from ..errors import PeerLostError, ProtocolError
 from ..sched import LiveOps
 from ..transport.base import Transport
 from ..transport.frames import Kind, Message
@@ -50,9 +51,25 @@ LOST_SCHED = CLOSE_SCHED + 1
 #: an answer that comes after the asker gave up is dropped without complaint)
 STATUS_SCHED = CLOSE_SCHED + 2
 STATUS_REPLY = CLOSE_SCHED + 3
+#: the channels of the survivors' agreement (:meth:`Membership.agree`): a coordinator's
+#: question (execution = the coordinator's rank, no payload), the answers (the same execution;
+#: int64 ``[decided, *ranks]``) and its decision (the same execution; int64 ranks lost)
+AGREE_ASK = CLOSE_SCHED + 4
+AGREE_ANSWER = CLOSE_SCHED + 5
+AGREE_DECIDE = CLOSE_SCHED + 6
 #: seconds a closing rank lets the executions under way here finish once every rank closed
 IN_FLIGHT_GRACE = 2.0
 _NOTHING = memoryview(b"")
+
+
+def _ints(values: list[int]) -> memoryview:
+    return np.asarray(values, np.int64).data.cast("B")
+
+
+def _decode(payload: memoryview) -> list[int]:
+    if len(payload) % 8:
+        raise ProtocolError(f"an agreement frame of {len(payload)} bytes (not int64s)")
+    return [int(v) for v in np.frombuffer(payload, np.int64)]
 
 class Membership:
     """The lost ranks and the goodbyes of one rank's communicator, on the transport's loop.
@@ -65,11 +82,17 @@ class Membership:
         self.live = live
         #: the first loss this rank learned of, or None
         self.lost: PeerLostError | None = None
+        #: every rank this rank learned is lost
+        self.gone: set[int] = set()
         self._closing: Callable[[], bool] = lambda: False
         self._sent = 0
         self._recvs: dict[int, asyncio.Future[Message]] = {}
         self._asks: dict[int, asyncio.Future[Message]] = {}
         self._probes = 0
+        #: the ranks lost, as the survivors agreed (:meth:`agree`), once agreed
+        self.decided: frozenset[int] | None = None
+        self._changed: asyncio.Event | None = None
+        self._agree_asks: list[asyncio.Future[Message]] = []
 
     @property
     def _peers(self) -> list[int]:
@@ -86,6 +109,10 @@ class Membership:
             self._post_recv(r, 0)
             self._post_ask(r, 0)
         self.live.prober = self
+        for r in self._peers:
+            fut = self.transport.post_recv(r, AGREE_ASK, r, 0)
+            fut.add_done_callback(functools.partial(self._on_agree_ask, r))
+            self._agree_asks.append(fut)
 
     def stop(self) -> None:
         """Stop listening for notices and probes (the communicator closes)."""
@@ -95,6 +122,9 @@ class Membership:
             f.cancel()
         self._recvs.clear()
         self._asks.clear()
+        for f in self._agree_asks:
+            f.cancel()
+        self._agree_asks.clear()
 
     # -- status probes -----------------------------------------------------------------------
     def _post_ask(self, src: int, seq: int) -> None:
@@ -178,6 +208,11 @@ class Membership:
         write the flight record (:meth:`LiveOps.record_flight`) to the trace files and fail
         every execution under way with a :class:`PeerLostError` naming it."""
         t = self.transport
+        if exc.rank in self.gone and not tell:
+            return
+        self.gone.add(exc.rank)
+        if self._changed is not None:
+            self._changed.set()
         first = self.lost is None
         if first:
             self.lost = exc
@@ -198,6 +233,100 @@ class Membership:
                 log.warning("rank %d: no flight record: %r", t.rank, err)
             for ex in self.live.executors():
                 ex.abort(PeerLostError(exc.rank, exc.reason))
+
+    # -- the survivors' agreement -----------------------------------------------------------
+    def _on_agree_ask(self, src: int, fut: asyncio.Future[Message]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        if self.decided is not None:
+            answer = [1, *sorted(self.decided)]
+        else:
+            answer = [0, *sorted(self.gone)]
+        self.transport.post_frame(src, int(Kind.DATA), AGREE_ANSWER, src, 0, _ints(answer)
+                                  ).add_done_callback(ignore_outcome)
+
+    async def agree(self) -> frozenset[int]:
+        """The set of lost ranks, the same on every survivor (``MPI_Comm_agree``'s job, for
+        ``shrink``). Runs on the transport's loop; every survivor calls it.
+
+        The coordinator is the lowest rank this rank does not know lost. It asks every other
+        rank it does not know lost for the ranks that rank knows lost, and decides their union
+        (with the ranks lost while it asked); a rank that has decided already answers with its
+        decision instead, which the coordinator then adopts, so a decision, once made, is the
+        one every later coordinator hands out. Every other rank waits for its coordinator's
+        decision; when the coordinator is lost first, it moves to the next. A rank answers
+        questions on its runtime loop whether or not its caller has reached ``shrink`` yet, so
+        a slow survivor delays the decision by no more than its loop's latency, and its own
+        ``agree`` finds the decision waiting. Costs one question and one answer per survivor,
+        and one decision. A rank lost during the agreement is in the decision when the
+        coordinator learns of it before it decides; otherwise the next ``shrink`` finds it.
+        Known limit: a network partition (ranks that each see the other lost while both live)
+        is not resolved; the transports report a broken connection to both ends.
+        """
+        if self.decided is not None:
+            return self.decided
+        t = self.transport
+        self._changed = asyncio.Event()
+        try:
+            while self.decided is None:
+                alive = [r for r in range(t.world_size) if r not in self.gone]
+                c = alive[0]
+                if c == t.rank:
+                    decision = await self._coordinate([r for r in alive if r != c])
+                    self.decided = decision
+                    for r in range(t.world_size):
+                        if r != t.rank and r not in decision:
+                            t.post_frame(r, int(Kind.DATA), AGREE_DECIDE, t.rank, 0,
+                                         _ints(sorted(decision))
+                                         ).add_done_callback(ignore_outcome)
+                else:
+                    fut = t.post_recv(c, AGREE_DECIDE, c, 0)
+                    got = await self._wait_or_change([fut], c)
+                    if got:
+                        self.decided = frozenset(_decode(fut.result().payload))
+                    else:
+                        fut.cancel()
+                        if c not in self.gone:
+                            self.learn(PeerLostError(c, "lost during the agreement"),
+                                       tell=True)
+        finally:
+            self._changed = None
+        return self.decided
+
+    async def _coordinate(self, peers: list[int]) -> frozenset[int]:
+        t = self.transport
+        futs = {r: t.post_recv(r, AGREE_ANSWER, t.rank, 0) for r in peers}
+        for r in peers:
+            t.post_frame(r, int(Kind.DATA), AGREE_ASK, t.rank, 0, _NOTHING
+                         ).add_done_callback(ignore_outcome)
+        lost = set(self.gone)
+        for r, fut in futs.items():
+            if r in self.gone or not await self._wait_or_change([fut], r):
+                fut.cancel()
+                lost.add(r)
+                continue
+            flag, *ranks = _decode(fut.result().payload)
+            if flag:
+                for f in futs.values():
+                    f.cancel()
+                return frozenset(ranks)  # decided already: that decision stands
+            lost.update(ranks)
+        return frozenset(lost | self.gone)
+
+    async def _wait_or_change(self, futs: list[asyncio.Future[Message]], peer: int) -> bool:
+        """Wait for ``futs``; False once ``peer`` is known lost (or a future fails)."""
+        assert self._changed is not None
+        while True:
+            if peer in self.gone:
+                return False
+            self._changed.clear()
+            changed: asyncio.Future[Any] = asyncio.ensure_future(self._changed.wait())
+            waiting: list[asyncio.Future[Any]] = [*futs, changed]
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            if any(f in done for f in futs):
+                return all(f.done() and not f.cancelled() and f.exception() is None
+                           for f in futs)
 
     # -- goodbyes ----------------------------------------------------------------------------
     async def goodbye(self, wait: float) -> None:
