@@ -98,7 +98,8 @@ class Communicator:
                  timeout: float | None = None, close_transport: bool = True,
                  trace: str | None = None, kernels: KernelRegistry | None = None,
                  close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-                 stall_warn: float | None = DEFAULT_STALL_WARN, _child: bool = False) -> None:
+                 stall_warn: float | None = DEFAULT_STALL_WARN, survive: bool = False,
+                 _child: bool = False) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a Transport, got {type(transport).__name__}")
         if timeout is not None and not timeout > 0:
@@ -117,6 +118,9 @@ class Communicator:
         #: intervals), naming the ops and ranks it waits for; None: never
         self.stall_warn = stall_warn
         self._close_transport = close_transport
+        #: whether partial collectives go on without a lost rank (:mod:`.survival`); the
+        #: default of every partial handle's ``survive``
+        self.survive = bool(survive)
         self._next_id = itertools.count(1)
         #: the kernels of every executor this communicator builds
         self.kernels: KernelRegistry = KERNELS.extended() if kernels is None else kernels
@@ -383,7 +387,7 @@ class Communicator:
             self._trace, f"group{self._groups_made - 1}-{groups.describe(members)}")
         child = Communicator(view, progress=self._engine, timeout=self.timeout, trace=trace,
                              kernels=self.kernels, close_timeout=self.close_timeout,
-                             stall_warn=self.stall_warn, _child=True)
+                             stall_warn=self.stall_warn, survive=self.survive, _child=True)
         child._group_key = key
         child._parent = self
         self._children = [c for c in self._children if not c.closed]

@@ -45,6 +45,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="seconds the launchers of all nodes may take to meet (multi-node)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--max-failures", type=int, default=0, metavar="N",
+                   help="keep the job running while at most N ranks of this node have failed "
+                        "(partial collectives go on without them; see docs/launch.md); "
+                        "default 0: the first failure stops every rank")
     p.add_argument("--no-python", action="store_true",
                    help="run CMD as an executable instead of a Python script")
     p.add_argument("-m", dest="module", action="store_true",
@@ -87,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = LaunchConfig(nproc=args.nproc, argv=_argv(args), secret=_secret(args),
                            nnodes=args.nnodes, node_rank=args.node_rank, rdzv=rdzv,
                            transport=args.transport, host=args.host, grace=args.grace,
-                           join_timeout=args.rdzv_timeout)
+                           join_timeout=args.rdzv_timeout, max_failures=args.max_failures)
     except (ValueError, ConfigError) as exc:
         print(f"asynccoll run: error: {exc}", file=sys.stderr)
         return 2

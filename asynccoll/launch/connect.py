@@ -62,7 +62,7 @@ async def connect(rank: int | None = None, world_size: int | None = None,
                   *, progress: str = "thread", timeout: float = 60.0,
                   secret: bytes | str | None = None,
                   collective_timeout: float | None = None,
-                  trace: str | None = None) -> Communicator:
+                  trace: str | None = None, survive: bool | None = None) -> Communicator:
     """Join the job and return this rank's :class:`Communicator`.
 
     Missing arguments come from the environment (``asynccoll run``, torchrun or SLURM variables;
@@ -74,7 +74,9 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     ``ASYNCCOLL_TIMEOUT=none`` waits forever); a collective that waits longer than
     ``ASYNCCOLL_STALL_WARN`` seconds (default 10) logs a warning naming what it waits for, then
     again at doubling intervals. ``trace``: a directory
-    for this rank's execution trace (default: ``ASYNCCOLL_TRACE`` if set). Raises
+    for this rank's execution trace (default: ``ASYNCCOLL_TRACE`` if set). ``survive``: whether
+    partial collectives go on without a lost rank (:attr:`Communicator.survive`; default: when
+    ``ASYNCCOLL_MAX_FAILURES``, set by ``asynccoll run --max-failures N``, is above 0). Raises
     :class:`~asynccoll.ConfigError` naming a bad setting, ``RendezvousError`` /
     ``RendezvousTimeoutError`` when the ranks cannot assemble.
     """
@@ -83,6 +85,11 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     spec = resolve(rank, world_size, store, secret=secret, transport=transport)
     ctimeout = collective_timeout_from(os.environ, collective_timeout)
     stall = _seconds_from(os.environ, "ASYNCCOLL_STALL_WARN", DEFAULT_STALL_WARN)
+    if survive is None:
+        try:
+            survive = int(os.environ.get("ASYNCCOLL_MAX_FAILURES") or 0) > 0
+        except ValueError:
+            raise ConfigError("ASYNCCOLL_MAX_FAILURES", "must be an int") from None
     if os.environ.get(errorfile.ENV):  # set by ``asynccoll run``, which blames the first failure
         errorfile.install(os.environ[errorfile.ENV], spec.rank)
     engine = (ProgressEngine.thread(use_uvloop=spec.transport != "ucx")
@@ -94,4 +101,5 @@ async def connect(rank: int | None = None, world_size: int | None = None,
         raise
     if trace is None:
         trace = os.environ.get("ASYNCCOLL_TRACE") or None
-    return Communicator(t, progress=engine, timeout=ctimeout, trace=trace, stall_warn=stall)
+    return Communicator(t, progress=engine, timeout=ctimeout, trace=trace, stall_warn=stall,
+                        survive=survive)

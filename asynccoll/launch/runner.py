@@ -8,6 +8,13 @@ they print with ``[rank]``, and watches them:
   after ``grace`` seconds — and the launcher exits with the failing rank's code (``128 + n`` for
   a rank killed by signal ``n``); the launchers of other nodes learn it through the store key
   ``asynccoll/launch/abort`` and stop their ranks too;
+* with ``max_failures`` = N > 0 (``asynccoll run --max-failures N``), the first N ranks that
+  fail do not stop the job: the launcher says which rank failed and how, and the others go on
+  (their partial collectives continue without it, their synchronous ones raise
+  ``PeerLostError`` and ``comm.shrink()`` gives the survivors a communicator; each rank sees
+  ``ASYNCCOLL_MAX_FAILURES`` and :func:`~asynccoll.connect` sets ``Communicator.survive``
+  from it). The job then exits 0 when every other rank exits 0. Failures are counted per
+  node: each node's launcher allows N of its own ranks;
 * the rank blamed is the one that failed *first*, not the first to exit: each rank records its
   uncaught exception in a file (:mod:`.errorfile`); a failure that merely follows another rank's
   loss (a ``PeerLostError`` naming it, or a collective timeout) is not blamed while a cause is
@@ -67,6 +74,7 @@ class LaunchConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     join_timeout: float = 300.0
     exit_timeout: float = 300.0
+    max_failures: int = 0
 
     def __post_init__(self) -> None:
         if type(self.nproc) is not int or self.nproc < 1:
@@ -81,6 +89,9 @@ class LaunchConfig:
             raise ValueError("argv must name the command to run")
         if self.grace < 0:
             raise ValueError(f"grace must be >= 0, got {self.grace}")
+        if type(self.max_failures) is not int or not 0 <= self.max_failures < self.nproc:
+            raise ValueError(f"max_failures must be an int in 0..{self.nproc - 1} (fewer than "
+                             f"the ranks of a node), got {self.max_failures!r}")
         if self.join_timeout <= 0 or self.exit_timeout < 0:
             raise ValueError("join_timeout must be > 0 and exit_timeout >= 0, got "
                              f"{self.join_timeout} and {self.exit_timeout}")
@@ -111,6 +122,8 @@ def rank_environment(cfg: LaunchConfig, local_rank: int, store: tuple[str, int],
         "ASYNCCOLL_TRANSPORT": cfg.transport,
         "PYTHONUNBUFFERED": "1",
     })
+    if cfg.max_failures:
+        env["ASYNCCOLL_MAX_FAILURES"] = str(cfg.max_failures)
     env.pop("ASYNCCOLL_SECRET_FILE", None)
     if cfg.host:
         env["ASYNCCOLL_HOST"] = cfg.host
@@ -336,6 +349,7 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
                  err: BinaryIO) -> int:
     waits = {asyncio.ensure_future(p.wait()): r for r, p in ranks.procs.items()}
     extra: set[asyncio.Future[Any]] = {stop_sig}
+    failed = 0
     if abort_task is not None:
         extra.add(abort_task)
     try:
@@ -357,6 +371,19 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
             for w in [w for w in done if w in waits]:
                 rank = waits.pop(w)
                 code = _code(ranks.procs[rank].returncode or 0)
+                if code and failed < cfg.max_failures:
+                    failed += 1
+                    rc = ranks.procs[rank].returncode or 0
+                    how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 \
+                        else f"exited with code {code}"
+                    _say(err, f"rank {rank} {how}; failure {failed} of at most "
+                              f"{cfg.max_failures} (--max-failures): the other ranks go on")
+                    rec = errorfile.read(ranks.errors).get(rank)
+                    if rec is not None:
+                        err.write(b"".join(f"[{rank}] {line}\n".encode()
+                                           for line in rec.traceback.rstrip("\n").split("\n")))
+                    err.flush()
+                    continue
                 if code:
                     rank, code = await _blame(ranks, rank, code, err)
                     if client is not None:
