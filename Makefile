@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: run test lint bench-quick clean
+.PHONY: run test lint bench-quick docs clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ lint: $(VENV)/.test
 bench-quick: $(VENV)/.test
 	mkdir -p bench/results
 	$(PY) bench/sched_overhead.py --quick --out bench/results/quick/sched_overhead.json
+
+# Every picture in docs/img, from the current code (schedules, a traced run) and the benchmark
+# results the docs quote (bench/results/*.json); re-measuring is `python bench/NAME.py`.
+DOCS_IMG ?= docs/img
+docs: $(VENV)/.plot
+	$(PY) docs/pictures.py --out $(DOCS_IMG)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
