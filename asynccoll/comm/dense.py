@@ -11,6 +11,7 @@ execution of the cached executor and nothing else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ import numpy as np
 
 from ..collectives import dense
 from ..collectives.dense import REDUCE_OPS, scratch_buffers
-from ..errors import ExecutionError
+from ..errors import ExecutionError, PeerLostError
 from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
 from .shm import (
@@ -320,6 +321,14 @@ class DenseOps:
             flag = np.array([1 if err else 0], np.int64)
             await self.call(("shm_ok",), lambda: dense.allreduce(
                 self.rank, self.size, 1, np.int64, "max", "recursive_doubling"), flag, timeout)
+        except PeerLostError as exc:
+            # A rank lost during the setup cannot unlink the segments it created: its peers
+            # know their names (same user, same job), so they do, and nothing is left.
+            if 0 <= exc.rank < self.size and exc.rank != self.rank:
+                for sid in sids:
+                    with contextlib.suppress(OSError):
+                        os.unlink(segment_path(token, sid, exc.rank))
+            raise
         finally:
             for seg in own:
                 seg.unlink()  # every rank has mapped it (or the setup failed): nothing left
