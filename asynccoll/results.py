@@ -35,6 +35,11 @@ class PartialResult:
     * ``lateness``: this rank's entry in ``arrivals`` (None: its call was not in it).
     * ``latest_arrival``: the largest entry of ``arrivals`` (how long the last of the waiting
       calls came after the first; None when empty).
+    * ``deadline``: ``kind="deadline"`` only (None for the other kinds): the deadline, in
+      seconds after the first arrival, that this execution used; the same on every rank.
+    * ``deadline_expired``: ``kind="deadline"`` only (None otherwise): whether the deadline
+      expired on some rank before that rank was activated, so the timer (not k arrivals)
+      started the execution; the same on every rank (it rides in the meta vector).
     """
 
     value: Any
@@ -48,14 +53,18 @@ class PartialResult:
     arrivals: dict[int, float] = field(default_factory=dict)
     lateness: float | None = None
     latest_arrival: float | None = None
+    deadline: float | None = None
+    deadline_expired: bool | None = None
 
     @classmethod
     def from_meta(cls, value: Any, round: int, included: bool, meta: np.ndarray,
                   world_size: int, missed: int, rank: int | None = None,
-                  arrivals: dict[int, float] | None = None) -> PartialResult:
+                  arrivals: dict[int, float] | None = None,
+                  deadline: float | None = None,
+                  deadline_expired: bool | None = None) -> PartialResult:
         """Build from the allreduced ``meta`` vector: P counts, P fresh flags, the signature,
-        the number of ranks that forced the execution; ``arrivals`` as the field (decoded by
-        the runtime), ``rank`` this rank."""
+        the number of ranks that forced the execution; ``arrivals``, ``deadline`` and
+        ``deadline_expired`` as the fields (decoded by the runtime), ``rank`` this rank."""
         counts = meta[:world_size]
         arr = arrivals or {}
         return cls(value, round, included,
@@ -63,4 +72,4 @@ class PartialResult:
                    frozenset(np.flatnonzero(meta[world_size:2 * world_size]).tolist()),
                    bool(meta[2 * world_size + 1]), arr,
                    None if rank is None else arr.get(rank),
-                   max(arr.values()) if arr else None)
+                   max(arr.values()) if arr else None, deadline, deadline_expired)

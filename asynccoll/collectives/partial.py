@@ -1,4 +1,4 @@
-"""Partial allreduce (solo, majority, two-choice, quorum) as one persistent schedule.
+"""Partial allreduce (solo, majority, two-choice, quorum, deadline) as one persistent schedule.
 
 One rank's schedule, executed again and again by a persistent executor::
 
@@ -35,6 +35,12 @@ One rank's schedule, executed again and again by a persistent executor::
   messages per rank as this; so every rank is a coordinator, which also needs no extra hop
   from coordinator to activation. Cost: P - 1 empty messages per arriving rank per execution
   (O(P^2) per execution), fine for the tens of ranks partial collectives are meant for.
+* **Deadline(k)**: the quorum's schedule exactly (k of P arrivals activate, quietly); the
+  deadline is the runtime's: a waiting call arms a loop timer for :func:`next_deadline`
+  seconds, and when it expires before the rank was activated the rank sets ``state[EXPIRED]``
+  and forces the execution (the self-message of a flush), whose activation broadcast then
+  reaches every rank. The first call of an execution arms the earliest timer, so an execution
+  starts at the k-th arrival or a deadline after the first arrival, whichever comes first.
 * **Snapshot** (kernel ``partial_snapshot``, in :data:`PARTIAL_KERNELS`): at activation, internal or
   external, the send buffer ``acc`` (fresh data, accumulated stale data, or nothing) is copied
   into the work buffer ``data`` and reset to the identity of ``op``; the small int64 ``state``
@@ -45,7 +51,14 @@ One rank's schedule, executed again and again by a persistent executor::
   The kernel writes ``meta[rank] = count``, ``meta[P + rank] = fresh``, ``meta[2P]`` =
   :func:`signature` and ``meta[2P + 1] = state[FLUSHING]`` (so every rank learns how many ranks
   were flushing) and ``meta[2P + 2 + rank]`` = the arrival stamp of the call waiting in it
-  (``state[ARRIVED]``, set by the runtime; 0 when none was); ``meta`` (3P + 2 int64) is
+  (``state[ARRIVED]``, set by the runtime; 0 when none was). The deadline kind uses the
+  same slot (:func:`encode_stamp`): a waiting call's stamp plus :data:`ARRIVAL_MOD` when
+  this rank's deadline expired before it was activated (``state[EXPIRED]``: so every rank
+  learns whether the timer started the execution), and for a rank without a waiting call its
+  latest *late* call (``state[LATE]``: how long after the first arrival of the execution it
+  missed it came) as ``LATE_BASE + 2 * state[LATE]``; the signature is XORed with
+  ``state[DSIG]`` (the deadline parameters' fingerprint, 0 for other kinds). Every value
+  stays an integer below 2**25 that float32 holds exactly. ``meta`` (3P + 2 int64) is
   sum-allreduced with the data (appended to it
   when :func:`packs_meta` says the data's dtype holds it exactly, else separately), so every rank
   learns the same contributors and counts, and ranks that disagree on the collective find out.
@@ -60,8 +73,10 @@ so some of its sends never fire): an execution activated from outside completes 
 from __future__ import annotations
 
 import hashlib
+import math
+import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -73,12 +88,19 @@ from .dense import build_allreduce, first_partner, next_tag
 from .select import choose_allreduce
 
 __all__ = [
+    "ARRIVAL_KINDS",
     "ARRIVAL_MOD",
     "ARRIVED",
     "COUNT",
+    "DEFAULT_DEADLINE",
+    "DEFAULT_DEADLINE_WINDOW",
+    "DEFAULT_MAD_FACTOR",
+    "DSIG",
+    "EXPIRED",
     "FLUSHING",
     "FRESH",
     "KINDS",
+    "LATE",
     "PARTIAL_KERNELS",
     "SNAPSHOTS",
     "STATE_LEN",
@@ -87,24 +109,38 @@ __all__ = [
     "TAG_DATA",
     "TAG_FORCE",
     "append_activation_front",
+    "DeadlineConfig",
+    "arrival_spread",
     "arrival_stamp",
     "build_partial_allreduce",
+    "check_deadline",
     "check_kind",
+    "deadline_signature",
     "decode_arrivals",
+    "LATE_BASE",
+    "decode_expired",
+    "decode_late",
+    "encode_stamp",
+    "first_stamp",
+    "late_offset",
     "identity",
     "initiators",
     "meta_len",
+    "next_deadline",
     "packs_meta",
     "signature",
     "write_meta",
 ]
 
 #: the partial allreduce kinds, by the name of their initiator set.
-KINDS: tuple[str, ...] = ("solo", "majority", "two_choice", "quorum")
+KINDS: tuple[str, ...] = ("solo", "majority", "two_choice", "quorum", "deadline")
+
+#: the kinds whose execution starts on k-of-P arrivals (every rank announces its arrival)
+ARRIVAL_KINDS: tuple[str, ...] = ("quorum", "deadline")
 
 #: indices of the ``state`` slot (int64).
-COUNT, FRESH, SNAPSHOTS, FLUSHING, ARRIVED = 0, 1, 2, 3, 4
-STATE_LEN = 5
+COUNT, FRESH, SNAPSHOTS, FLUSHING, ARRIVED, LATE, EXPIRED, DSIG = 0, 1, 2, 3, 4, 5, 6, 7
+STATE_LEN = 8
 
 #: tags: quorum arrivals, forced (self) activation, the activation broadcast (it uses
 #: ``TAGS_USED`` tags from ``TAG_ACTIVATION``); the data allreduce from ``TAG_DATA``.
@@ -113,19 +149,24 @@ TAG_DATA = TAG_ACTIVATION + TAGS_USED
 
 
 def check_kind(kind: str, world_size: int, quorum: int | None) -> int | None:
-    """Validate ``kind`` and ``quorum``; return the quorum size (``None`` unless quorum).
+    """Validate ``kind`` and ``quorum``; return the quorum size (``None`` for kinds without).
 
-    Raises ``ValueError`` naming ``kind`` (unknown) or ``quorum`` (missing for ``"quorum"``,
-    given for another kind, or outside ``1..world_size``).
+    ``quorum`` is required for ``"quorum"`` and optional for ``"deadline"`` (default
+    ``world_size``: every rank, or the deadline). Raises ``ValueError`` naming ``kind``
+    (unknown) or ``quorum`` (missing for ``"quorum"``, given for a kind without one, or
+    outside ``1..world_size``).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind != "quorum":
+    if kind not in ARRIVAL_KINDS:
         if quorum is not None:
-            raise ValueError(f"quorum is only meaningful for kind='quorum', got kind={kind!r}")
+            raise ValueError(f"quorum is only meaningful for kind='quorum' or 'deadline', "
+                             f"got kind={kind!r}")
         return None
+    if quorum is None and kind == "deadline":
+        return world_size
     if quorum is None or isinstance(quorum, bool) or not isinstance(quorum, (int, np.integer)):
-        raise ValueError(f"quorum must be an int in 1..{world_size} for kind='quorum', "
+        raise ValueError(f"quorum must be an int in 1..{world_size} for kind={kind!r}, "
                          f"got {quorum!r}")
     if not 1 <= quorum <= world_size:
         raise ValueError(f"quorum must be in 1..{world_size}, got {quorum}")
@@ -175,11 +216,12 @@ def initiators(kind: str, execution: int, world_size: int, seed: int = 0) -> fro
 
     A pure function of its arguments (every rank computes the same set without communicating,
     and without a generator whose position ranks would have to agree on): ``solo`` and
-    ``quorum`` (where start means "announce arrival") all ranks; ``majority`` one rank and
+    ``quorum`` and ``deadline`` (where start means "announce arrival") all ranks;
+    ``majority`` one rank and
     ``two_choice`` two distinct ranks (one when P = 1), drawn uniformly by a 64-bit hash of
     ``(seed, execution)``. Costs a few integer operations.
     """
-    if kind in ("solo", "quorum"):
+    if kind in ("solo", *ARRIVAL_KINDS):
         return frozenset(range(world_size))
     a = _draw(seed, execution, 0) % world_size
     if kind == "majority":
@@ -194,7 +236,7 @@ def initiators(kind: str, execution: int, world_size: int, seed: int = 0) -> fro
 
 def meta_len(world_size: int) -> int:
     """Length of the meta vector: P counts, P fresh flags, the signature, the flushing count,
-    P arrival stamps (:func:`arrival_stamp`; 0: no call was waiting)."""
+    P arrival stamps (:func:`arrival_stamp`, :func:`encode_stamp`; 0: no call was waiting)."""
     return 3 * world_size + 2
 
 
@@ -202,24 +244,194 @@ def meta_len(world_size: int) -> int:
 #: which may carry the meta vector, holds exactly; differences are read modulo it
 ARRIVAL_MOD = 1 << 23
 
+#: a stamp slot above this holds a late call's offset (:func:`encode_stamp`), in steps of two
+#: (float32 holds the even integers up to 2**25 exactly)
+LATE_BASE = 1 << 24
+
 
 def arrival_stamp(now: float) -> int:
     """The stamp of a call that arrives at ``now`` (``time.time()``): 1 .. ARRIVAL_MOD."""
     return int(now * 1e6) % ARRIVAL_MOD + 1
 
 
+def encode_stamp(fresh: bool, arrived: int, expired: bool, late: int) -> int:
+    """What a rank's snapshot writes in its stamp slot of the meta vector.
+
+    With a waiting call (``fresh``): its stamp ``arrived`` (1 .. ARRIVAL_MOD), plus
+    :data:`ARRIVAL_MOD` when this rank's deadline expired before it was activated. Without
+    one: ``LATE_BASE + 2 * late`` for a late call's :func:`late_offset` ``late`` (> 0), else
+    0. Every value is an integer below 2**25 that float32 holds exactly.
+    """
+    if fresh:
+        return int(arrived) + (ARRIVAL_MOD if expired else 0)
+    return LATE_BASE + 2 * int(late) if late > 0 else 0
+
+
+def _arrived(stamps: Any) -> np.ndarray:
+    s = np.asarray(stamps).astype(np.int64)
+    return np.where(s > ARRIVAL_MOD, s - ARRIVAL_MOD, s) * (s <= LATE_BASE)
+
+
+def decode_expired(stamps: Any) -> frozenset[int]:
+    """The ranks whose deadline expired before they were activated, from the allreduced
+    stamp slots (:func:`encode_stamp`)."""
+    s = np.asarray(stamps)
+    return frozenset(np.flatnonzero((s > ARRIVAL_MOD) & (s <= LATE_BASE)).tolist())
+
+
+def decode_late(stamps: Any) -> dict[int, float]:
+    """Rank -> seconds a late call came after the first arrival of the execution it missed,
+    from the allreduced stamp slots (:func:`encode_stamp`)."""
+    s = np.asarray(stamps).astype(np.int64)
+    got = np.flatnonzero(s > LATE_BASE)
+    return {int(r): float(((int(s[r]) - LATE_BASE) // 2 - 1) * 2) / 1e6 for r in got.tolist()}
+
+
 def decode_arrivals(stamps: Any) -> dict[int, float]:
-    """Rank -> seconds after the first arrival, for the non-zero ``stamps`` (P of them, as
-    allreduced): differences are taken modulo :data:`ARRIVAL_MOD`, so calls within about
-    4 s of one another are ordered right."""
+    """Rank -> seconds after the first arrival, for the ``stamps`` (P of them, as allreduced)
+    that hold a waiting call's arrival (:func:`encode_stamp`): differences are taken modulo
+    :data:`ARRIVAL_MOD`, so calls within about 4 s of one another are ordered right."""
+    stamps = _arrived(stamps)
     got = np.flatnonzero(stamps)
     if not got.size:
         return {}
     half = ARRIVAL_MOD // 2
-    rel = (np.asarray(stamps)[got].astype(np.int64) - int(stamps[got[0]]) + half) \
-        % ARRIVAL_MOD - half
+    rel = (stamps[got] - int(stamps[got[0]]) + half) % ARRIVAL_MOD - half
     rel -= rel.min()
     return {int(r): float(t) / 1e6 for r, t in zip(got.tolist(), rel.tolist(), strict=True)}
+
+
+def first_stamp(stamps: Any) -> int:
+    """The arrival stamp of the first waiting call among the allreduced ``stamps`` (0: none),
+    what :func:`late_offset` measures late calls from."""
+    rel = decode_arrivals(stamps)
+    if not rel:
+        return 0
+    r0 = min(rel, key=lambda r: (rel[r], r))
+    return int(_arrived(stamps)[r0])
+
+
+def late_offset(stamp: int, first: int) -> int:
+    """``state[LATE]`` for a call stamped ``stamp`` that missed an execution whose first
+    arrival was stamped ``first`` (:func:`arrival_stamp` both): half the microseconds after
+    it, plus 1 (0 is "none"), the difference read modulo :data:`ARRIVAL_MOD`."""
+    return ((stamp - first) % ARRIVAL_MOD) // 2 + 1
+
+
+def arrival_spread(meta: Any, world_size: int, quorum: int) -> float | None:
+    """The arrival spread of one completed execution, from its allreduced ``meta``: seconds
+    from the first arrival to the ``quorum``-th (k-th) one (the last one known when fewer are).
+
+    The arrivals known are the waiting calls' (the arrival stamps: :func:`decode_arrivals`)
+    and the late calls reported in this execution (the late slots: calls that missed an
+    earlier execution, usually the previous one, by that many seconds after its first
+    arrival; :func:`decode_late`). Late calls make the spread exceed a deadline that cut them
+    off, so the deadline can grow. ``None`` when the meta holds no arrival. A pure function
+    of the allreduced meta: every rank gets the same value.
+    """
+    stamps = meta[2 * world_size + 2:3 * world_size + 2]
+    offsets = [*decode_arrivals(stamps).values(), *decode_late(stamps).values()]
+    if not offsets:
+        return None
+    offsets.sort()
+    return offsets[min(quorum, len(offsets)) - 1]
+
+
+def next_deadline(spreads: Sequence[float], m: float, lo: float, hi: float) -> float:
+    """The deadline of the next execution: ``median + m * MAD`` of ``spreads``, within
+    ``[lo, hi]``.
+
+    ``spreads``: the arrival spreads (seconds from an execution's first arrival to its k-th,
+    :func:`arrival_spread`) of a window of recent executions, oldest first; ``m``: how many
+    median absolute deviations (unscaled: ``median(|s - median(s)|)``) above the median to
+    wait; ``lo <= hi``: the bounds, in seconds. With no spreads yet, ``hi`` (the most
+    patient deadline). A pure function of its arguments, so every rank (and the simulator)
+    that holds the same spreads computes the same deadline. Raises ``ValueError`` naming
+    ``m`` (negative or NaN) or ``lo``/``hi`` (unless ``0 <= lo <= hi``). Costs O(n log n) for
+    n spreads.
+
+    >>> next_deadline([0.010, 0.012, 0.011, 0.050], 2.0, 0.001, 1.0)
+    0.0135
+    >>> next_deadline([], 3.0, 0.001, 1.0)
+    1.0
+    """
+    if not m >= 0:
+        raise ValueError(f"m must be >= 0, got {m!r}")
+    if not 0 <= lo <= hi:
+        raise ValueError(f"lo and hi must satisfy 0 <= lo <= hi, got lo={lo!r}, hi={hi!r}")
+    if not spreads:
+        return float(hi)
+    med = statistics.median(spreads)
+    mad = statistics.median(abs(x - med) for x in spreads)
+    return float(min(max(med + m * mad, lo), hi))
+
+
+#: ``deadline=(lo, hi)`` seconds, ``mad_factor`` m and the window of executions by default
+DEFAULT_DEADLINE: tuple[float, float] = (0.001, 1.0)
+DEFAULT_MAD_FACTOR = 3.0
+DEFAULT_DEADLINE_WINDOW = 16
+
+
+class DeadlineConfig(NamedTuple):
+    """The validated parameters of a ``deadline`` partial allreduce (:func:`check_deadline`):
+    the bounds ``lo <= hi`` in seconds, the MAD factor ``m``, the ``window`` of executions
+    whose spreads feed :func:`next_deadline`."""
+
+    lo: float
+    hi: float
+    m: float
+    window: int
+
+
+def check_deadline(kind: str, deadline: float | tuple[float, float] | None,
+                   mad_factor: float | None, deadline_window: int | None) -> DeadlineConfig | None:
+    """Validate the deadline parameters for ``kind``; ``None`` unless ``kind == "deadline"``.
+
+    ``deadline``: ``(lo, hi)`` seconds with ``0 <= lo <= hi`` (the adaptive deadline's bounds)
+    or one number (a fixed deadline, ``lo == hi``); default :data:`DEFAULT_DEADLINE`.
+    ``mad_factor``: ``m >= 0`` (default :data:`DEFAULT_MAD_FACTOR`); ``deadline_window``: an
+    int >= 1 (default :data:`DEFAULT_DEADLINE_WINDOW`). Raises ``ValueError`` naming
+    ``deadline``, ``mad_factor`` or ``deadline_window``, also when one is given for another
+    kind.
+    """
+    if kind != "deadline":
+        for arg, v in (("deadline", deadline), ("mad_factor", mad_factor),
+                       ("deadline_window", deadline_window)):
+            if v is not None:
+                raise ValueError(f"{arg} is only meaningful for kind='deadline', "
+                                 f"got kind={kind!r}")
+        return None
+    d = DEFAULT_DEADLINE if deadline is None else deadline
+    pair: tuple[Any, ...] = tuple(d) if isinstance(d, (tuple, list)) else (d, d)
+    if len(pair) != 2 or not all(_is_real(x) for x in pair):
+        raise ValueError(f"deadline must be seconds or a pair (lo, hi) of seconds, got "
+                         f"{deadline!r}")
+    lo, hi = float(pair[0]), float(pair[1])
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo < 0 or lo > hi:
+        raise ValueError(f"deadline must be (lo, hi) with 0 <= lo <= hi, finite, got "
+                         f"{deadline!r}")
+    m = DEFAULT_MAD_FACTOR if mad_factor is None else mad_factor
+    if not _is_real(m) or not math.isfinite(float(m)) or float(m) < 0:
+        raise ValueError(f"mad_factor must be a finite number >= 0, got {mad_factor!r}")
+    w = DEFAULT_DEADLINE_WINDOW if deadline_window is None else deadline_window
+    if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
+        raise ValueError(f"deadline_window must be an int >= 1, got {deadline_window!r}")
+    return DeadlineConfig(lo, hi, float(m), int(w))
+
+
+def _is_real(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating))
+
+
+def deadline_signature(config: DeadlineConfig | None) -> int:
+    """A 16-bit fingerprint of the deadline parameters (0 for ``None``): each rank's snapshot
+    XORs it into the signature it adds to the meta vector, so ranks that disagree on them
+    find out."""
+    if config is None:
+        return 0
+    text = f"{config.lo!r}|{config.hi!r}|{config.m!r}|{config.window}"
+    digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
+    return (int.from_bytes(digest, "little") & 0xFFFF) or 1
 
 
 def packs_meta(dtype: Any, op: str, world_size: int) -> bool:
@@ -285,12 +497,14 @@ def write_meta(meta: Any, state: Any, params: Mapping[str, Any]) -> None:
     meta.fill(0)
     meta[rank] = state[COUNT]
     meta[p + rank] = state[FRESH]
-    meta[2 * p] = params["sig"]
+    meta[2 * p] = params["sig"] ^ state[DSIG]
     meta[2 * p + 1] = state[FLUSHING]
-    if state[FRESH]:
-        meta[2 * p + 2 + rank] = state[ARRIVED]
+    meta[2 * p + 2 + rank] = encode_stamp(bool(state[FRESH]), state[ARRIVED],
+                                          bool(state[EXPIRED]), state[LATE])
     state[COUNT] = 0
     state[FRESH] = 0
+    state[LATE] = 0
+    state[EXPIRED] = 0
     state[SNAPSHOTS] += 1
 
 

@@ -50,9 +50,9 @@ from ..buffers import check_array
 from ..collectives import KERNELS, dense
 from ..collectives._plan import check_op
 from ..collectives.dense import block_bounds
-from ..collectives.partial import check_kind
+from ..collectives.partial import check_deadline, check_kind
 from ..collectives.sparse.streams import SparseVector
-from ..errors import PeerLostError, TransportClosedError
+from ..errors import CollectiveTimeoutError, PeerLostError, TransportClosedError
 from ..results import PartialResult
 from ..sched import DumpSignal, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
@@ -641,13 +641,22 @@ class Communicator:
                           quorum: int | None = None, seed: int | None = None,
                           name: str | None = None, algorithm: str | None = None,
                           timeout: float | None = None, *, density: float | None = None,
-                          delta: float | None = None) -> PartialAllreduce:
+                          delta: float | None = None,
+                          deadline: float | tuple[float, float] | None = None,
+                          mad_factor: float | None = None,
+                          deadline_window: int | None = None) -> PartialAllreduce:
         """A persistent partial allreduce handle ``h``: ``await h(x) -> PartialResult``.
 
         ``kind``: ``solo`` (any rank's call starts an execution), ``majority`` (one drawn rank
         per execution), ``two_choice`` (two drawn ranks, the first to arrive), ``quorum``
         (starts once ``quorum`` ranks have arrived; ``quorum = P - b`` is synchronous SGD with
-        b backup workers). ``like``: an array of the shape and dtype of every call's data.
+        b backup workers), ``deadline`` (starts once ``quorum`` ranks have arrived, default
+        all P, or an adaptive deadline after the first arrival, whichever is first: the
+        median plus ``mad_factor`` (default 3) median absolute deviations of the arrival
+        spreads of the last ``deadline_window`` (default 16) executions, within
+        ``deadline=(lo, hi)`` seconds (default ``(0.001, 1.0)``; one number: a fixed
+        deadline); ``PartialResult.deadline`` and ``.deadline_expired`` say what happened;
+        docs/partial.md). ``like``: an array of the shape and dtype of every call's data.
         ``accumulate``: ``True`` (or ``"sum"``): a call returns the sum of every result
         completed since the previous call instead of the latest; ``"mean"``: the sum of each
         of those results divided by its own ``count`` (the per-execution average, what
@@ -673,8 +682,9 @@ class Communicator:
         ``delta`` apply to sparse handles only.
 
         Raises ``ValueError`` naming ``kind``, ``quorum``, ``op``, ``algorithm``, ``name`` (in
-        use) or ``like``. Builds and arms the schedule at once (so other ranks' activations
-        are answered from now on); costs O(P log P) Python work.
+        use), ``like``, ``deadline``, ``mad_factor`` or ``deadline_window``. Builds and arms
+        the schedule at once (so other ranks' activations are answered from now on); costs
+        O(P log P) Python work.
         """
         self._check_open()
         like, like_kind = from_tensor(like, "like")
@@ -685,6 +695,7 @@ class Communicator:
                 raise ValueError("density and delta apply to sparse handles only (like must "
                                  "be a SparseVector)")
         check_kind(kind, self.size, quorum)
+        check_deadline(kind, deadline, mad_factor, deadline_window)
         if accumulate not in (False, True, "sum", "mean"):
             raise ValueError(f"accumulate must be False, True, 'sum' or 'mean', got "
                              f"{accumulate!r}")
@@ -716,6 +727,7 @@ class Communicator:
             name=name, timeout=t,
             trace=self._writer, kernels=self.kernels, live=self.live,
             stall_warn=self.stall_warn, average=average and not accumulate,
+            deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window,
             like_kind=like_kind))
         self._handles[name] = h
         return h

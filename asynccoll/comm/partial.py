@@ -10,8 +10,23 @@ The rules (issue 4, DESIGN §5), for a call ``h(x)`` on rank r:
    the latest result (``included=False``; with ``accumulate=True`` the sum of every result not
    yet given) and ``x`` is added to the send buffer for a later execution.
 2. Otherwise ``x`` is added to the send buffer and r takes part in the current execution e:
-   it starts e when r is in S(e) (for quorum: it announces its arrival), else it waits for an
-   external activation; it returns e's result with ``included=True``.
+   it starts e when r is in S(e) (for quorum and deadline: it announces its arrival), else it
+   waits for an external activation; it returns e's result with ``included=True``.
+
+**Deadline.** ``kind="deadline"`` runs the quorum's schedule (k of P arrivals activate) and
+adds a timer: a call of rule 2 arms ``loop.call_later(d_e, ...)`` and cancels it when it
+returns; if it fires before e was activated on r, r sets its ``EXPIRED`` flag and forces e
+(the self-message a flush uses), and the activation broadcast starts e everywhere. So e starts
+at its k-th arrival or ``d_e`` after its first arrival (the first caller's timer is the
+earliest), whichever comes first. *Agreement on how e started*: every rank's snapshot adds its
+flag to the meta vector, which is allreduced with the data, so every rank reads the same
+``deadline_expired``. *Agreement on d_e*: after each completed execution every rank computes
+its arrival spread from that execution's allreduced meta (the waiting calls' arrival stamps,
+and the late calls reported in it: a call that found the execution it was meant for already
+activated or completed records how long after that execution's first arrival it came, and
+its next snapshot carries it) and ``d = next_deadline(window of spreads, m, lo, hi)``; the
+same data and the same pure function give the same deadline on every rank. Flushed
+executions are left out of the window; the first execution uses ``hi``.
 
 Corner case of 2: if e was already activated on r from outside (its snapshot taken, maybe of
 an empty buffer) before ``x`` arrived, ``x`` cannot be in e any more. The call then waits for e
@@ -45,15 +60,28 @@ import numpy as np
 
 from ..collectives import KERNELS as COLLECTIVE_KERNELS
 from ..collectives.partial import (
+    ARRIVAL_KINDS,
     ARRIVED,
     COUNT,
+    DSIG,
+    EXPIRED,
     FLUSHING,
     FRESH,
+    LATE,
     SNAPSHOTS,
     TAG_FORCE,
+    DeadlineConfig,
+    arrival_spread,
     arrival_stamp,
+    check_deadline,
+    check_kind,
+    deadline_signature,
     decode_arrivals,
+    decode_expired,
+    first_stamp,
     initiators,
+    late_offset,
+    next_deadline,
 )
 from ..errors import BusyError, CollectiveTimeoutError, ExecutionError, TransportClosedError
 from ..results import PartialResult
@@ -75,7 +103,8 @@ def stable_id(text: str, space: int) -> int:
 
 
 class PartialAllreduce:
-    """A persistent partial allreduce (solo, majority, two-choice or quorum); see module doc.
+    """A persistent partial allreduce (solo, majority, two-choice, quorum or deadline); see
+    the module doc.
 
     Made by :meth:`Communicator.partial_allreduce <asynccoll.Communicator.partial_allreduce>`,
     on the runtime's loop, with the ``contribution`` strategy that fits ``like`` (dense or
@@ -85,7 +114,9 @@ class PartialAllreduce:
     ``trace``, ``kernels`` and ``live``: the communicator's trace writer (or ``None``), kernel
     registry (default: the collectives') and live-op registry, which its executor uses.
     ``stall_warn``: seconds a call waits before it logs that it still waits (see
-    :mod:`.stall`; ``None``: never).
+    :mod:`.stall`; ``None``: never). ``deadline``, ``mad_factor``, ``deadline_window``: the
+    ``deadline`` kind's parameters (:func:`~asynccoll.collectives.partial.check_deadline`;
+    ``ValueError`` naming them when bad or given for another kind).
     """
 
     def __init__(self, engine: ProgressEngine, transport: Transport, contribution: Contribution,
@@ -93,7 +124,10 @@ class PartialAllreduce:
                  seed: int,
                  name: str, timeout: float | None = None, trace: TraceWriter | None = None,
                  kernels: KernelRegistry | None = None, live: LiveOps | None = None,
-                 stall_warn: float | None = None) -> None:
+                 stall_warn: float | None = None,
+                 deadline: float | tuple[float, float] | None = None,
+                 mad_factor: float | None = None,
+                 deadline_window: int | None = None) -> None:
         self._engine = engine
         self._writer = trace
         self._contribution = contribution
@@ -103,7 +137,11 @@ class PartialAllreduce:
         #: ``"sum"``: hand out the sum of the results not yet given; ``"mean"``: the sum of each
         #: one divided by its count; ``False``: the latest
         self.accumulate: bool | str = "sum" if accumulate is True else accumulate
+        quorum = check_kind(kind, transport.world_size, quorum)
         self.quorum = quorum
+        #: the deadline kind's parameters (None for other kinds)
+        self.deadline_config: DeadlineConfig | None = check_deadline(
+            kind, deadline, mad_factor, deadline_window)
         self.seed = seed
         self.timeout = timeout
         self.stall_warn = stall_warn
@@ -123,6 +161,15 @@ class PartialAllreduce:
         self._value: Any = None  # latest result (or the sum since given), not yet handed out
         self._vmeta = np.zeros(len(self._meta), np.int64)
         self._stamps = slice(2 * P + 2, 3 * P + 2)  # the arrival stamps in the meta vector
+        dc = self.deadline_config
+        self._state[DSIG] = deadline_signature(dc)
+        #: the deadline (seconds) the next execution uses; the spreads it comes from
+        self.next_deadline: float | None = None if dc is None else dc.hi
+        self._spreads: collections.deque[float] = collections.deque(
+            maxlen=1 if dc is None else dc.window)
+        self._deadline_of: dict[int, float] = {}  # execution -> the deadline it used
+        self._first_stamp = 0  # the latest completed execution's first arrival stamp (0: none)
+        self._wait_stamp = 0  # the waiting call's arrival stamp
         self._wait_round = -1
         self._wait_result: PartialResult | None = None
         self._wait_included = False
@@ -144,7 +191,7 @@ class PartialAllreduce:
         self._ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=True,
                             on_complete=self._on_complete, trace_sink=sink,
                             kernels=_locked_snapshots(base, self._lock))
-        if kind != "quorum":  # who may start an execution: named in stall warnings
+        if kind not in ARRIVAL_KINDS:  # who may start an execution: named in stall warnings
             self._ex.initiators = self._initiators
         if live is not None:
             live.add(self._ex, trace)
@@ -248,8 +295,20 @@ class PartialAllreduce:
             # busy: the loop says BusyError, or finds the call ahead of it gone (cancelled)
             if self._round <= self._given or self._busy or self._closed:
                 return None
+            self._note_late(arrival_stamp(time.time()))
             self._add(flat, combine, True)
             return self._take(False, self._round - self._given)
+
+    def _note_late(self, stamp: int, first: int | None = None) -> None:
+        """Record (deadline kind) that a call stamped ``stamp`` missed the execution whose
+        first arrival was stamped ``first`` (default: the latest completed one's); this rank's
+        next snapshot reports it (the latest, or the largest of several, wins). Under the
+        lock."""
+        first = self._first_stamp if first is None else first
+        if self.deadline_config is None or not first:
+            return
+        st = self._state
+        st[LATE] = max(int(st[LATE]), late_offset(stamp, first))
 
     def _add(self, flat: Any, combine: Combine | None, late: bool) -> None:
         st = self._state
@@ -259,9 +318,12 @@ class PartialAllreduce:
                     combine: Combine | None = None) -> PartialResult:
         flat = self._check(x)
         ex = self._ex
+        timer: asyncio.TimerHandle | None = None
         with self._lock:
             c = self._round
+            stamp = arrival_stamp(time.time())
             if c > self._given:
+                self._note_late(stamp)
                 self._add(flat, combine, True)
                 return self._take(False, c - self._given)
             cur = c + 1
@@ -270,10 +332,11 @@ class PartialAllreduce:
             # Set before start(): a world of one completes the execution inside start().
             self._wait_round = cur
             self._wait_included = not late  # late: activated from outside before x arrived
+            self._wait_stamp = stamp
             self._busy = True
             if not late:
                 self._state[FRESH] = 1
-                self._state[ARRIVED] = arrival_stamp(time.time())
+                self._state[ARRIVED] = stamp
         fut = ex.current  # execution cur's completion
         try:
             if not late:
@@ -281,8 +344,12 @@ class PartialAllreduce:
                     # Some rank is flushing and will never call again: S(e) may never come,
                     # so this call activates e itself.
                     self._force(cur)
-                elif self.rank in initiators(self.kind, cur, self.world_size, self.seed):
-                    ex.start()
+                else:
+                    if self.next_deadline is not None:
+                        timer = asyncio.get_running_loop().call_later(
+                            self.next_deadline, self._expire, cur)
+                    if self.rank in initiators(self.kind, cur, self.world_size, self.seed):
+                        ex.start()
             await self._await(fut, timeout, cur)
         except BaseException:
             with self._lock:
@@ -293,11 +360,22 @@ class PartialAllreduce:
                     self._wait_result = None
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             self._busy = False
             self._wait_round = -1
         res, self._wait_result = self._wait_result, None
         assert res is not None
         return res
+
+    def _expire(self, e: int) -> None:
+        """The deadline of execution ``e`` expired on this rank (a loop timer): unless ``e``
+        was activated here meanwhile, flag it and force it (module doc)."""
+        with self._lock:
+            if self._closed or self._ex.error is not None or self._state[SNAPSHOTS] > e:
+                return
+            self._state[EXPIRED] = 1
+        self._force(e)
 
     async def _await(self, fut: asyncio.Future[int], timeout: float | None, e: int) -> None:
         t = self.timeout if timeout is None else timeout
@@ -312,7 +390,8 @@ class PartialAllreduce:
             who = sorted(initiators(self.kind, e, self.world_size, self.seed))
             raise CollectiveTimeoutError(
                 f"rank {self.rank}: {self.kind} allreduce {self.name!r} execution {e} not "
-                f"complete after {t} s (initiators {who if self.kind != 'quorum' else 'any'}"
+                f"complete after {t} s (initiators "
+                f"{who if self.kind not in ARRIVAL_KINDS else 'any'}"
                 f"{'' if self.quorum is None else f', quorum {self.quorum}'}); waiting on: "
                 + "; ".join(d for _, _, d in pend), pend) from None
 
@@ -325,19 +404,42 @@ class PartialAllreduce:
     def _complete(self, e: int) -> None:
         c = self._contribution
         c.unpack_meta()
-        if self._meta[2 * self.world_size] != self.world_size * c.signature:
+        P = self.world_size
+        if self._meta[2 * P] != P * (c.signature ^ int(self._state[DSIG])):
             raise ExecutionError(
                 f"rank {self.rank}: the ranks disagree on partial allreduce {self.name!r} "
-                f"(kind, op, quorum, shape, dtype or algorithm differ; this rank has "
-                f"{self.kind}, op={self.op}, quorum={self.quorum}, shape={self.shape}, "
-                f"dtype={self.dtype})")
+                f"(kind, op, quorum, deadline, shape, dtype or algorithm differ; this rank "
+                f"has {self.kind}, op={self.op}, quorum={self.quorum}, shape={self.shape}, "
+                f"dtype={self.dtype}"
+                + ("" if self.deadline_config is None else f", {self.deadline_config}") + ")")
         self._keep()
         self._round = e
+        if self.next_deadline is not None:
+            self._adapt(e)
         self._flushing_seen = int(self._meta[2 * self.world_size + 1])
         if self._writer is not None:
             self._trace_extra(e)
         if e == self._wait_round:
             self._wait_result = self._take(self._wait_included, 0)
+
+    def _adapt(self, e: int) -> None:
+        """Deadline kind, after execution ``e`` completed: note the deadline it used, its
+        first arrival (for late calls), a late waiting call, and the next deadline."""
+        dc = self.deadline_config
+        assert dc is not None
+        assert self.next_deadline is not None
+        P, m = self.world_size, self._meta
+        self._deadline_of[e] = self.next_deadline
+        self._deadline_of.pop(e - 64, None)
+        first = first_stamp(m[self._stamps])
+        self._first_stamp = first
+        if e == self._wait_round and not self._wait_included:
+            self._note_late(self._wait_stamp, first)  # activated here before this call came
+        if not m[2 * P + 1]:  # a flush's executions say nothing of the arrivals
+            spread = arrival_spread(m, P, self.quorum or P)
+            if spread is not None:
+                self._spreads.append(spread)
+        self.next_deadline = next_deadline(list(self._spreads), dc.m, dc.lo, dc.hi)
 
     def _keep(self) -> None:
         """Keep the result just completed (and its meta) for the next call to hand out."""
@@ -362,7 +464,10 @@ class PartialAllreduce:
         extra["fresh"] = np.flatnonzero(m[P:2 * P]).tolist()
         extra["count"] = int(m[:P].sum())
         extra["flushed"] = bool(m[2 * P + 1])
-        if self.kind != "quorum" and not extra["flushed"]:
+        if self.next_deadline is not None:
+            extra["deadline"] = self._deadline_of.get(e)
+            extra["deadline_expired"] = bool(decode_expired(m[self._stamps]))
+        if self.kind not in ARRIVAL_KINDS and not extra["flushed"]:
             extra["initiators"] = sorted(initiators(self.kind, e, P, self.seed))
 
     def _take(self, included: bool, missed: int) -> PartialResult:
@@ -371,9 +476,18 @@ class PartialAllreduce:
         given, self._given = self._given, self._round
         res = PartialResult.from_meta(self._contribution.present(value), self._round, included,
                                       self._vmeta, self.world_size, missed, self.rank,
-                                      decode_arrivals(self._vmeta[self._stamps]))
+                                      decode_arrivals(self._vmeta[self._stamps]),
+                                      *self._deadline_fields())
         self._takes.append((res, value, self._vmeta.copy(), given))
         return res
+
+    def _deadline_fields(self) -> tuple[float | None, bool | None]:
+        """``deadline`` and ``deadline_expired`` of the result to take (None, None unless the
+        deadline kind)."""
+        if self.deadline_config is None:
+            return None, None
+        return (self._deadline_of.get(self._round),
+                bool(decode_expired(self._vmeta[self._stamps])))
 
     def _give_back(self, res: PartialResult) -> None:
         """Take back ``res``, a result taken for a call that never received it (the call was

@@ -69,6 +69,10 @@ _CANDIDATES: tuple[KindSpec, ...] = (
     KindSpec("quorum", "asynccoll.collectives.partial", "build_partial_allreduce",
              {"kind": "quorum", "quorum": lambda world, count: world // 2 + 1},
              help="quorum allreduce: a majority (P//2+1) of arrivals starts it"),
+    KindSpec("deadline", "asynccoll.collectives.partial", "build_partial_allreduce",
+             {"kind": "deadline", "quorum": lambda world, count: world // 2 + 1},
+             help="deadline allreduce: a majority (P//2+1) of arrivals or the runtime's "
+                  "deadline starts it"),
     KindSpec("sparse_allreduce", "asynccoll.collectives.sparse.schedules", "build_sparse_allreduce",
              {"size": lambda world, count: count},
              help="sparse allreduce (SparCML)",

@@ -57,6 +57,8 @@ class Executor:
     ``offload_bytes``: kernels whose output exceeds this run in the loop's executor.
     ``kernels``: the registry the compute ops' kernels are looked up in, once, here (default
     :data:`~asynccoll.sched.BUILTIN_KERNELS`; a Communicator passes its ``kernels``).
+    ``first_execution``: the index of the first execution (default 0; a partial handle that
+    survived a lost rank goes on numbering where the old world stopped).
 
     Raises :class:`ScheduleError` for an uncommitted schedule or a kernel ``kernels`` lacks,
     ``ValueError`` for a transport of
@@ -71,7 +73,8 @@ class Executor:
                  trace_capacity: int = 64,
                  trace_sink: Callable[[dict[str, Any]], None] | None = None,
                  offload_bytes: int = 4 << 20,
-                 kernels: Mapping[str, Kernel] | None = None) -> None:
+                 kernels: Mapping[str, Kernel] | None = None,
+                 first_execution: int = 0) -> None:
         if not schedule.committed:
             raise ScheduleError(f"schedule {schedule.name!r} must be committed before execution")
         if transport.rank != schedule.rank or transport.world_size != schedule.world_size:
@@ -116,8 +119,11 @@ class Executor:
         self._started = False
         self._closed = False
         self._error: BaseException | None = None
-        self.execution = 0
-        self.completed = -1
+        if isinstance(first_execution, bool) or not isinstance(first_execution, int) \
+                or first_execution < 0:
+            raise ValueError(f"first_execution must be an int >= 0, got {first_execution!r}")
+        self.execution = first_execution
+        self.completed = first_execution - 1
         # What explains a wait (read only on a stall, a timeout or a dump; see pending()):
         #: the :class:`~asynccoll.sched.LiveOps` tracking this executor (set by its ``add``)
         self.live: Any = None

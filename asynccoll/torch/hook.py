@@ -21,6 +21,11 @@ equal on every rank. The hook starts the bucket's call on the progress thread an
   averages (every rank applies the same total, so plain-SGD replicas stay equal after
   :meth:`PartialHookState.finish`); False: only the latest round's average (the paper).
 * ``kind="sync"``: a plain averaging allreduce per bucket, DDP's default hook over asynccoll.
+* ``kind="deadline"``: a bucket's round starts once ``quorum`` ranks (default all) have
+  arrived or an adaptive deadline after the first arrival expired (``deadline=(lo, hi)``
+  seconds, ``mad_factor``, ``deadline_window``: as :meth:`Communicator.partial_allreduce
+  <asynccoll.Communicator.partial_allreduce>`); each bucket adapts its own deadline, and
+  :class:`BucketStep` reports ``deadline`` and ``deadline_expired``.
 * **The first step is synchronous** whatever the kind: DDP rebuilds its buckets after its first
   iteration, and handles are only made for the buckets it keeps.
 
@@ -43,21 +48,22 @@ from typing import Any
 
 import torch
 
-from ..collectives.partial import check_kind
+from ..collectives.partial import DeadlineConfig, check_deadline, check_kind
 from ..comm.blocking import BlockingCollectives
 from ..results import PartialResult
 from ._comm import blocking, pieces
 
 __all__ = ["BucketStep", "PartialHookState", "partial_hook"]
 
-KINDS = ("solo", "majority", "two_choice", "quorum", "sync")
+KINDS = ("solo", "majority", "two_choice", "quorum", "deadline", "sync")
 
 
 @dataclass(frozen=True)
 class BucketStep:
     """What one bucket's latest step did (the fields of :class:`~asynccoll.PartialResult`,
     plus ``step``: this rank's step count for the bucket, and ``staleness``: how many
-    consecutive steps of this rank, this one included, were not in the result they got)."""
+    consecutive steps of this rank, this one included, were not in the result they got;
+    ``deadline`` and ``deadline_expired`` are None unless ``kind="deadline"``)."""
 
     step: int
     round: int
@@ -66,6 +72,8 @@ class BucketStep:
     count: int
     staleness: int
     missed: int = 0
+    deadline: float | None = None
+    deadline_expired: bool | None = None
 
 
 class PartialHookState:
@@ -80,7 +88,8 @@ class PartialHookState:
 
     def __init__(self, comm: BlockingCollectives, kind: str, quorum: int | None,
                  accumulate: bool, name: str, seed: int | None = None,
-                 average: str = "contributions") -> None:
+                 average: str = "contributions",
+                 deadline: DeadlineConfig | None = None) -> None:
         self.comm = comm
         self.kind = kind
         self.quorum = quorum
@@ -88,6 +97,8 @@ class PartialHookState:
         self.name = name
         self.seed = seed
         self.average = average
+        #: ``kind="deadline"``'s parameters (None for other kinds)
+        self.deadline = deadline
         self.buckets: dict[int, BucketStep] = {}
         self.steps = 0
         #: buckets handed to the hook so far (this rank's contributions, for accounting)
@@ -104,11 +115,14 @@ class PartialHookState:
         key = (index, buf.numel(), str(buf.dtype))
         h = self._handles.get(key)
         if h is None:
+            d = self.deadline
+            extra: dict[str, Any] = {} if d is None else {
+                "deadline": (d.lo, d.hi), "mad_factor": d.m, "deadline_window": d.window}
             h = self.comm.comm.partial_allreduce(
                 self.kind, like=buf, op="avg" if self.average == "contributions" else "sum",
                 accumulate=self.accumulate,
                 quorum=self.quorum, seed=self.seed,
-                name=f"{self.name}/bucket{index}/{buf.numel()}/{buf.dtype}")
+                name=f"{self.name}/bucket{index}/{buf.numel()}/{buf.dtype}", **extra)
             self._handles[key] = h
         return h
 
@@ -146,7 +160,8 @@ class PartialHookState:
         prev = self.buckets.get(index)
         stale = 0 if res.included else (prev.staleness + 1 if prev is not None else 1)
         self._record(index, BucketStep(step, res.round, res.included, res.contributors,
-                                       res.count, stale, res.missed))
+                                       res.count, stale, res.missed, res.deadline,
+                                       res.deadline_expired))
         value: torch.Tensor = res.value
         return value if self.average == "contributions" else value.div_(self.comm.size)
 
@@ -205,18 +220,22 @@ def _complete(fut: torch.futures.Future[torch.Tensor], f: concurrent.futures.Fut
 def partial_hook(comm: Any, kind: str = "majority", quorum: int | None = None,
                  accumulate: bool = True, *, average: str = "contributions",
                  name: str = "ddp", seed: int | None = None,
+                 deadline: float | tuple[float, float] | None = None,
+                 mad_factor: float | None = None, deadline_window: int | None = None,
                  ) -> tuple[PartialHookState, Callable[[PartialHookState, Any],
                                                        torch.futures.Future[torch.Tensor]]]:
     """``(state, hook)`` for ``ddp.register_comm_hook(state, hook)`` (module doc).
 
     ``comm``: a :class:`~asynccoll.Communicator` with a progress thread, or
     :func:`asynccoll.init`'s communicator. ``kind``: ``solo``, ``majority``, ``two_choice``,
-    ``quorum`` (with ``quorum`` = k ranks) or ``sync``. ``accumulate``, ``average``
-    (``"contributions"`` or ``"world"``): module doc. ``name``:
+    ``quorum`` (with ``quorum`` = k ranks), ``deadline`` (``quorum`` = k, default all;
+    ``deadline=(lo, hi)``, ``mad_factor``, ``deadline_window``: module doc) or ``sync``.
+    ``accumulate``, ``average`` (``"contributions"`` or ``"world"``): module doc. ``name``:
     distinct per hook of one communicator, equal on every rank. ``seed``: the initiator draws
     of every bucket (default: one per bucket, from its name). Raises ``ValueError`` naming
-    ``kind`` or ``quorum``. Costs per bucket and step: one partial allreduce of the bucket
-    (the first step: one allreduce), started without blocking the backward pass.
+    ``kind``, ``quorum``, ``deadline``, ``mad_factor`` or ``deadline_window``. Costs per
+    bucket and step: one partial allreduce of the bucket (the first step: one allreduce),
+    started without blocking the backward pass.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -225,7 +244,8 @@ def partial_hook(comm: Any, kind: str = "majority", quorum: int | None = None,
     c = blocking(comm)
     if kind != "sync":
         check_kind(kind, c.size, quorum)
-    state = PartialHookState(c, kind, quorum, bool(accumulate), name, seed, average)
+    config = check_deadline(kind, deadline, mad_factor, deadline_window)
+    state = PartialHookState(c, kind, quorum, bool(accumulate), name, seed, average, config)
 
     def hook(st: PartialHookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         return st.reduce(bucket)

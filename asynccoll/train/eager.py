@@ -2,8 +2,8 @@
 Training Workloads in Deep Learning with Partial Collective Operations*).
 
 Each step sums the gradients with a persistent partial allreduce (``solo``, ``majority``,
-``two_choice`` or ``quorum``) instead of waiting for every rank; ``mode="sync"`` is plain
-synchronous SGD over :meth:`Communicator.allreduce` for comparison. A rank whose gradient
+``two_choice``, ``quorum`` or ``deadline``) instead of waiting for every rank; ``mode="sync"``
+is plain synchronous SGD over :meth:`Communicator.allreduce` for comparison. A rank whose gradient
 arrives after the round it was meant for leaves it in the collective's send buffer, and the next
 round carries it (§5: "the stale gradient is then stored in the send buffer"): gradients are
 never dropped and never counted twice.
@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from ..collectives.partial import check_deadline
 from ..comm.communicator import Communicator
 from ..results import PartialResult
 from .bucket import ParamBucket
@@ -51,7 +52,7 @@ from .updaters import SGD
 
 __all__ = ["EagerSGD"]
 
-MODES = ("solo", "majority", "two_choice", "quorum", "sync")
+MODES = ("solo", "majority", "two_choice", "quorum", "deadline", "sync")
 
 
 class EagerSGD:
@@ -60,7 +61,12 @@ class EagerSGD:
     ``params``: one flat array, a list of arrays or PyTorch CPU tensors (fused into one bucket;
     the originals become views of it). ``lr``, ``momentum``, ``weight_decay``: the local
     update rule (:class:`~asynccoll.train.updaters.SGD`) applied to the averaged gradient.
-    ``mode``: the partial allreduce kind or ``"sync"``; ``quorum``: k for ``mode="quorum"``.
+    ``mode``: the partial allreduce kind or ``"sync"``; ``quorum``: k for ``mode="quorum"``
+    (and ``"deadline"``, default P). ``deadline=(lo, hi)`` seconds, ``mad_factor``,
+    ``deadline_window``: ``mode="deadline"``'s adaptive deadline (a step's round starts once
+    ``quorum`` ranks have arrived or the deadline after the first arrival expired; see
+    :meth:`Communicator.partial_allreduce <asynccoll.Communicator.partial_allreduce>`);
+    :class:`~asynccoll.train.StepInfo` reports ``deadline`` and ``deadline_expired``.
     ``accumulate``, ``average``, ``sync_every``, ``max_staleness``: module doc. ``seed``:
     initiator draws. ``name``: the collective's name (distinct per optimizer, equal on all
     ranks). ``timeout``: per collective call.
@@ -76,11 +82,15 @@ class EagerSGD:
                  average: str = "world", quorum: int | None = None,
                  sync_every: int | None = None, max_staleness: int | None = None,
                  seed: int | None = None, name: str = "eager-sgd",
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None,
+                 deadline: float | tuple[float, float] | None = None,
+                 mad_factor: float | None = None,
+                 deadline_window: int | None = None) -> None:
         if not isinstance(comm, Communicator):
             raise TypeError(f"comm must be a Communicator, got {type(comm).__name__}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_deadline(mode, deadline, mad_factor, deadline_window)
         if average not in ("world", "contributions", "quorum"):
             raise ValueError(f"average must be 'world' or 'contributions', got {average!r}")
         for arg, v in (("sync_every", sync_every), ("max_staleness", max_staleness)):
@@ -110,7 +120,8 @@ class EagerSGD:
         if mode != "sync":
             self._h = comm.partial_allreduce(
                 mode, like=self.params, quorum=quorum, seed=seed, name=name,
-                accumulate="mean" if self._mean_rounds() else self.accumulate)
+                accumulate="mean" if self._mean_rounds() else self.accumulate,
+                deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window)
         n = self.params.size
         self._sync_buf = np.empty(n + 2, self.params.dtype)
         # Where a list of gradients is fused (the collective copies it, so it can be reused).
@@ -166,7 +177,8 @@ class EagerSGD:
             await self._sync(finished=False)
             synced = True
         return StepInfo(res.round, res.included, res.contributors, res.count, stale, lr,
-                        res.missed, synced, res.fresh, res.lateness, res.latest_arrival)
+                        res.missed, synced, res.fresh, res.lateness, res.latest_arrival,
+                        res.deadline, res.deadline_expired)
 
     def _apply(self, value: Any, divisor: int, lr: float) -> None:
         self.updater.apply(self.params, value.reshape(-1) / divisor, lr)

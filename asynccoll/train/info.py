@@ -25,6 +25,9 @@ class StepInfo:
     * ``synced``: a model synchronisation (flush and parameter average) ran in this step.
     * ``lateness``, ``latest_arrival``: as :class:`~asynccoll.PartialResult`'s (seconds after
       the first waiting call of the round; None for synchronous methods).
+    * ``deadline``, ``deadline_expired``: as :class:`~asynccoll.PartialResult`'s (the
+      deadline the round used, and whether it, not k arrivals, started the round; None
+      unless the method runs a ``deadline`` partial allreduce).
     """
 
     round: int
@@ -38,3 +41,5 @@ class StepInfo:
     fresh: frozenset[int] = field(default_factory=frozenset)
     lateness: float | None = None
     latest_arrival: float | None = None
+    deadline: float | None = None
+    deadline_expired: bool | None = None
