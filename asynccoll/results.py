@@ -40,6 +40,11 @@ class PartialResult:
     * ``deadline_expired``: ``kind="deadline"`` only (None otherwise): whether the deadline
       expired on some rank before that rank was activated, so the timer (not k arrivals)
       started the execution; the same on every rank (it rides in the meta vector).
+    * ``world_size``: the number of ranks the execution spanned: the communicator's size, or
+      fewer once the handle went on without lost ranks (``survive=True``; docs/groups.md).
+      ``contributors`` and ``fresh`` name ranks among them.
+    * ``lost``: the ranks lost so far (in the numbering of the communicator the handle was
+      made on); empty while none is. What they held when lost is not in any result.
     """
 
     value: Any
@@ -55,16 +60,20 @@ class PartialResult:
     latest_arrival: float | None = None
     deadline: float | None = None
     deadline_expired: bool | None = None
+    world_size: int = 0
+    lost: frozenset[int] = field(default_factory=frozenset)
 
     @classmethod
     def from_meta(cls, value: Any, round: int, included: bool, meta: np.ndarray,
                   world_size: int, missed: int, rank: int | None = None,
                   arrivals: dict[int, float] | None = None,
                   deadline: float | None = None,
-                  deadline_expired: bool | None = None) -> PartialResult:
+                  deadline_expired: bool | None = None,
+                  lost: frozenset[int] = frozenset()) -> PartialResult:
         """Build from the allreduced ``meta`` vector: P counts, P fresh flags, the signature,
         the number of ranks that forced the execution; ``arrivals``, ``deadline`` and
-        ``deadline_expired`` as the fields (decoded by the runtime), ``rank`` this rank."""
+        ``deadline_expired`` as the fields (decoded by the runtime), ``rank`` this rank,
+        ``lost`` the ranks lost so far."""
         counts = meta[:world_size]
         arr = arrivals or {}
         return cls(value, round, included,
@@ -72,4 +81,5 @@ class PartialResult:
                    frozenset(np.flatnonzero(meta[world_size:2 * world_size]).tolist()),
                    bool(meta[2 * world_size + 1]), arr,
                    None if rank is None else arr.get(rank),
-                   max(arr.values()) if arr else None, deadline, deadline_expired)
+                   max(arr.values()) if arr else None, deadline, deadline_expired, world_size,
+                   lost)

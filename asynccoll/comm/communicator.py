@@ -65,6 +65,7 @@ from .partial import PartialAllreduce, stable_id
 from .progress import ProgressEngine
 from .sparse import SparseAllreduceHandle, SparseOps, as_host, to_device
 from .stall import DEFAULT_STALL_WARN
+from .survival import Survival
 from .tensors import TensorKind, TensorPartialAllreduce, from_tensor, wrap_result
 
 __all__ = ["Communicator"]
@@ -644,7 +645,8 @@ class Communicator:
                           delta: float | None = None,
                           deadline: float | tuple[float, float] | None = None,
                           mad_factor: float | None = None,
-                          deadline_window: int | None = None) -> PartialAllreduce:
+                          deadline_window: int | None = None,
+                          survive: bool | None = None) -> PartialAllreduce:
         """A persistent partial allreduce handle ``h``: ``await h(x) -> PartialResult``.
 
         ``kind``: ``solo`` (any rank's call starts an execution), ``majority`` (one drawn rank
@@ -680,6 +682,11 @@ class Communicator:
         ``algorithm`` names a sparse algorithm, or is chosen from ``density`` (the expected
         per-rank fraction of nonzeros, the same on every rank) and P. ``density`` and
         ``delta`` apply to sparse handles only.
+
+        ``survive``: whether the handle goes on without a lost rank (default:
+        :attr:`survive`): the survivors agree on who is lost, settle the execution under way
+        and rebuild the schedule for themselves, and ``PartialResult.lost`` names the ranks
+        lost (:mod:`asynccoll.comm.survival`, docs/groups.md). Dense handles only.
 
         Raises ``ValueError`` naming ``kind``, ``quorum``, ``op``, ``algorithm``, ``name`` (in
         use), ``like``, ``deadline``, ``mad_factor`` or ``deadline_window``. Builds and arms
@@ -729,6 +736,13 @@ class Communicator:
             stall_warn=self.stall_warn, average=average and not accumulate,
             deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window,
             like_kind=like_kind))
+        if self.survive if survive is None else survive:
+            if sparse:
+                if survive:
+                    raise ValueError("survive: sparse handles cannot go on without a lost "
+                                     "rank (dense handles only)")
+            else:
+                h._survival = Survival(h, self)
         self._handles[name] = h
         return h
 

@@ -148,6 +148,16 @@ class DenseContribution(Contribution):
                          if not k.startswith("meta_")})
         return sched, bufs
 
+    @property
+    def send_buffer(self) -> Any:
+        """The flat send buffer (calls' data waiting for an execution)."""
+        return self._acc
+
+    @property
+    def work(self) -> Any:
+        """The work buffer: an execution's result (and the packed meta vector, if packed)."""
+        return self._work
+
     def check(self, x: Any) -> Any:
         check_array(x, "x")
         if tuple(x.shape) != self.shape or x.dtype != self.dtype:

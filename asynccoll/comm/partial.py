@@ -53,11 +53,12 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
+from ..buffers import reduce_into
 from ..collectives import KERNELS as COLLECTIVE_KERNELS
 from ..collectives.partial import (
     ARRIVAL_KINDS,
@@ -83,17 +84,39 @@ from ..collectives.partial import (
     late_offset,
     next_deadline,
 )
-from ..errors import BusyError, CollectiveTimeoutError, ExecutionError, TransportClosedError
+from ..errors import (
+    BusyError,
+    CollectiveTimeoutError,
+    ExecutionError,
+    PeerLostError,
+    TransportClosedError,
+)
 from ..results import PartialResult
-from ..sched import Executor, Kernel, KernelRegistry, LiveOps, TraceWriter
+from ..sched import Executor, Kernel, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
-from .contribution import Combine, Contribution
+from .contribution import Combine, Contribution, DenseContribution
 from .progress import ProgressEngine
 from .stall import wait_or_warn
+
+
+class Survives(Protocol):
+    """What a handle needs of its survival state (:class:`.survival.Survival`; typed here
+    so that this module does not import it, nor the Communicator it holds)."""
+
+    lost: frozenset[int]
+    comm: Any
+
+    def after_snapshot(self, e: int, data: Any, count: int) -> None: ...
+
+    def after_complete(self, e: int, work: Any, meta: Any) -> None: ...
+
+    async def recover(self) -> None: ...
 
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]
 
 log = logging.getLogger("asynccoll.comm")
+
+_NONE: frozenset[int] = frozenset()
 
 
 def stable_id(text: str, space: int) -> int:
@@ -148,6 +171,10 @@ class PartialAllreduce:
         self.rank = transport.rank
         self.world_size = transport.world_size
         P = self.world_size
+        self._like = like
+        #: how the handle goes on without a lost rank (set by the communicator when it
+        #: survives; :mod:`.survival`), else None
+        self._survival: Survives | None = None
         sched, bufs = contribution.build(like, self.rank, P, kind, quorum)
         self.shape = contribution.shape
         self.dtype = contribution.dtype
@@ -184,17 +211,26 @@ class PartialAllreduce:
         # Guards the send buffer, the kept result and the call state between the caller's
         # thread (rule-1 calls) and the runtime's loop (snapshots, completions, other calls).
         self._lock = threading.RLock()
-        base = COLLECTIVE_KERNELS if kernels is None else kernels
+        self._kernels = _locked_snapshots(COLLECTIVE_KERNELS if kernels is None else kernels,
+                                          self._lock, self._snapped)
+        self._ex = self._executor(transport, sched, bufs, live, 0)
+
+    def _executor(self, transport: Transport, sched: Schedule, bufs: dict[str, Any],
+                  live: LiveOps | None, first: int) -> Executor:
+        """The persistent executor of ``sched`` over ``transport``, numbering its executions
+        from ``first``."""
+        trace = self._writer
         sink = None if trace is None else trace.add_schedule(
-            sched, self.sched_id, collective=f"{kind}_allreduce", kind=kind, handle=name,
-            quorum=quorum, seed=seed)
-        self._ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=True,
-                            on_complete=self._on_complete, trace_sink=sink,
-                            kernels=_locked_snapshots(base, self._lock))
-        if kind not in ARRIVAL_KINDS:  # who may start an execution: named in stall warnings
-            self._ex.initiators = self._initiators
+            sched, self.sched_id, collective=f"{self.kind}_allreduce", kind=self.kind,
+            handle=self.name, quorum=self.quorum, seed=self.seed)
+        ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=True,
+                      on_complete=self._on_complete, trace_sink=sink, kernels=self._kernels,
+                      first_execution=first)
+        if self.kind not in ARRIVAL_KINDS:  # who may start an execution: named in warnings
+            ex.initiators = self._initiators
         if live is not None:
-            live.add(self._ex, trace)
+            live.add(ex, trace)
+        return ex
 
     # -- public, from any loop ---------------------------------------------------------------
     async def __call__(self, x: Any, timeout: float | None = None, *,
@@ -273,9 +309,10 @@ class PartialAllreduce:
     def _check_open(self) -> None:
         if self._closed:
             raise TransportClosedError(f"partial allreduce {self.name!r} is closed")
-        # A failed persistent executor does not re-arm; its error ends the handle.
+        # A failed persistent executor does not re-arm; its error ends the handle, unless
+        # the handle survives a lost rank (the call recovers first).
         err = self._ex.error
-        if err is not None:
+        if err is not None and not self._survivable(err):
             raise err
 
     def _check(self, x: Any) -> Any:
@@ -317,6 +354,13 @@ class PartialAllreduce:
     async def _call(self, x: Any, timeout: float | None,
                     combine: Combine | None = None) -> PartialResult:
         flat = self._check(x)
+        while self._survivable(self._ex.error) and self._round <= self._given:
+            # lost a rank since the last call (and nothing to hand out): go on without it
+            self._busy = True
+            try:
+                await self._survive()
+            finally:
+                self._busy = False
         ex = self._ex
         timer: asyncio.TimerHandle | None = None
         with self._lock:
@@ -350,7 +394,17 @@ class PartialAllreduce:
                             self.next_deadline, self._expire, cur)
                     if self.rank in initiators(self.kind, cur, self.world_size, self.seed):
                         ex.start()
-            await self._await(fut, timeout, cur)
+            while True:
+                try:
+                    await self._await(fut, timeout, cur)
+                    break
+                except PeerLostError as exc:
+                    if not self._survivable(exc):
+                        raise
+                    await self._survive()
+                    if self._wait_result is not None:
+                        break  # execution cur was settled: its result is this call's
+                    fut = self._rejoin(cur, stamp)
         except BaseException:
             with self._lock:
                 if self._wait_result is None:
@@ -404,6 +458,8 @@ class PartialAllreduce:
     def _complete(self, e: int) -> None:
         c = self._contribution
         c.unpack_meta()
+        if self._survival is not None:
+            self._survival.after_complete(e, *self._result_buffers())
         P = self.world_size
         if self._meta[2 * P] != P * (c.signature ^ int(self._state[DSIG])):
             raise ExecutionError(
@@ -477,7 +533,9 @@ class PartialAllreduce:
         res = PartialResult.from_meta(self._contribution.present(value), self._round, included,
                                       self._vmeta, self.world_size, missed, self.rank,
                                       decode_arrivals(self._vmeta[self._stamps]),
-                                      *self._deadline_fields())
+                                      *self._deadline_fields(),
+                                      lost=_NONE if self._survival is None
+                                      else self._survival.lost)
         self._takes.append((res, value, self._vmeta.copy(), given))
         return res
 
@@ -516,6 +574,80 @@ class PartialAllreduce:
                     self._vmeta[self._stamps] = stamps  # the newer execution's
                 self._given = min(self._given, self._round - 1)  # something to hand out
 
+    # -- going on without a lost rank (:mod:`.survival`) --------------------------------------
+    def _survivable(self, err: BaseException | None) -> bool:
+        return self._survival is not None and isinstance(err, PeerLostError) \
+            and not self._closed
+
+    async def _survive(self) -> None:
+        assert self._survival is not None
+        await self._survival.recover()
+
+    def _snapped(self, inputs: Any, params: Any) -> None:
+        """After a snapshot (under the lock): a surviving handle keeps a copy of it."""
+        if self._survival is not None:
+            _acc, data, meta, state = inputs
+            self._survival.after_snapshot(int(state[SNAPSHOTS]) - 1, data[:params["count"]],
+                                          int(meta[params["rank"]]))
+
+    def _result_buffers(self) -> tuple[Any, Any]:
+        """Where an execution's result lands: the work buffer and the meta vector."""
+        c = self._contribution
+        assert isinstance(c, DenseContribution)
+        return c.work, self._meta
+
+    def _put_back(self, snapshot: Any, count: int) -> None:
+        """Put a snapshot of ``count`` contributions no execution completed back into the
+        send buffer."""
+        c = self._contribution
+        assert isinstance(c, DenseContribution)
+        with self._lock:
+            reduce_into(self.op, c.send_buffer, snapshot)
+            self._state[COUNT] += count
+
+    def _rebuild(self, comm: Any, first: int) -> None:
+        """Go on over ``comm`` (the survivors' Communicator), from execution ``first``: the
+        schedule built for its ranks, the send buffer and its count carried over
+        (:mod:`.survival`)."""
+        c = self._contribution
+        assert isinstance(c, DenseContribution)
+        transport = comm.transport
+        with self._lock:
+            old_acc, st = c.send_buffer, self._state
+            count, flushing = int(st[COUNT]), int(st[FLUSHING])
+            P = self.world_size = transport.world_size
+            self.rank = transport.rank
+            if self.quorum is not None:
+                self.quorum = min(self.quorum, P)
+            sched, bufs = c.build(self._like, self.rank, P, self.kind, self.quorum)
+            bufs["acc"][...] = old_acc
+            self._meta, self._state = bufs["meta"], bufs["state"]
+            st = self._state
+            st[COUNT], st[FLUSHING], st[SNAPSHOTS] = count, flushing, first
+            st[DSIG] = deadline_signature(self.deadline_config)
+            self.schedule = sched
+            self._vmeta = np.zeros(len(self._meta), np.int64)
+            self._stamps = slice(2 * P + 2, 3 * P + 2)
+            self._takes.clear()  # results of cancelled calls in the old world: not given back
+            self._flushing_seen = 0
+            self._writer = comm._writer
+            old, self._ex = self._ex, self._executor(transport, sched, bufs, comm.live, first)
+        old.close()
+
+    def _rejoin(self, e: int, stamp: int) -> asyncio.Future[int]:
+        """After a recovery that left execution ``e`` to the new world: the waiting call
+        takes part in it afresh (its data is in the send buffer again)."""
+        with self._lock:
+            self._wait_included = True
+            self._state[FRESH] = 1
+            self._state[ARRIVED] = stamp
+        fut = self._ex.current
+        if self._flushing_seen:
+            self._force(e)
+        elif self.rank in initiators(self.kind, e, self.world_size, self.seed):
+            self._ex.start()
+        return fut
+
     def _initiators(self, e: int) -> frozenset[int]:
         return initiators(self.kind, e, self.world_size, self.seed)
 
@@ -545,12 +677,22 @@ class PartialAllreduce:
         forced = False
         try:
             while True:
+                if self._survivable(ex.error):  # a rank was lost: go on without it
+                    await self._survive()
+                    ex, P, forced = self._ex, self.world_size, False
+                    if self._flushing_seen == P:
+                        break
                 cur = ex.completed + 1
                 if not forced and self._state[SNAPSHOTS] <= cur:
                     self._force(cur)
                     forced = True
                 left = None if deadline is None else max(deadline - loop.time(), 0.0)
-                await self._await(ex.current, left, cur)
+                try:
+                    await self._await(ex.current, left, cur)
+                except PeerLostError as exc:
+                    if not self._survivable(exc):
+                        raise
+                    continue
                 if self._flushing_seen == P:
                     break
             self._flushing_seen = 0  # everyone left their flush at this execution
@@ -578,20 +720,25 @@ class PartialAllreduce:
 _SNAPSHOT_KERNELS = ("partial_snapshot", "partial_sparse_snapshot")
 
 
-def _locked_snapshots(kernels: Mapping[str, Kernel],
-                      lock: threading.RLock) -> dict[str, Kernel]:
-    """``kernels`` with each snapshot kernel run under ``lock`` (the handle's; module doc)."""
+def _locked_snapshots(kernels: Mapping[str, Kernel], lock: threading.RLock,
+                      after: Callable[[Any, Any], None]) -> dict[str, Kernel]:
+    """``kernels`` with each snapshot kernel run under ``lock`` (the handle's; module doc),
+    followed there by ``after(inputs, params)`` for the dense one."""
     out = dict(kernels)
     for name in _SNAPSHOT_KERNELS:
         fn = out.get(name)
         if fn is not None:
-            out[name] = _under(lock, fn)
+            out[name] = _under(lock, fn, after if name == "partial_snapshot" else None)
     return out
 
 
-def _under(lock: threading.RLock, fn: Kernel) -> Kernel:
+def _under(lock: threading.RLock, fn: Kernel,
+           after: Callable[[Any, Any], None] | None) -> Kernel:
     def kernel(out: Any, inputs: Any, params: Any, msgs: Any) -> Any:
         with lock:
-            return fn(out, inputs, params, msgs)
+            got = fn(out, inputs, params, msgs)
+            if after is not None:
+                after(inputs, params)
+            return got
     return kernel
 

@@ -109,7 +109,6 @@ class EagerSGD:
         self.sync_every = sync_every
         self.max_staleness = max_staleness
         self.timeout = timeout
-        self.world_size = comm.size
         self.steps = 0  #: steps taken by this rank
         self.syncs = 0  #: sync events this rank took part in
         #: local gradients (of all ranks) summed into the updates this rank applied
@@ -127,6 +126,18 @@ class EagerSGD:
         # Where a list of gradients is fused (the collective copies it, so it can be reused).
         self._gbuf = np.empty(n, self.params.dtype) if isinstance(self.params, np.ndarray) \
             and not isinstance(params, np.ndarray) else None
+
+    @property
+    def world_size(self) -> int:
+        """The ranks training now: the communicator's size, or the survivors' number once
+        the partial collective went on without lost ranks (``survive=True``, docs/groups.md);
+        averages divide by it."""
+        return self.comm.size if self._h is None else self._h.world_size
+
+    def _comm_now(self) -> Communicator:
+        """The communicator of the ranks training now (the survivors' after a loss)."""
+        sv = None if self._h is None else self._h._survival
+        return self.comm if sv is None else sv.comm
 
     # -- hooks for the variants --------------------------------------------------------------
     def _combine(self) -> Any:
@@ -198,7 +209,7 @@ class EagerSGD:
         self._sync_buf[:n] = self.params
         self._sync_buf[n] = 1.0 if finished else 0.0
         self._sync_buf[n + 1] = 0.0 if average else 1.0
-        tot = await self.comm.allreduce(self._sync_buf, timeout=self.timeout)
+        tot = await self._comm_now().allreduce(self._sync_buf, timeout=self.timeout)
         if tot[n + 1] == 0:
             np.divide(tot[:n], self.world_size, out=self.params)
         self._since_sync = 0

@@ -1,0 +1,177 @@
+"""Partial collectives that outlive a lost rank (DESIGN §10; ``Communicator.survive``).
+
+A partial allreduce is built not to need every rank, so with ``survive=True`` a handle whose
+execution fails with :class:`~asynccoll.PeerLostError` does not fail its call: it
+
+1. **agrees** with the other survivors on who is lost: ``comm.shrink()`` (the same set on
+   every survivor; :meth:`Membership.agree <.membership.Membership.agree>`), which gives the
+   communicator of the survivors, shared by every handle of ``comm``;
+2. **settles the execution under way**, so that no contribution is lost or counted twice. An
+   allreduce result is complete only with every rank's data in it, and a rank cannot complete
+   execution e + 1 before every rank has completed e, so the survivors' last completed
+   executions differ by one at most. If some survivor completed the newest one, its result
+   (data and meta) goes to the survivors that did not, which complete it as if it had arrived:
+   their snapshot of it is in it. Otherwise nobody has it, and each survivor puts the snapshot
+   it took for it (when it took one) back into its send buffer, to go into the next execution.
+   What the lost rank had contributed to completed executions is in their results; what it
+   held in its send buffer, or in the snapshot of an execution nobody completed, is lost with
+   it, and every later result names it in ``PartialResult.lost``;
+3. **rebuilds** its schedule for the survivors over their communicator (same kind and name;
+   quorum lowered to the new world size when it exceeds it), carrying over the send buffer,
+   the count of contributions in it and the execution numbering (the next execution is the
+   one after the newest completed), and goes on: the call that was waiting takes part in the
+   next execution, or returns the settled one's result.
+
+The survivors exchange their last completed execution, and the result of the newest, with
+messages of the handle's own (over the survivors' transport), so handles that recover in
+different orders on different ranks never meet. Costs while nobody is lost: one copy of this
+rank's snapshot and one of each result, per execution (``survive=False``, the default, pays
+neither). Sparse handles do not survive (they raise :class:`~asynccoll.PeerLostError` as
+before); nor do results handed out to calls cancelled at the moment of a loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveTimeoutError
+from ..transport.frames import Kind
+from ..transport.matching import ignore_outcome
+from .partial import PartialAllreduce, stable_id
+
+__all__ = ["Survival"]
+
+log = logging.getLogger("asynccoll.comm")
+
+_COMPLETED, _WORK, _META = 0, 1, 2  # tags of the recovery messages
+
+
+class Survival:
+    """The survival state of one handle (module doc): its communicator now, copies of this
+    rank's latest snapshot and result, and the ranks lost so far (in the numbering of the
+    communicator the handle was made on)."""
+
+    def __init__(self, handle: PartialAllreduce, comm: Any) -> None:
+        self.handle = handle
+        self.comm = comm
+        #: the job ranks of the handle's first communicator, in its rank order
+        self.first = comm.members
+        self.lost: frozenset[int] = frozenset()
+        self.generation = 0
+        self._mine: tuple[int, Any, int] | None = None  # (execution, snapshot, count)
+        self._last: tuple[int, Any, Any] | None = None  # (execution, work, meta)
+
+    # -- while nobody is lost (under the handle's lock) ------------------------------------
+    def after_snapshot(self, e: int, data: Any, count: int) -> None:
+        """This rank's snapshot of execution ``e`` (``count`` contributions): keep a copy."""
+        mine = self._mine
+        if mine is not None and mine[1].shape == data.shape:
+            mine[1][...] = data
+            self._mine = (e, mine[1], count)
+        else:
+            self._mine = (e, data.copy(), count)
+
+    def after_complete(self, e: int, work: Any, meta: Any) -> None:
+        """Execution ``e`` completed here: keep a copy of its result (data and meta)."""
+        last = self._last
+        if last is not None and last[1].shape == work.shape and last[2].shape == meta.shape:
+            last[1][...] = work
+            last[2][...] = meta
+            self._last = (e, last[1], last[2])
+        else:
+            self._last = (e, work.copy(), meta.copy())
+
+    # -- after a loss (on the runtime's loop) -----------------------------------------------
+    async def recover(self) -> None:
+        """Agree, settle, rebuild (module doc). Raises :class:`~asynccoll.PeerLostError`
+        when the survivors decided this rank is lost."""
+        h = self.handle
+        old = self.comm
+        new = await old.shrink(h.timeout)
+        alive = set(new.members)
+        self.lost = frozenset(i for i, m in enumerate(self.first) if m not in alive)
+        self.generation += 1
+        c = h._ex.completed
+        cs = await self._exchange(new, c)
+        cmax = max(cs)
+        if min(cs) < cmax - 1:  # pragma: no cover - impossible (module doc)
+            raise AssertionError(f"survivors' completed executions differ by more than one: "
+                                 f"{cs}")
+        await self._settle(new, cs, c, cmax)
+        log.warning("rank %d: partial allreduce %r goes on with %d ranks (lost %s) from "
+                    "execution %d", old.rank, h.name, new.size, sorted(self.lost), cmax + 1)
+        h._rebuild(new, cmax + 1)
+        self.comm = new
+        self._mine = None
+        self._last = None
+
+    async def _exchange(self, new: Any, c: int) -> list[int]:
+        """Every survivor's last completed execution, by new rank (all-to-all, 8 bytes)."""
+        t = new.transport
+        sid = self._sched_id()
+        mine = np.array([c], np.int64)
+        peers = [r for r in range(new.size) if r != new.rank]
+        futs = {r: t.post_recv(r, sid, self.generation, _COMPLETED) for r in peers}
+        for r in peers:
+            t.post_frame(r, int(Kind.DATA), sid, self.generation, _COMPLETED,
+                         mine.data.cast("B")).add_done_callback(ignore_outcome)
+        out = [c] * new.size
+        for r, fut in futs.items():
+            msg = await self._wait(fut)
+            out[r] = int(np.frombuffer(msg.payload, np.int64)[0])
+        return out
+
+    async def _settle(self, new: Any, cs: list[int], c: int, cmax: int) -> None:
+        h = self.handle
+        t = new.transport
+        sid = self._sched_id()
+        behind = [r for r, x in enumerate(cs) if x < cmax]
+        if behind:
+            root = cs.index(cmax)
+            if new.rank == root:
+                assert self._last is not None
+                assert self._last[0] == cmax
+                _, work, meta = self._last
+                for r in behind:
+                    t.post_frame(r, int(Kind.DATA), sid, self.generation, _WORK,
+                                 _bytes(work)).add_done_callback(ignore_outcome)
+                    t.post_frame(r, int(Kind.DATA), sid, self.generation, _META,
+                                 _bytes(meta)).add_done_callback(ignore_outcome)
+            elif c < cmax:
+                work, meta = h._result_buffers()
+                host = work if isinstance(work, np.ndarray) else work.get()  # CuPy: staged
+                fw = t.post_recv(root, sid, self.generation, _WORK, host)
+                fm = t.post_recv(root, sid, self.generation, _META, meta)
+                await self._wait(fw)
+                await self._wait(fm)
+                if host is not work:
+                    work.set(host)
+                # my snapshot of cmax is in this result: complete it as if it had arrived
+                h._on_complete(cmax)
+                return
+        mine = self._mine
+        if mine is not None and mine[0] == c + 1 and mine[0] > cmax:
+            # nobody completed the execution this rank's snapshot went into: put it back
+            h._put_back(mine[1], mine[2])
+
+    def _sched_id(self) -> int:
+        return stable_id(f"{self.handle.name}#survive", 1)
+
+    async def _wait(self, fut: asyncio.Future[Any]) -> Any:
+        try:
+            if self.handle.timeout is None:
+                return await fut
+            return await asyncio.wait_for(fut, self.handle.timeout)
+        except asyncio.TimeoutError:
+            raise CollectiveTimeoutError(
+                f"partial allreduce {self.handle.name!r}: a survivor did not answer the "
+                f"recovery within {self.handle.timeout} s") from None
+
+
+def _bytes(a: Any) -> memoryview:
+    host = a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a
+    return np.ascontiguousarray(host).data.cast("B")
