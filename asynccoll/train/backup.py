@@ -62,5 +62,9 @@ class BackupSGD(EagerSGD):
     def _divisor(self, res: PartialResult) -> int:
         if self.average == "contributions":
             return 1  # each round already averaged by its own count (accumulate="mean")
-        # accumulate=True folds missed rounds in: each of them averaged by P - b.
-        return self.world_size - self.backups
+        # accumulate=True folds missed rounds in: each of them averaged by the quorum, P - b
+        # (lowered to the survivors' number when ranks were lost: docs/groups.md)
+        assert self._h is not None
+        quorum = self._h.quorum
+        assert quorum is not None
+        return quorum

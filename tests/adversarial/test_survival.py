@@ -7,8 +7,8 @@ is lost, rebuild their schedules for the smaller world and go on, without an err
   survivor received (``accumulate=True``) spells, digit group by digit group, how many
   contributions of each rank were counted: every survivor's own calls exactly once, the dead
   rank's no more than it made, and the same counts on every survivor.
-* **Training**: eager-SGD with solo, majority and quorum keeps training on 3 ranks after rank 3
-  dies; with ``accumulate=True`` (and no parameter averaging at the end) the survivors'
+* **Training**: eager-SGD with solo, majority and quorum, and backup workers, keep training on 3
+  ranks after rank 3 dies; with ``accumulate=True`` (and no parameter averaging at the end) the survivors'
   replicas are equal, and training converges.
 
 Real processes over loopback tcp, started without the launcher.
@@ -58,8 +58,11 @@ async def handle(comm, kind, kill, out):
 
 async def train(comm, kind, kill, out):
     prob = Problem(3)
-    opt = asynccoll.train.EagerSGD(comm, prob.w0.copy(), 0.05, mode=kind, accumulate=True,
-                                   quorum=2 if kind == "quorum" else None)
+    if kind == "backup":
+        opt = asynccoll.train.BackupSGD(comm, prob.w0.copy(), 0.05, backups=1)
+    else:
+        opt = asynccoll.train.EagerSGD(comm, prob.w0.copy(), 0.05, mode=kind,
+                                       accumulate=True, quorum=2 if kind == "quorum" else None)
     for step in range(40):
         if comm.rank in kill and step == 6:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -131,7 +134,7 @@ def test_contributions_are_counted_exactly_once(tmp_path: Path, kind: str, kill:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["solo", "majority", "quorum"])
+@pytest.mark.parametrize("kind", ["solo", "majority", "quorum", "backup"])
 def test_eager_sgd_trains_on_without_the_lost_rank(tmp_path: Path, kind: str) -> None:
     got = _run(tmp_path, f"train:{kind}", "3")
     ws = [np.array(o["w"]) for o in got.values()]

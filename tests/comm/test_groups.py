@@ -16,7 +16,8 @@ from asynccoll.comm.groups import GROUP_SPACE, GroupTransport
 from asynccoll.testing import local_world
 
 TRANSPORTS = ["inproc", "tcp"]
-PARTIAL = [("solo", None), ("majority", None), ("two_choice", None), ("quorum", 1)]
+PARTIAL = [("solo", None), ("majority", None), ("two_choice", None), ("quorum", 1),
+           ("deadline", None)]
 
 
 async def _every_collective(g: asynccoll.Communicator, members: list[int],
