@@ -31,7 +31,8 @@ class PartialResult:
       the quorum.
     * ``arrivals``: for each rank whose call was waiting in the execution (``fresh``), when it
       arrived, in seconds after the first of them (the ranks' clocks: exact on one host,
-      offset by the clocks' difference across hosts); empty for a flush.
+      corrected across hosts by the offsets estimated at connect, :mod:`asynccoll.comm.clock`);
+      empty for a flush.
     * ``lateness``: this rank's entry in ``arrivals`` (None: its call was not in it).
     * ``latest_arrival``: the largest entry of ``arrivals`` (how long the last of the waiting
       calls came after the first; None when empty).

@@ -56,7 +56,7 @@ from ..errors import CollectiveTimeoutError, PeerLostError, TransportClosedError
 from ..results import PartialResult
 from ..sched import DumpSignal, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
-from . import groups
+from . import clock, groups
 from .blocking import BlockingCollectives
 from .contribution import Contribution, DenseContribution, SparseContribution
 from .dense import DenseOps
@@ -142,6 +142,8 @@ class Communicator:
         self._group_key = "world"
         self._shrunk: Communicator | None = None
         self._parent: Communicator | None = None
+        #: seconds this rank adds to its clock to read rank 0's (:meth:`sync_clocks`)
+        self.clock_offset = 0.0
         if trace is not None:
             self._writer = TraceWriter(trace, transport.rank, transport.world_size)
         self._dense = DenseOps(transport, lambda: next(self._next_id), kernels=self.kernels,
@@ -284,6 +286,20 @@ class Communicator:
             raise TransportClosedError("communicator is closed")
         return await self._engine.run(coro)
 
+    async def sync_clocks(self, rounds: int = 8, timeout: float | None = None) -> float:
+        """Estimate this rank's clock offset to rank 0's (:mod:`.clock`) and use it from now
+        on for arrival stamps (``PartialResult.arrivals``, ``lateness``) and in the trace.
+        Collective; :func:`~asynccoll.connect` calls it once. Returns the offset (seconds)."""
+        self._check_open()
+        wait = 30.0 if timeout is None else timeout
+        off = await self._run(clock.estimate_offset(self.transport, rounds, wait))
+        self.clock_offset = off
+        for h in self._handles.values():
+            h.clock_offset = off
+        if self._writer is not None:
+            self._writer.write({"type": "clock", "offset": off, "rounds": rounds})
+        return off
+
     # -- groups (sub-communicators) and shrinking ---------------------------------------------
     async def split(self, color: int | str | None, key: int | None = None,
                     timeout: float | None = None) -> Communicator | None:
@@ -391,6 +407,9 @@ class Communicator:
                              stall_warn=self.stall_warn, survive=self.survive, _child=True)
         child._group_key = key
         child._parent = self
+        child.clock_offset = self.clock_offset
+        if child._writer is not None and self.clock_offset:
+            child._writer.write({"type": "clock", "offset": self.clock_offset})
         self._children = [c for c in self._children if not c.closed]
         self._children.append(child)
         gone = [(g, r) for g, r in enumerate(members) if r in self.membership.gone]
@@ -736,6 +755,7 @@ class Communicator:
             stall_warn=self.stall_warn, average=average and not accumulate,
             deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window,
             like_kind=like_kind))
+        h.clock_offset = self.clock_offset
         if self.survive if survive is None else survive:
             if sparse:
                 if survive:

@@ -52,7 +52,6 @@ import collections
 import hashlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -94,6 +93,7 @@ from ..errors import (
 from ..results import PartialResult
 from ..sched import Executor, Kernel, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
+from . import clock
 from .contribution import Combine, Contribution, DenseContribution
 from .progress import ProgressEngine
 from .stall import wait_or_warn
@@ -172,6 +172,9 @@ class PartialAllreduce:
         self.world_size = transport.world_size
         P = self.world_size
         self._like = like
+        #: seconds added to this rank's clock for arrival stamps (rank 0's clock; set by the
+        #: communicator, :mod:`.clock`)
+        self.clock_offset = 0.0
         #: how the handle goes on without a lost rank (set by the communicator when it
         #: survives; :mod:`.survival`), else None
         self._survival: Survives | None = None
@@ -332,7 +335,7 @@ class PartialAllreduce:
             # busy: the loop says BusyError, or finds the call ahead of it gone (cancelled)
             if self._round <= self._given or self._busy or self._closed:
                 return None
-            self._note_late(arrival_stamp(time.time()))
+            self._note_late(arrival_stamp(clock.now() + self.clock_offset))
             self._add(flat, combine, True)
             return self._take(False, self._round - self._given)
 
@@ -365,7 +368,7 @@ class PartialAllreduce:
         timer: asyncio.TimerHandle | None = None
         with self._lock:
             c = self._round
-            stamp = arrival_stamp(time.time())
+            stamp = arrival_stamp(clock.now() + self.clock_offset)
             if c > self._given:
                 self._note_late(stamp)
                 self._add(flat, combine, True)

@@ -8,9 +8,9 @@ Per rank the report gives lateness percentiles (ms), how often it was the last o
 arrivals, in how many executions it arrived at all, and how often it contributed fresh data
 (the ``fresh`` ranks the runtime recorded; partial collectives record them).
 
-Clocks: times are each rank's ``time.time()``; ranks of one host share that clock, so their
-lateness is exact to the clock's resolution. Across hosts no offset is estimated or corrected
-(a trace records no clock exchange): lateness then includes the hosts' clock difference.
+Clocks: times are each rank's ``time.time()`` plus the offset to rank 0's clock that
+``connect()`` estimated and the trace recorded (:mod:`asynccoll.comm.clock`; exact to about half
+a round trip across hosts, 0 on one host, where the ranks share a clock).
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def stragglers(traces: Mapping[int, RankTrace]) -> list[StragglerReport]:
         fresh_seen = False
         used = 0
         for _, recs in sorted(by_e.items()):
-            arr = {r: float(x["started"]) for r, x in recs.items() if x.get("started") is not None}
+            arr = {r: float(x["started"]) + traces[r].clock_offset for r, x in recs.items()
+                   if x.get("started") is not None}
             fr = next((x.get("fresh") for x in recs.values() if x.get("fresh") is not None), None)
             if fr is not None:
                 fresh_seen = True

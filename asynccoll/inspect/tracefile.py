@@ -48,6 +48,9 @@ class RankTrace:
     pending: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     #: ``flight`` records (the last collectives, taken on a timeout or a dump), oldest first
     flights: list[dict[str, Any]] = field(default_factory=list)
+    #: seconds to add to this rank's times to read rank 0's clock (its ``clock`` record;
+    #: 0 without one)
+    clock_offset: float = 0.0
 
     def schedule(self, sched_id: int) -> Schedule | None:
         """The schedule recorded under ``sched_id`` (``None`` if this rank has none)."""
@@ -84,6 +87,9 @@ def load_file(path: str | os.PathLike[str]) -> RankTrace:
         t = rec["type"]
         if t == "flight":
             rt.flights.append(rec)
+            continue
+        if t == "clock":
+            rt.clock_offset = float(rec.get("offset") or 0.0)
             continue
         if t not in ("schedule", "execution", "pending"):
             continue  # unknown record types are for newer readers

@@ -101,5 +101,11 @@ async def connect(rank: int | None = None, world_size: int | None = None,
         raise
     if trace is None:
         trace = os.environ.get("ASYNCCOLL_TRACE") or None
-    return Communicator(t, progress=engine, timeout=ctimeout, trace=trace, stall_warn=stall,
+    comm = Communicator(t, progress=engine, timeout=ctimeout, trace=trace, stall_warn=stall,
                         survive=survive)
+    try:
+        await comm.sync_clocks()  # so that arrival times compare across hosts
+    except BaseException:
+        await comm.close(timeout=0)
+        raise
+    return comm
