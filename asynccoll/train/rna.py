@@ -42,6 +42,7 @@ import numpy as np
 
 from ..comm.communicator import Communicator
 from ..results import PartialResult
+from ._staleness import check_staleness_bound, staleness_combine
 from .eager import EagerSGD
 from .hier import DUE, FINISHING, HAS, TIME, Hierarchy, check_groups, check_threshold, decide
 from .info import StepInfo
@@ -83,11 +84,7 @@ class RNA(EagerSGD):
                  seed: int | None = None, name: str = "rna",
                  timeout: float | None = None, groups: Any = None, threshold: float = 1.0,
                  check_interval: float = 2.0, exchange_every: int = 4) -> None:
-        if staleness_bound is not None and (isinstance(staleness_bound, bool) or not
-                                            isinstance(staleness_bound, int)
-                                            or staleness_bound < 0):
-            raise ValueError(f"staleness_bound must be an int >= 0 or None, "
-                             f"got {staleness_bound!r}")
+        check_staleness_bound(staleness_bound)
         layout = None if groups is None or not isinstance(comm, Communicator) else \
             check_groups(groups, comm.size)
         self.threshold = check_threshold(threshold)
@@ -129,36 +126,7 @@ class RNA(EagerSGD):
         self._checked = time.perf_counter()
 
     def _combine(self) -> Any:
-        k = self.steps
-        pending = self._pending
-        bound = self.staleness_bound
-
-        def combine(acc: Any, x: Any, n: int, late: bool) -> int:
-            # Runs on the runtime's loop between snapshots: ``n == 0`` means the buffer was
-            # taken by a round since the last call.
-            if n == 0:
-                pending.clear()
-            if bound is None:
-                if not pending:
-                    acc[...] = x
-                else:  # the running mean: older weights do not change when a step is added
-                    t0 = pending[0][0]
-                    sw = sum(t - t0 + 1 for t, _ in pending)
-                    wk = k - t0 + 1
-                    acc *= sw / (sw + wk)
-                    acc += (wk / (sw + wk)) * x
-                pending.append((k, None))
-                return 1
-            pending[:] = [(t, g) for t, g in pending if k - t <= bound]
-            pending.append((k, x.copy()))
-            t0 = pending[0][0]
-            sw = sum(t - t0 + 1 for t, _ in pending)
-            acc[...] = x * ((k - t0 + 1) / sw)
-            for t, g in pending[:-1]:
-                acc += ((t - t0 + 1) / sw) * g
-            return 1
-
-        return combine
+        return staleness_combine(self.steps, self._pending, self.staleness_bound)
 
     def _mean_rounds(self) -> bool:
         # Averaging by contributors with the lr scaled by them: per round the step is
