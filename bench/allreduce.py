@@ -7,7 +7,9 @@ Open MPI.
 
 ``asynccoll-tcp`` and ``asynccoll-ucx`` are the network paths (``ASYNCCOLL_SHM=0``, so the
 default allreduce stays off shared memory); ``asynccoll-shm`` is ``algorithm="shm"`` (every
-rank on this host; the data through shared memory, the wake-ups over tcp).
+rank on this host; the data through shared memory, the wake-ups over tcp);
+``asynccoll-shm-arena`` the same with arrays from ``comm.empty`` (in shared memory already, so
+nothing is copied in: what the shared-memory path is built for).
 
 For each implementation and P (real processes on this host), each message size (4 B, 4 KiB,
 1 MiB, 16 MiB, 64 MiB): warm-up calls, then timed calls, each preceded by a barrier; a call's
@@ -46,7 +48,8 @@ from _harness import (
 )
 
 SIZES = [4, 4 << 10, 1 << 20, 16 << 20, 64 << 20]
-ALL_IMPLS = ("asynccoll-tcp", "asynccoll-shm", "asynccoll-ucx", "gloo", "mpi")
+ALL_IMPLS = ("asynccoll-tcp", "asynccoll-shm", "asynccoll-shm-arena", "asynccoll-ucx", "gloo",
+             "mpi")
 
 
 def calls_for(size: int, quick: bool) -> tuple[int, int]:
@@ -63,8 +66,8 @@ def _slowest(per_rank: list[list[float]]) -> list[float]:
 
 # -- asynccoll -------------------------------------------------------------------------------
 async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: list[int],
-                          quick: bool, progress: str, algorithm: str | None, copy: bool
-                          ) -> dict[int, list[float]]:
+                          quick: bool, progress: str, algorithm: str | None, copy: bool,
+                          arena: bool = False) -> dict[int, list[float]]:
     import asynccoll
 
     comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
@@ -72,7 +75,11 @@ async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: l
     out: dict[int, list[float]] = {}
     async with comm:
         for size in sizes:
-            x = np.full(size // 4, rank + 1, np.float32)
+            if arena:  # in shared memory already: reduced where it is, no copy in
+                x = await comm.empty(size // 4, np.float32, timeout=120)
+                x[...] = rank + 1
+            else:
+                x = np.full(size // 4, rank + 1, np.float32)
             warm, timed = calls_for(size, quick)
             times = []
             for i in range(warm + timed):
@@ -94,20 +101,22 @@ async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: l
 
 def _asynccoll_child(rank: int, P: int, port: int, transport: str, sizes: list[int],
                      quick: bool, progress: str, algorithm: str | None, copy: bool,
-                     q: Any) -> None:
+                     arena: bool, q: Any) -> None:
     try:
         os.environ["ASYNCCOLL_SECRET"] = SECRET
         res = asyncio.run(_asynccoll_rank(rank, P, port, transport, sizes, quick, progress,
-                                          algorithm, copy))
+                                          algorithm, copy, arena))
         q.put((rank, "ok", res))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
 
 
 def run_asynccoll(transport: str, P: int, sizes: list[int], quick: bool, progress: str,
-                  algorithm: str | None, copy: bool) -> dict[int, list[float]]:
+                  algorithm: str | None, copy: bool,
+                  arena: bool = False) -> dict[int, list[float]]:
     out = spawn_world(_asynccoll_child, P,
-                      (free_port(), transport, sizes, quick, progress, algorithm, copy), 1200)
+                      (free_port(), transport, sizes, quick, progress, algorithm, copy, arena),
+                      1200)
     return {s: _slowest([o[s] for o in out]) for s in sizes}
 
 
@@ -251,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     impls = args.impls.split(",")
     rows: list[dict[str, Any]] = []
     for impl in impls:
-        need = {"asynccoll-tcp": None, "asynccoll-shm": None, "asynccoll-ucx": "ucx",
+        need = {"asynccoll-tcp": None, "asynccoll-shm": None, "asynccoll-shm-arena": None,
+                "asynccoll-ucx": "ucx",
                 "gloo": "gloo", "mpi": "mpi"}
         if impl not in need:
             ap.error(f"unknown impl {impl!r}; known: {', '.join(ALL_IMPLS)}")
@@ -265,10 +275,12 @@ def main(argv: list[str] | None = None) -> int:
                 # asynccoll-tcp and -ucx: the network path (ASYNCCOLL_SHM=0 keeps the default
                 # allreduce off shared memory); asynccoll-shm: through shared memory, with the
                 # wake-ups over tcp
-                os.environ["ASYNCCOLL_SHM"] = "1" if impl == "asynccoll-shm" else "0"
-                shm = impl == "asynccoll-shm"
+                # (-arena: the arrays from comm.empty, in shared memory already)
+                shm = impl.startswith("asynccoll-shm")
+                os.environ["ASYNCCOLL_SHM"] = "1" if shm else "0"
                 res = run_asynccoll("tcp" if shm else impl.split("-")[1], P, sizes, args.quick,
-                                    args.progress, "shm" if shm else args.algorithm, args.copy)
+                                    args.progress, "shm" if shm else args.algorithm, args.copy,
+                                    arena=impl == "asynccoll-shm-arena")
             elif impl == "gloo":
                 res = run_gloo(P, sizes, args.quick)
             else:
