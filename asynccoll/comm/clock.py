@@ -43,22 +43,24 @@ def now() -> float:
 
 
 async def estimate_offset(transport: Transport, rounds: int = 8,
-                          timeout: float = 30.0) -> float:
+                          timeout: float = 30.0, first: int = 0) -> float:
     """This rank's clock offset to rank 0's (seconds to add to :func:`now`), 0 for rank 0 and
-    for one rank. Collective: every rank calls it once, on the transport's loop. Raises
-    ``ValueError`` naming ``rounds`` unless >= 1, ``TimeoutError`` after ``timeout``."""
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    for one rank. Collective: every rank calls it once, on the transport's loop; ``first``
+    numbers its pings (``first .. first + rounds - 1``: a later exchange over the same
+    transport starts past them). Raises ``ValueError`` naming ``rounds`` unless in
+    1..65535, ``TimeoutError`` after ``timeout``."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds < 1 << 16:
+        raise ValueError(f"rounds must be an int in 1..65535, got {rounds!r}")
     t = transport
     if t.world_size == 1:
         return 0.0
-    return await asyncio.wait_for(_serve(t, rounds) if t.rank == 0 else _ping(t, rounds),
-                                  timeout)
+    return await asyncio.wait_for(_serve(t, rounds, first) if t.rank == 0
+                                  else _ping(t, rounds, first), timeout)
 
 
-async def _serve(t: Transport, rounds: int) -> float:
+async def _serve(t: Transport, rounds: int, first: int) -> float:
     async def answer(r: int) -> None:
-        for i in range(rounds):
+        for i in range(first, first + rounds):
             await t.post_recv(r, CLOCK_ASK, i, 0)
             stamp = np.array([now()], np.float64)
             t.post_frame(r, int(Kind.DATA), CLOCK_ANSWER, i, 0,
@@ -68,10 +70,10 @@ async def _serve(t: Transport, rounds: int) -> float:
     return 0.0
 
 
-async def _ping(t: Transport, rounds: int) -> float:
+async def _ping(t: Transport, rounds: int, first: int) -> float:
     best: tuple[float, float] | None = None  # (round trip, offset)
     nothing = memoryview(b"")
-    for i in range(rounds):
+    for i in range(first, first + rounds):
         reply = t.post_recv(0, CLOCK_ANSWER, i, 0)
         t0 = now()
         t.post_frame(0, int(Kind.DATA), CLOCK_ASK, i, 0, nothing

@@ -144,6 +144,7 @@ class Communicator:
         self._parent: Communicator | None = None
         #: seconds this rank adds to its clock to read rank 0's (:meth:`sync_clocks`)
         self.clock_offset = 0.0
+        self._clock_syncs = 0
         if trace is not None:
             self._writer = TraceWriter(trace, transport.rank, transport.world_size)
         self._dense = DenseOps(transport, lambda: next(self._next_id), kernels=self.kernels,
@@ -262,6 +263,10 @@ class Communicator:
     async def _close_on_loop(self, wait: float = 0.0) -> None:
         if wait > 0 and self.size > 1 and not self.transport.closed:
             await self.membership.goodbye(wait)
+        elif self.size > 1 and isinstance(self.transport, groups.GroupTransport) \
+                and not self.transport.closed:
+            # an abort: the parent's connections stay up, so say so, as a broken one would
+            self.membership.announce_leaving()
         self.membership.stop()
         for h in self._handles.values():
             await h.close()
@@ -292,7 +297,9 @@ class Communicator:
         Collective; :func:`~asynccoll.connect` calls it once. Returns the offset (seconds)."""
         self._check_open()
         wait = 30.0 if timeout is None else timeout
-        off = await self._run(clock.estimate_offset(self.transport, rounds, wait))
+        first = self._clock_syncs << 16  # past every ping of an earlier exchange
+        self._clock_syncs += 1
+        off = await self._run(clock.estimate_offset(self.transport, rounds, wait, first))
         self.clock_offset = off
         for h in self._handles.values():
             h.clock_offset = off
@@ -321,14 +328,18 @@ class Communicator:
             c = host_hash()
         elif color is None:
             c = -1
-        elif isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0:
-            raise ValueError(f"color must be an int >= 0, 'host' or None, got {color!r}")
+        elif isinstance(color, bool) or not isinstance(color, (int, np.integer)) \
+                or not 0 <= color < 1 << 63:
+            raise ValueError(f"color must be an int in 0..2**63-1, 'host' or None, got "
+                             f"{color!r}")
         else:
             c = int(color)
         if key is None:
             key = self.rank
         elif isinstance(key, bool) or not isinstance(key, (int, np.integer)):
             raise TypeError(f"key must be an int or None, got {key!r}")
+        elif not -(1 << 63) <= key < 1 << 63:
+            raise ValueError(f"key must fit in int64, got {key!r}")
         got = await self.allgather(np.array([c, int(key)], np.int64), timeout)
         colors, keys = got[:, 0].tolist(), got[:, 1].tolist()
         n = self._groups_made
@@ -390,10 +401,15 @@ class Communicator:
         lost = await self._run(agree())
         if self.rank in lost:
             raise PeerLostError(self.rank, "the survivors decided this rank is lost")
+        if self._shrunk is not None and not self._shrunk.closed:
+            return self._shrunk  # another task's shrink() made it while this one waited
         members = [r for r in range(self.size) if r not in lost]
         self._groups_made += 1
+        # The key from agreed data only: a loss can leave the survivors with different counts
+        # of groups made (a split that completed on some of them), never with different lost
+        # sets.
         self._shrunk = self._make_group(
-            members, f"{self._group_key}/{self._groups_made - 1}:shrink{_members_hash(members)}")
+            members, f"{self._group_key}/shrink:{_members_hash(sorted(lost))}")
         log.info("rank %d: shrunk to %d ranks (lost %s); rank %d of the new communicator",
                  self.rank, len(members), sorted(lost), self._shrunk.rank)
         return self._shrunk

@@ -29,8 +29,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from ..errors import PeerLostError, TransportClosedError
 from ..transport.base import Transport
@@ -55,11 +58,15 @@ def group_members(ranks: Any, size: int) -> list[int]:
     """``ranks`` checked: distinct ints in ``0..size-1``, at least one; returned as a list in
     the order given (group rank i is ``ranks[i]``)."""
     try:
-        out = [int(r) for r in ranks]
-    except (TypeError, ValueError):
+        items = list(ranks)
+    except TypeError:
         raise TypeError(f"ranks must be a sequence of ints, got {ranks!r}") from None
-    if any(isinstance(r, bool) for r in ranks):
+    if any(isinstance(r, (bool, np.bool_)) for r in items):
         raise TypeError(f"ranks must be ints, got {ranks!r}")
+    try:
+        out = [operator.index(r) for r in items]  # ints only: 1.7 is no rank
+    except TypeError:
+        raise TypeError(f"ranks must be a sequence of ints, got {ranks!r}") from None
     if not out:
         raise ValueError("ranks must name at least one rank")
     bad = [r for r in out if not 0 <= r < size]

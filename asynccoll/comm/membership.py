@@ -66,9 +66,10 @@ def _ints(values: list[int]) -> memoryview:
     return np.asarray(values, np.int64).data.cast("B")
 
 
-def _decode(payload: memoryview) -> list[int]:
-    if len(payload) % 8:
-        raise ProtocolError(f"an agreement frame of {len(payload)} bytes (not int64s)")
+def _decode(payload: memoryview, at_least: int = 0) -> list[int]:
+    if len(payload) % 8 or len(payload) < 8 * at_least:
+        raise ProtocolError(f"an agreement frame of {len(payload)} bytes (not {at_least} or "
+                            "more int64s)")
     return [int(v) for v in np.frombuffer(payload, np.int64)]
 
 class Membership:
@@ -93,6 +94,10 @@ class Membership:
         self.decided: frozenset[int] | None = None
         self._changed: asyncio.Event | None = None
         self._agree_asks: list[asyncio.Future[Message]] = []
+        self._agreeing: asyncio.Future[frozenset[int]] | None = None
+        #: ``cb(rank)`` for each rank learned lost, after the executions were failed (on the
+        #: transport's loop; a surviving partial handle starts its recovery there)
+        self.listeners: list[Callable[[int], None]] = []
 
     @property
     def _peers(self) -> list[int]:
@@ -195,7 +200,8 @@ class Membership:
             return
         lost = int(np.frombuffer(payload, np.int64)[0])
         if 0 <= lost < self.transport.world_size and lost != self.transport.rank:
-            self.learn(PeerLostError(lost, f"reported lost by rank {src}"), tell=False)
+            self.learn(PeerLostError(lost, "left without a goodbye" if lost == src
+                                     else f"reported lost by rank {src}"), tell=False)
 
     def _on_peer_lost(self, rank: int, exc: PeerLostError) -> None:
         # While closing, a peer that leaves has said goodbye (or is past caring); otherwise a
@@ -233,6 +239,21 @@ class Membership:
                 log.warning("rank %d: no flight record: %r", t.rank, err)
             for ex in self.live.executors():
                 ex.abort(PeerLostError(exc.rank, exc.reason))
+        for cb in list(self.listeners):
+            try:
+                cb(exc.rank)
+            except Exception:  # a listener's bug must not stop the others
+                log.exception("rank %d: a loss listener failed", t.rank)
+
+    def announce_leaving(self) -> None:
+        """Tell every peer that this rank leaves without a goodbye (an abort), as a broken
+        connection would: for a group, whose connections are its parent's and stay up."""
+        t = self.transport
+        note = np.array([t.rank], np.int64).data.cast("B")
+        for r in self._peers:
+            t.post_frame(r, int(Kind.DATA), LOST_SCHED, self._sent, 0,
+                         note).add_done_callback(ignore_outcome)
+        self._sent += 1
 
     # -- the survivors' agreement -----------------------------------------------------------
     def _on_agree_ask(self, src: int, fut: asyncio.Future[Message]) -> None:
@@ -254,17 +275,26 @@ class Membership:
         (with the ranks lost while it asked); a rank that has decided already answers with its
         decision instead, which the coordinator then adopts, so a decision, once made, is the
         one every later coordinator hands out. Every other rank waits for its coordinator's
-        decision; when the coordinator is lost first, it moves to the next. A rank answers
+        decision; when the coordinator is lost first, it moves to the next. Every rank that
+        decides (coordinator or not) passes the decision on to the ranks not in it, so a
+        survivor that comes late finds it waiting from whichever rank it takes for its
+        coordinator, even when the one that decided is lost since. A rank answers
         questions on its runtime loop whether or not its caller has reached ``shrink`` yet, so
         a slow survivor delays the decision by no more than its loop's latency, and its own
-        ``agree`` finds the decision waiting. Costs one question and one answer per survivor,
-        and one decision. A rank lost during the agreement is in the decision when the
-        coordinator learns of it before it decides; otherwise the next ``shrink`` finds it.
+        ``agree`` finds the decision waiting. Concurrent callers share one agreement. Costs
+        one question and one answer per survivor, and a decision from each. A rank lost
+        during the agreement is in the decision when the coordinator learns of it before it
+        decides; otherwise the next ``shrink`` finds it.
         Known limit: a network partition (ranks that each see the other lost while both live)
         is not resolved; the transports report a broken connection to both ends.
         """
         if self.decided is not None:
             return self.decided
+        if self._agreeing is None:
+            self._agreeing = asyncio.ensure_future(self._agree())
+        return await asyncio.shield(self._agreeing)
+
+    async def _agree(self) -> frozenset[int]:
         t = self.transport
         self._changed = asyncio.Event()
         try:
@@ -272,13 +302,7 @@ class Membership:
                 alive = [r for r in range(t.world_size) if r not in self.gone]
                 c = alive[0]
                 if c == t.rank:
-                    decision = await self._coordinate([r for r in alive if r != c])
-                    self.decided = decision
-                    for r in range(t.world_size):
-                        if r != t.rank and r not in decision:
-                            t.post_frame(r, int(Kind.DATA), AGREE_DECIDE, t.rank, 0,
-                                         _ints(sorted(decision))
-                                         ).add_done_callback(ignore_outcome)
+                    self.decided = await self._coordinate([r for r in alive if r != c])
                 else:
                     fut = t.post_recv(c, AGREE_DECIDE, c, 0)
                     got = await self._wait_or_change([fut], c)
@@ -291,6 +315,10 @@ class Membership:
                                        tell=True)
         finally:
             self._changed = None
+        for r in range(t.world_size):  # pass it on: see the docstring
+            if r != t.rank and r not in self.decided:
+                t.post_frame(r, int(Kind.DATA), AGREE_DECIDE, t.rank, 0,
+                             _ints(sorted(self.decided))).add_done_callback(ignore_outcome)
         return self.decided
 
     async def _coordinate(self, peers: list[int]) -> frozenset[int]:
@@ -305,7 +333,7 @@ class Membership:
                 fut.cancel()
                 lost.add(r)
                 continue
-            flag, *ranks = _decode(fut.result().payload)
+            flag, *ranks = _decode(fut.result().payload, at_least=1)
             if flag:
                 for f in futs.values():
                     f.cancel()

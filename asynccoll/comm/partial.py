@@ -112,6 +112,8 @@ class Survives(Protocol):
 
     async def recover(self) -> None: ...
 
+    def cancel(self) -> None: ...
+
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]
 
 log = logging.getLogger("asynccoll.comm")
@@ -634,6 +636,10 @@ class PartialAllreduce:
             self._takes.clear()  # results of cancelled calls in the old world: not given back
             self._flushing_seen = 0
             self._writer = comm._writer
+            if self._wait_round >= first:
+                # the waiting call's data (put back, or never taken) goes into the new world's
+                # execution
+                self._wait_included = True
             old, self._ex = self._ex, self._executor(transport, sched, bufs, comm.live, first)
         old.close()
 
@@ -711,6 +717,8 @@ class PartialAllreduce:
         if not self._closed:
             with self._lock:
                 self._closed = True
+            if self._survival is not None:
+                self._survival.cancel()
             left = int(self._state[COUNT])
             if left and self._ex.error is None:
                 log.warning("rank %d: partial allreduce %r closed holding %d contribution(s) "

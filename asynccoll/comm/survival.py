@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, PeerLostError
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 from .partial import PartialAllreduce, stable_id
@@ -61,7 +61,8 @@ class Survival:
         #: the job ranks of the handle's first communicator, in its rank order
         self.first = comm.members
         self.lost: frozenset[int] = frozenset()
-        self.generation = 0
+        self._task: asyncio.Future[None] | None = None
+        comm.membership.listeners.append(self._on_loss)
         self._mine: tuple[int, Any, int] | None = None  # (execution, snapshot, count)
         self._last: tuple[int, Any, Any] | None = None  # (execution, work, meta)
 
@@ -86,28 +87,67 @@ class Survival:
             self._last = (e, work.copy(), meta.copy())
 
     # -- after a loss (on the runtime's loop) -----------------------------------------------
-    async def recover(self) -> None:
-        """Agree, settle, rebuild (module doc). Raises :class:`~asynccoll.PeerLostError`
-        when the survivors decided this rank is lost."""
+    def _on_loss(self, rank: int) -> None:
+        """A loss listener of the communicator the handle runs on: start the recovery at
+        once, on the runtime's loop, whether or not a call is under way, so that every
+        survivor's every surviving handle recovers without waiting for its caller (handles
+        called in different orders on different ranks would otherwise wait on each other)."""
         h = self.handle
-        old = self.comm
-        new = await old.shrink(h.timeout)
-        alive = set(new.members)
-        self.lost = frozenset(i for i, m in enumerate(self.first) if m not in alive)
-        self.generation += 1
-        c = h._ex.completed
-        cs = await self._exchange(new, c)
-        cmax = max(cs)
-        if min(cs) < cmax - 1:  # pragma: no cover - impossible (module doc)
-            raise AssertionError(f"survivors' completed executions differ by more than one: "
-                                 f"{cs}")
-        await self._settle(new, cs, c, cmax)
+        if self._task is None and h._survivable(h._ex.error):
+            self._task = asyncio.ensure_future(self._recover())
+            self._task.add_done_callback(_retrieve)
+
+    async def recover(self) -> None:
+        """Wait for the recovery under way (or start one): agree, settle, rebuild (module
+        doc). Raises what it failed with (:class:`~asynccoll.PeerLostError` when the
+        survivors decided this rank is lost, :class:`~asynccoll.CollectiveTimeoutError`)."""
+        h = self.handle
+        while h._survivable(h._ex.error):
+            if self._task is None:
+                self._task = asyncio.ensure_future(self._recover())
+                self._task.add_done_callback(_retrieve)
+            task = self._task
+            try:
+                await asyncio.shield(task)  # a cancelled call leaves the recovery running
+            finally:
+                if task.done() and self._task is task:
+                    self._task = None
+
+    def cancel(self) -> None:
+        """Stop a recovery under way (the handle closes)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _recover(self) -> None:
+        h = self.handle
+        comm = self.comm
+        while True:
+            new = await comm.shrink(h.timeout)
+            while new.membership.lost is not None:  # lost more since: shrink that too
+                new = await new.shrink(h.timeout)
+            alive = set(new.members)
+            self.lost = frozenset(i for i, m in enumerate(self.first) if m not in alive)
+            c = h._ex.completed
+            try:
+                cs = await self._exchange(new, c)
+                cmax = max(cs)
+                if min(cs) < cmax - 1:  # pragma: no cover - impossible (module doc)
+                    raise AssertionError(f"survivors' completed executions differ by more "
+                                         f"than one: {cs}")
+                await self._settle(new, cs, c, cmax)
+            except PeerLostError:
+                comm = new  # a survivor lost during the recovery: again, among fewer
+                continue
+            break
         log.warning("rank %d: partial allreduce %r goes on with %d ranks (lost %s) from "
-                    "execution %d", old.rank, h.name, new.size, sorted(self.lost), cmax + 1)
+                    "execution %d", self.comm.rank, h.name, new.size, sorted(self.lost),
+                    cmax + 1)
         h._rebuild(new, cmax + 1)
         self.comm = new
-        self._mine = None
-        self._last = None
+        new.membership.listeners.append(self._on_loss)
+        self._mine = None  # put back, or in the settled result
+        # _last stays: the newest completed result, for a survivor that missed it
 
     async def _exchange(self, new: Any, c: int) -> list[int]:
         """Every survivor's last completed execution, by new rank (all-to-all, 8 bytes)."""
@@ -115,9 +155,9 @@ class Survival:
         sid = self._sched_id()
         mine = np.array([c], np.int64)
         peers = [r for r in range(new.size) if r != new.rank]
-        futs = {r: t.post_recv(r, sid, self.generation, _COMPLETED) for r in peers}
+        futs = {r: t.post_recv(r, sid, 0, _COMPLETED) for r in peers}
         for r in peers:
-            t.post_frame(r, int(Kind.DATA), sid, self.generation, _COMPLETED,
+            t.post_frame(r, int(Kind.DATA), sid, 0, _COMPLETED,
                          mine.data.cast("B")).add_done_callback(ignore_outcome)
         out = [c] * new.size
         for r, fut in futs.items():
@@ -137,15 +177,15 @@ class Survival:
                 assert self._last[0] == cmax
                 _, work, meta = self._last
                 for r in behind:
-                    t.post_frame(r, int(Kind.DATA), sid, self.generation, _WORK,
+                    t.post_frame(r, int(Kind.DATA), sid, 0, _WORK,
                                  _bytes(work)).add_done_callback(ignore_outcome)
-                    t.post_frame(r, int(Kind.DATA), sid, self.generation, _META,
+                    t.post_frame(r, int(Kind.DATA), sid, 0, _META,
                                  _bytes(meta)).add_done_callback(ignore_outcome)
             elif c < cmax:
                 work, meta = h._result_buffers()
                 host = work if isinstance(work, np.ndarray) else work.get()  # CuPy: staged
-                fw = t.post_recv(root, sid, self.generation, _WORK, host)
-                fm = t.post_recv(root, sid, self.generation, _META, meta)
+                fw = t.post_recv(root, sid, 0, _WORK, host)
+                fm = t.post_recv(root, sid, 0, _META, meta)
                 await self._wait(fw)
                 await self._wait(fm)
                 if host is not work:
@@ -170,6 +210,12 @@ class Survival:
             raise CollectiveTimeoutError(
                 f"partial allreduce {self.handle.name!r}: a survivor did not answer the "
                 f"recovery within {self.handle.timeout} s") from None
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Mark a recovery's outcome retrieved (the next call raises it, if it failed)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _bytes(a: Any) -> memoryview:

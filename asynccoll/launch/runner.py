@@ -160,6 +160,14 @@ def _code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _signame(sig: int) -> str:
+    """``SIGKILL`` for 9; ``signal 40`` for a signal without a name (realtime ones)."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
 def _say(err: BinaryIO, text: str) -> None:
     err.write(f"asynccoll run: {text}\n".encode())
     err.flush()
@@ -232,7 +240,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
                 _join(cfg, store, None if server is None else server.refused_secret), stop_sig)
             if client is None:
                 got = stop_sig.result()
-                _say(err, f"got {signal.Signals(got).name} while the nodes met; no rank started")
+                _say(err, f"got {_signame(got)} while the nodes met; no rank started")
                 return 128 + got
             abort_task = asyncio.create_task(client.get(ABORT_KEY, timeout=float(1 << 31)))
         if omp_default(cfg, {**os.environ, **cfg.env}):
@@ -357,7 +365,7 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
             done, _ = await asyncio.wait({*waits, *extra}, return_when=asyncio.FIRST_COMPLETED)
             if stop_sig in done:
                 sig = stop_sig.result()
-                _say(err, f"got {signal.Signals(sig).name}; stopping all ranks")
+                _say(err, f"got {_signame(sig)}; stopping all ranks")
                 await ranks.stop(signal.SIGINT if sig == signal.SIGINT else signal.SIGTERM)
                 return 128 + sig
             if abort_task is not None and abort_task in done:
@@ -374,7 +382,7 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
                 if code and failed < cfg.max_failures:
                     failed += 1
                     rc = ranks.procs[rank].returncode or 0
-                    how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 \
+                    how = f"was killed by {_signame(-rc)}" if rc < 0 \
                         else f"exited with code {code}"
                     _say(err, f"rank {rank} {how}; failure {failed} of at most "
                               f"{cfg.max_failures} (--max-failures): the other ranks go on")
@@ -441,7 +449,7 @@ async def _blame(ranks: _Ranks, first: int, code: int, err: BinaryIO) -> tuple[i
         err.write(b"".join(f"[{root}] {line}\n".encode()
                            for line in cause.traceback.rstrip("\n").split("\n")))
     elif p.returncode is not None and p.returncode < 0:
-        _say(err, f"rank {root} was killed by {signal.Signals(-p.returncode).name}")
+        _say(err, f"rank {root} was killed by {_signame(-p.returncode)}")
     for r, other in sorted(recs.items()):
         if r != root:
             _say(err, f"rank {r} failed after it: {other.type}: {other.message}")
