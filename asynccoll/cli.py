@@ -1,7 +1,8 @@
 """The ``asynccoll`` command.
 
 ``asynccoll demo`` (the README's main job, :mod:`asynccoll.demo`), ``asynccoll run`` (the
-launcher) and ``asynccoll inspect``; each subcommand lives in its own module.
+launcher), ``asynccoll inspect`` and ``asynccoll sim``; each subcommand lives in its own
+module.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("asynccoll.demo", "run the demo (the README's main job)"),
     "run": ("asynccoll.launch.cli", "start N ranks of a script, locally or across hosts"),
     "inspect": ("asynccoll.inspect.cli", "render schedules, summarise traces, explain hangs"),
+    "sim": ("asynccoll.sim.cli", "simulate policies at scale, calibrate, replay traces"),
 }
 
 

@@ -7,9 +7,9 @@ is lost, rebuild their schedules for the smaller world and go on, without an err
   survivor received (``accumulate=True``) spells, digit group by digit group, how many
   contributions of each rank were counted: every survivor's own calls exactly once, the dead
   rank's no more than it made, and the same counts on every survivor.
-* **Training**: eager-SGD with solo, majority and quorum, and backup workers, keep training on 3
-  ranks after rank 3 dies; with ``accumulate=True`` (and no parameter averaging at the end) the survivors'
-  replicas are equal, and training converges.
+* **Training**: eager-SGD with solo, majority and quorum, and backup workers, keep training on
+  3 ranks after rank 3 dies; with ``accumulate=True`` (and no parameter averaging at the end)
+  the survivors' replicas are equal, and training converges.
 
 Real processes over loopback tcp, started without the launcher.
 """
@@ -130,7 +130,8 @@ def test_contributions_are_counted_exactly_once(tmp_path: Path, kind: str, kill:
         counts = counts or n
         assert n == counts, "the survivors disagree on what was counted"
         assert o["lost"] == sorted(killed), o
-        assert o["final_size"] == len(got) and len(got) in o["sizes"]
+        assert o["final_size"] == len(got)
+        assert len(got) in o["sizes"]
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,61 @@
+"""Conservation under the simulator: every call's data lands in exactly one execution."""
+
+from __future__ import annotations
+
+import pytest
+
+from asynccoll.sim import LinkClass, LogNormal, Profile, Uniform, simulate
+
+#: a tcp-like machine: the collective is slower than the spread of arrivals in a step, so a
+#: step costs few executions (what keeps P = 1000 cheap)
+TCPISH = Profile("tcpish", LinkClass(20e-6, 1e-9), LinkClass(50e-6, 1e-9), gamma=2e-6,
+                 reduce_bps=5e9)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["solo", "majority", "two_choice", "sync"])
+def test_conservation_p1000(policy: str) -> None:
+    run = simulate(policy, 1000, 2, profile=TCPISH, compute=Uniform(0.0, 3e-4), seed=3,
+                   barrier=True, flush=True)
+    assert run.conserved(), run.summary()
+    assert run.leftover == 0
+    assert run.calls == 2000
+    # every call returned, and its data went somewhere no earlier than its result
+    assert run.latency.size == 2000
+    assert (run.staleness >= 0).all()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["quorum:100", "backup:20", "deadline:120", "deadline"])
+def test_conservation_quorum_kinds(policy: str) -> None:
+    # quorum schedules send P - 1 arrivals per rank (O(P^2) messages per execution): P = 128
+    run = simulate(policy, 128, 3, profile=TCPISH, compute=LogNormal(1e-3, 1.0), seed=4,
+                   flush=True)
+    assert run.conserved(), run.summary()
+    assert run.leftover == 0
+    # without a flush, what is left in the send buffers is counted instead
+    run = simulate(policy, 128, 3, profile=TCPISH, compute=LogNormal(1e-3, 1.0), seed=4)
+    assert run.conserved(), run.summary()
+    assert run.calls == 3 * 128
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", ["solo", "majority", "two_choice", "quorum:5",
+                                    "deadline:6"])
+def test_conservation_with_data_and_accumulate(policy: str) -> None:
+    import numpy as np
+
+    P, steps = 8, 6
+    run = simulate(policy, P, steps, profile=TCPISH, compute=LogNormal(2e-4, 1.5), seed=9,
+                   nbytes=8, data=True, accumulate=True, keep_results=True, flush=True,
+                   values=lambda r, s: np.full(2, float(r + 1), np.float32))
+    assert run.conserved()
+    assert run.results is not None
+    assert run.flushes is not None
+    # summed over everything handed out (calls and flush), every rank sees all the data
+    total = sum(float(r + 1) for r in range(P)) * steps
+    seen = {}
+    for r in range(P):
+        seen[r] = sum(float(res.value[0]) for res in run.results[r])
+    flushed = {r: float(f.value[0]) for r, f in run.flushes.items()}
+    assert all(abs(seen[r] + flushed[r] - total) < 1e-3 for r in range(P)), (seen, flushed)

@@ -1,0 +1,100 @@
+"""``asynccoll sim replay`` on a trace recorded here (4 ranks over tcp), and the other
+``asynccoll sim`` subcommands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asynccoll.cli import main
+from asynccoll.inspect.tracefile import load_dir
+from asynccoll.sim import BUILTIN_PROFILES, Profile
+from asynccoll.sim.replay import compute_times, recommend
+from asynccoll.testing import local_world
+
+
+async def _record(directory: Path) -> None:
+    async with local_world(4, "tcp", trace=str(directory), timeout=30) as comms:
+        hs = [c.partial_allreduce("majority", like=np.zeros(8, np.float32), name="grads")
+              for c in comms]
+
+        async def rank(r: int) -> None:
+            for _ in range(8):
+                await asyncio.sleep(0.003 * r)  # rank r computes 3r ms per step
+                await hs[r](np.ones(8, np.float32), timeout=20)
+            await hs[r].flush(timeout=20)
+
+        await asyncio.wait_for(asyncio.gather(*(rank(r) for r in range(4))), 60)
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("trace")
+    asyncio.run(_record(d))
+    return d
+
+
+@pytest.mark.timeout(90)
+def test_compute_times_follow_the_recorded_skew(trace_dir: Path) -> None:
+    times, _, info = compute_times(load_dir(trace_dir))
+    assert times.shape[1] == 4
+    assert info["nbytes"] == 32
+    med = np.median(times, axis=0)
+    # rank 3 computes 9 ms a step, rank 0 nothing: the order survives the recording
+    assert med[3] > med[0] + 0.004, med
+
+
+@pytest.mark.timeout(90)
+def test_replay_cli_prints_every_policy_and_recommends(trace_dir: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       ) -> None:
+    out_json = tmp_path / "replay.json"
+    plot = tmp_path / "replay.png"
+    code = main(["sim", "replay", str(trace_dir), "--policies",
+                 "sync,solo,majority,two_choice,quorum:3,backup:1,deadline",
+                 "--recommend", "--max-staleness", "1", "--json", str(out_json),
+                 "--plot", str(plot)])
+    assert code == 0
+    text = capsys.readouterr().out
+    for name in ("sync", "solo", "majority", "two_choice", "quorum:3", "backup:1",
+                 "deadline", "recommended:"):
+        assert name in text
+    d = json.loads(out_json.read_text())
+    assert next(r["policy"] for r in d["rows"]) == "sync"
+    assert all(r["conserved"] for r in d["rows"])
+    assert plot.stat().st_size > 0
+    best = recommend(d["rows"], 1)
+    assert best is not None
+    assert d["recommended"] == best["policy"]
+
+
+@pytest.mark.timeout(90)
+def test_replay_scaled_up(trace_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "replay", str(trace_dir), "--policies", "solo,majority",
+                 "--scale-to", "64", "--steps", "4"]) == 0
+    assert "at P = 64" in " ".join(capsys.readouterr().out.split())
+
+
+def test_replay_rejects_bad_policy(trace_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "replay", str(trace_dir), "--policies", "quorum"]) == 2
+    assert "quorum needs a number" in capsys.readouterr().err
+
+
+def test_profiles_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for p in BUILTIN_PROFILES.values():
+        assert p.source
+        path = tmp_path / f"{p.name}.json"
+        p.save(path)
+        assert Profile.load(path) == p
+    assert main(["sim", "profiles"]) == 0
+    assert "source:" in capsys.readouterr().out
+
+
+def test_run_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "run", "--policy", "majority", "-P", "32", "--steps", "5",
+                 "--compute", "linear:skew=0.001"]) == 0
+    assert json.loads(capsys.readouterr().out)["conserved"] is True
