@@ -30,6 +30,16 @@ the simulator moves no data: it prices each op by the bytes its slots declare an
 the ``hooks`` given for some kernels (the partial allreduce's snapshot, for its accounting),
 which is what makes P = 1024 cheap. The event loop is Python; the per-op work is a few list
 operations (about 2-4 µs per op fired on the development machine).
+
+**What keeps it cheap** (and the results exactly those of one event per op completion, in the
+same order): the P executors share one copy of the op tables (kinds, successors, thresholds,
+tags: a builder's ranks differ in peers only), which keeps them in cache; the drain loop fires
+sends, compute ops and no-ops inline; and a completion that cannot make any successor ready,
+whatever completes before it (the typical send: its successor also waits for the matching
+receive), is **deferred** instead of scheduled: it takes its event number as if scheduled, is
+counted when the executor next handles an event after it, and becomes a real event, with that
+number, the moment another completion brings one of its successors within reach of its
+threshold. About a quarter of the events go that way.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,8 +86,13 @@ class SimWorld:
         self.world_size = world_size
         self.profile = profile
         self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
-        self._seq = itertools.count()
+        #: the scheduling number of the event being processed (``now``'s tie-breaker)
+        self.now_seq = -1
+        #: pending events, a heap of ``(time, seq, fn, a, b)``: ``fn(a, b)`` runs at ``time``
+        #: (two arguments, not ``*args``: an op's completion is most events, and saves a tuple)
+        self.queue: list[tuple[float, int, Callable[[Any, Any], None], Any, Any]] = []
+        #: the tie-breaker of events at one time (scheduling order)
+        self.seq = itertools.count()
         scale = profile.cpu_scale
         self.gamma = profile.gamma * scale
         self.reduce_spb = scale / profile.reduce_bps
@@ -90,6 +105,9 @@ class SimWorld:
         self._intra = (profile.intra.alpha * scale, profile.intra.beta * scale)
         self._inter = (profile.inter.alpha, profile.inter.beta)
         self.endpoints: dict[tuple[int, int], SimExecutor] = {}
+        #: the op tables the executors share: the ranks' schedules of one builder differ in
+        #: peers and tags only, so P executors read one copy (and keep it in cache)
+        self.tables: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.messages = 0
         self.dropped = 0
         self.events = 0
@@ -97,20 +115,34 @@ class SimWorld:
     # -- the clock ---------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` at virtual time ``t`` (not before now)."""
-        heapq.heappush(self._heap, (t if t > self.now else self.now, next(self._seq), fn, args))
+        heapq.heappush(self.queue, (t if t > self.now else self.now, next(self.seq), _apply, fn,
+                                    args))
 
     def run(self, until: float | None = None, max_events: int | None = None) -> None:
         """Process events until none is left (or virtual time passes ``until``, or
         ``max_events`` were processed)."""
-        heap = self._heap
+        heap = self.queue
         pop = heapq.heappop
         n = 0
+        if until is None and max_events is None:
+            # the common case, without the two checks per event
+            try:
+                while heap:
+                    t, q, fn, a, b = pop(heap)
+                    self.now = t
+                    self.now_seq = q
+                    fn(a, b)
+                    n += 1
+            finally:
+                self.events += n
+            return
         while heap:
             if until is not None and heap[0][0] > until:
                 break
-            t, _, fn, args = pop(heap)
+            t, q, fn, a, b = pop(heap)
             self.now = t
-            fn(*args)
+            self.now_seq = q
+            fn(a, b)
             n += 1
             if max_events is not None and n >= max_events:
                 break
@@ -119,7 +151,7 @@ class SimWorld:
     @property
     def idle(self) -> bool:
         """True when no event is pending."""
-        return not self._heap
+        return not self.queue
 
     # -- costs -------------------------------------------------------------------------------
     def cpu(self, rank: int, cost: float, at: float | None = None) -> float:
@@ -140,10 +172,16 @@ class SimWorld:
         ``gamma`` after the arrival, when the receiver would be done with it if its CPU is free
         (saving an event per message; a busy receiver schedules the completion later)."""
         g = self.gamma
-        t = self.cpu(src, g)
+        now = self.now
+        t = self.cpu_free[src]
+        if t < now:
+            t = now
+        t += g
+        self.cpu_free[src] = t
+        msg = (src, execution, tag, kind, nbytes, data, header, 0.0, g)
         if src == dst:
-            self.at(t + g, self._deliver, dst, sid,
-                    (src, execution, tag, kind, nbytes, data, header, 0.0, g))
+            # t + g >= now: what at() would clamp to
+            heapq.heappush(self.queue, (t + g, next(self.seq), self._deliver, (dst, sid), msg))
             return t
         a, b = self._intra if self.host[src] == self.host[dst] else self._inter
         t0 = self.nic_free[src]
@@ -152,12 +190,11 @@ class SimWorld:
         out = t0 + nbytes * b
         self.nic_free[src] = out
         self.messages += 1
-        self.at(out + a + g, self._deliver, dst, sid,
-                (src, execution, tag, kind, nbytes, data, header, 0.0, g))
+        heapq.heappush(self.queue, (out + a + g, next(self.seq), self._deliver, (dst, sid), msg))
         return out
 
-    def _deliver(self, dst: int, sid: int, msg: tuple[Any, ...]) -> None:
-        ex = self.endpoints.get((dst, sid))
+    def _deliver(self, endpoint: tuple[int, int], msg: tuple[Any, ...]) -> None:
+        ex = self.endpoints.get(endpoint)
         if ex is None:
             self.dropped += 1  # nobody runs that schedule (any more): as a closed endpoint
             return
@@ -173,6 +210,14 @@ class SimExecutor:
     persistent executor re-arms. Raises ``ValueError`` for an uncommitted schedule, a missing
     buffer or kernel.
     """
+
+    # P executors: slots keep each one small and its attributes one load away
+    __slots__ = ("_complete_event", "_consts", "_count", "_data", "_draining", "_final", "_fired",
+                 "_held", "_hooks", "_kernels", "_kind", "_lazy", "_msg", "_msgs", "_n",
+                 "_nbytes", "_payloads", "_peer", "_pend", "_posted", "_ready", "_recv_sources",
+                 "_silent", "_start_sources", "_succ", "_tag", "_thr", "_unfired", "_views",
+                 "_zeros", "armed", "completed", "execution", "on_complete", "persistent", "rank",
+                 "sched_id", "schedule", "started", "world")
 
     def __init__(self, world: SimWorld, schedule: Schedule, *, sched_id: int,
                  persistent: bool = False, buffers: Mapping[str, Any] | None = None,
@@ -191,17 +236,23 @@ class SimExecutor:
         self.persistent = persistent
         self.on_complete = on_complete
         c = _compiled(schedule)
-        self._kind, self._succ, self._thr = c.kind, c.succ, c.thr
+        # sequences: lists here, the world's shared tuples once built (below)
+        self._kind: Sequence[int] = c.kind
+        self._succ: Sequence[Sequence[int]] = c.succ
+        self._thr: Sequence[int] = c.thr
         self._start_sources, self._recv_sources = c.start_sources, c.recv_sources
         self._final = c.final
-        self._peer, self._tag, self._msg, self._nbytes = c.peer, c.tag, c.msg, c.nbytes
+        self._peer = c.peer
+        self._tag: Sequence[int] = c.tag
+        self._msg: Sequence[int] = c.msg
+        self._nbytes: Sequence[int] = c.nbytes
         # ops whose completion nobody waits for (activation and arrival sends): completing
         # them would only cost an event
-        self._silent = bytearray(1 if not c.succ[i] and i != c.final else 0
+        self._silent: bytes | bytearray = bytearray(1 if not c.succ[i] and i != c.final else 0
                                  for i in range(len(schedule.ops)))
         self._n = len(schedule.ops)
         self._data = buffers is not None
-        self._hooks: list[Hook | None] = [None] * self._n
+        hook_of: list[Hook | None] = [None] * self._n
         self._kernels: list[Kernel | None] = [None] * self._n
         self._views: list[Any] = [None] * self._n
         ops = schedule.ops
@@ -213,19 +264,44 @@ class SimExecutor:
         else:
             for i, op in enumerate(ops):
                 if op.kind == "compute" and hooks and op.kernel in hooks:
-                    self._hooks[i] = hooks[op.kernel]
+                    hook_of[i] = hooks[op.kernel]
+        self._hooks: Sequence[Hook | None] = hook_of
         self.execution = 0
         self.completed = -1
         self.armed = False
         self.started = False
+        self._zeros = [0] * self._n
+        self._unfired = bytes(self._n)
         self._count = [0] * self._n
         self._fired = bytearray(self._n)
+        self._complete_event = self._loop  # bound once: pushed per op completion
+        #: deferred completions (module doc): (time, event seq, op), and per op how many of
+        #: them count towards it
+        self._lazy: list[tuple[float, int, int]] = []
+        self._pend = [0] * self._n
         self._ready: deque[int] = deque()
         self._draining = False
         self._posted: dict[tuple[int, int], int] = {}
         self._held: dict[int, dict[tuple[int, int], deque[tuple[Any, ...]]]] = {}
         self._msgs: dict[int, Message] = {}
         self._payloads: dict[int, Payload] = {}
+        table = (tuple(self._kind), tuple(tuple(x) for x in self._succ), tuple(self._thr),
+                 bytes(self._silent), tuple(self._hooks), tuple(self._msg), tuple(self._tag),
+                 None if self._data else tuple(self._nbytes))
+        table = world.tables.setdefault(table, table)
+        (self._kind, self._succ, self._thr, self._silent, self._hooks, self._msg,
+         self._tag) = table[:7]
+        if table[7] is not None:
+            self._nbytes = table[7]
+        # what the drain loop reads per op, unpacked in one step per drain
+        # (every one of them is mutated in place only, never rebound)
+        ready = self._ready
+        self._consts = (self._fired, self._count, self._thr, self._succ, self._kind, self._final,
+                        self._silent, self._nbytes, self._hooks, world.cpu_free, world.gamma,
+                        world.reduce_spb, self.rank, self._data, self._complete_event,
+                        world.queue, world.seq, self._lazy, self._pend, ready, ready.popleft,
+                        ready.append, world.post, self.sched_id, self._peer, self._tag,
+                        self._msg, self._held, self._posted)
         world.endpoints[(self.rank, sched_id)] = self
         if persistent:
             self._arm()
@@ -233,6 +309,7 @@ class SimExecutor:
     # -- binding (data mode) -----------------------------------------------------------------
     def _bind(self, buffers: Mapping[str, Any], kernels: Mapping[str, Kernel]) -> None:
         bound: dict[str, np.ndarray] = {}
+        nb = list(self._nbytes)
         for slot in self.schedule.slots:
             if slot not in buffers:
                 raise ValueError(f"buffer for slot {slot!r} is missing (slots: "
@@ -250,7 +327,7 @@ class SimExecutor:
             if op.kind in ("send", "recv"):
                 self._views[i] = view(op.buf)
                 if self._views[i] is not None:
-                    self._nbytes[i] = int(self._views[i].nbytes)
+                    nb[i] = int(self._views[i].nbytes)
             elif op.kind == "compute":
                 fn = kernels.get(op.kernel)
                 if fn is None:
@@ -259,7 +336,8 @@ class SimExecutor:
                 self._kernels[i] = fn
                 out = view(op.output)
                 self._views[i] = (out, [view(r) for r in op.inputs])
-                self._nbytes[i] = 0 if out is None else int(out.nbytes)
+                nb[i] = 0 if out is None else int(out.nbytes)
+        self._nbytes = nb
 
     # -- control -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -272,9 +350,11 @@ class SimExecutor:
             self._drain()
 
     def _arm(self) -> None:
-        n = self._n
-        self._count = [0] * n
-        self._fired = bytearray(n)
+        # in place: the drain loop holds these lists across a re-arm
+        self._count[:] = self._zeros
+        self._fired[:] = self._unfired
+        if self._lazy:
+            self._drop_lazy()
         self._posted.clear()
         self._msgs.clear()
         self._payloads.clear()
@@ -298,7 +378,33 @@ class SimExecutor:
         if e == cur and self.armed:
             i = self._posted.pop((src, tag), -1)
             if i >= 0:
-                self._recv_arrived(i, msg, self.world.now - msg[8])
+                if self._data:
+                    self._recv_arrived(i, msg, self.world.now - msg[8])
+                    return
+                # _recv_arrived without data, inlined (one of every op's few events)
+                w = self.world
+                now = w.now
+                arrived = now - msg[8]
+                cpu_free = w.cpu_free
+                t = cpu_free[self.rank]
+                if t < arrived:
+                    t = arrived
+                t += w.gamma + msg[7]
+                cpu_free[self.rank] = t
+                if self._silent[i]:
+                    return
+                succ = self._succ[i]
+                if succ:
+                    fired = self._fired
+                    for s in succ:
+                        if not fired[s]:
+                            break
+                    else:
+                        return
+                if t <= now + 1e-15:
+                    self._loop(i, e)
+                else:
+                    self._defer(i, t, e)
                 return
         self._held.setdefault(e, {}).setdefault((src, tag), deque()).append(msg)
 
@@ -318,62 +424,127 @@ class SimExecutor:
                 arr[...] = data.view(arr.dtype).reshape(arr.shape)
             if header is not None or data is not None:
                 self._msgs[i] = _message(msg, self.sched_id)
+        if self._silent[i]:
+            return
         succ = self._succ[i]
-        if self._silent[i] or (succ and all(self._fired[s] for s in succ)):
-            return  # nobody waits for it (any more): e.g. arrivals past a reached quorum
+        if succ:
+            fired = self._fired
+            for s in succ:
+                if not fired[s]:
+                    break
+            else:
+                return  # nobody waits for it any more: e.g. arrivals past a reached quorum
         if t <= w.now + 1e-15:
             self._complete(i)
         else:
-            w.at(t, self._complete_at, i, e)
+            heapq.heappush(w.queue, (t, next(w.seq), self._complete_event, i, e))
 
     # -- the engine --------------------------------------------------------------------------
     def _drain(self) -> None:
+        if not self._draining:
+            self._loop(-1, self.execution)
+
+    def _loop(self, i: int, e: int) -> None:
+        """Op ``i`` of execution ``e`` completed now (``i < 0``: none did; a completion of an
+        execution no longer current is ignored); fire the ops that are ready until none is.
+        ``_fire`` and ``_complete`` inlined for sends, compute ops and no-ops: this is the
+        per-op work of a simulation, and the event an op's completion schedules."""
+        if e != self.execution or not self.armed:
+            return
         if self._draining:
+            if i >= 0:
+                self._complete(i)
             return
         self._draining = True
         try:
-            ready = self._ready
-            while ready:
-                self._fire(ready.popleft())
+            (fired, count, thr, succ, kind, final, silent, nbytes, hooks, cpu_free, g, spb, rank,
+             data, event, heap, seq, lazy, pend, ready, popleft, append, post, sid, peer, tag,
+             msgk, held, posted) = self._consts
+            if lazy:
+                self._settle()
+            push = heapq.heappush
+            now = self.world.now
+            while True:
+                if i >= 0:  # op i completed now
+                    if i == final:
+                        self._finish()
+                        e = self.execution
+                    else:
+                        for s in succ[i]:
+                            c = count[s] + 1
+                            count[s] = c
+                            if c == thr[s]:
+                                append(s)
+                            elif lazy and c < thr[s] and pend[s] and c + pend[s] >= thr[s]:
+                                self._unlazy()
+                if not ready:
+                    return
+                i = popleft()
+                if fired[i]:
+                    i = -1
+                    continue
+                fired[i] = 1
+                k = kind[i]
+                if k == _SEND:
+                    if data:
+                        self._send(i, e)
+                        i = -1
+                        continue
+                    t = post(rank, peer[i], sid, e, tag[i], msgk[i], nbytes[i], None, None)
+                    if silent[i]:
+                        i = -1
+                    elif t > now:
+                        # _defer, inlined
+                        q = next(seq)
+                        if i != final:
+                            for s in succ[i]:
+                                if count[s] < thr[s] <= count[s] + pend[s] + 1:
+                                    break
+                            else:
+                                lazy.append((t, q, i))
+                                for s in succ[i]:
+                                    pend[s] += 1
+                                i = -1
+                                continue
+                        push(heap, (t, q, event, i, e))
+                        i = -1
+                elif k == _RECV:
+                    key = (peer[i], tag[i])
+                    hq = held.get(e) if held else None
+                    if hq is not None and hq.get(key):
+                        self._fire_recv(i, e)
+                    else:
+                        posted[key] = i
+                    i = -1
+                elif k != _NOP:
+                    t = cpu_free[rank]
+                    if t < now:
+                        t = now
+                    t += g + nbytes[i] * spb
+                    cpu_free[rank] = t
+                    if data:
+                        self._run_kernel(i)
+                    else:
+                        h = hooks[i]
+                        if h is not None:
+                            h(rank, e, i)
+                    if t > now:
+                        push(heap, (t, next(seq), event, i, e))
+                        i = -1
         finally:
             self._draining = False
 
-    def _fire(self, i: int) -> None:
-        fired = self._fired
-        if fired[i]:
-            return
-        fired[i] = 1
-        kind = self._kind[i]
-        if kind == _NOP:
-            self._complete(i)
-            return
-        w = self.world
-        e = self.execution
-        if kind == _SEND:
-            self._send(i, e)
-        elif kind == _RECV:
-            key = (self._peer[i], self._tag[i])
-            held = self._held.get(e)
-            q = None if held is None else held.get(key)
-            if q:
-                msg = q.popleft()
-                if not q:
-                    del held[key]  # type: ignore[union-attr]
-                self._recv_arrived(i, msg, w.now)
-            else:
-                self._posted[key] = i
+    def _fire_recv(self, i: int, e: int) -> None:
+        key = (self._peer[i], self._tag[i])
+        held = self._held.get(e)
+        q = None if held is None else held.get(key)
+        if q:
+            msg = q.popleft()
+            if not q:
+                del held[key]  # type: ignore[union-attr]
+            self._recv_arrived(i, msg, self.world.now)
         else:
-            t = w.cpu(self.rank, w.gamma + self._nbytes[i] * w.reduce_spb)
-            if self._data:
-                self._run_kernel(i)
-            else:
-                h = self._hooks[i]
-                if h is not None:
-                    h(self.rank, e, i)
-            if t <= w.now:
-                self._complete(i)
-            else:
-                w.at(t, self._complete_at, i, e)
+            self._posted[key] = i
 
     def _send(self, i: int, e: int) -> None:
         w = self.world
@@ -402,7 +573,7 @@ class SimExecutor:
         if t <= w.now:
             self._complete(i)
         else:
-            w.at(t, self._complete_at, i, e)
+            heapq.heappush(w.queue, (t, next(w.seq), self._complete_event, i, e))
 
     def _run_kernel(self, i: int) -> None:
         op = self.schedule.ops[i]
@@ -414,27 +585,77 @@ class SimExecutor:
         if result is not None:
             self._payloads[i] = result
 
-    def _complete_at(self, i: int, e: int) -> None:
-        if e == self.execution and self.armed:
-            self._complete(i)
-
     def _complete(self, i: int) -> None:
+        if self._lazy and not self._draining:
+            self._settle()
         if i == self._final:
             self._finish()
             return
-        count, thr, ready = self._count, self._thr, self._ready
+        count, thr, ready, pend = self._count, self._thr, self._ready, self._pend
         for s in self._succ[i]:
             c = count[s] + 1
             count[s] = c
             if c == thr[s]:
                 ready.append(s)
+            elif c < thr[s] and pend[s] and c + pend[s] >= thr[s]:
+                self._unlazy()
         if not self._draining:
             self._drain()
+
+    # -- deferred completions ------------------------------------------------------------------
+    def _defer(self, i: int, t: float, e: int) -> None:
+        """Op ``i`` completes at ``t`` (> now): an event, or, when that completion cannot make
+        a successor ready whatever else completes first, a deferred completion (module doc)."""
+        w = self.world
+        q = next(w.seq)
+        if i != self._final:
+            count, thr, pend = self._count, self._thr, self._pend
+            succ = self._succ[i]
+            for s in succ:
+                if count[s] < thr[s] <= count[s] + pend[s] + 1:
+                    break
+            else:
+                self._lazy.append((t, q, i))
+                for s in succ:
+                    pend[s] += 1
+                return
+        heapq.heappush(w.queue, (t, q, self._complete_event, i, e))
+
+    def _settle(self) -> None:
+        """Count the deferred completions that lie before the current event (none of them
+        made a successor ready: :meth:`_unlazy` keeps it so)."""
+        w = self.world
+        now, cur = w.now, w.now_seq
+        count, pend, succ = self._count, self._pend, self._succ
+        keep = []
+        for item in self._lazy:
+            t, q, i = item
+            if t < now or (t == now and q < cur):
+                for s in succ[i]:
+                    count[s] += 1
+                    pend[s] -= 1
+            else:
+                keep.append(item)
+        self._lazy[:] = keep
+
+    def _unlazy(self) -> None:
+        """A deferred completion may now make a successor ready: make them all events, with
+        the scheduling numbers they were given (so the event order is the same)."""
+        heap, e, event = self.world.queue, self.execution, self._complete_event
+        for t, q, i in self._lazy:
+            heapq.heappush(heap, (t, q, event, i, e))
+        self._drop_lazy()
+
+    def _drop_lazy(self) -> None:
+        self._lazy.clear()
+        self._pend[:] = self._zeros
 
     def _finish(self) -> None:
         e = self.execution
         self.armed = False
         self._ready.clear()
+        if self._lazy:
+            self._drop_lazy()
         self.completed = e
         self._held.pop(e, None)
         self._posted.clear()
@@ -470,6 +691,10 @@ def _compiled(s: Schedule) -> _Compiled:
     c = _Compiled(s)
     c.nbytes = list(c.nbytes)
     return c
+
+
+def _apply(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    fn(*args)
 
 
 def _ref_bytes(s: Schedule, ref: Any) -> int:
