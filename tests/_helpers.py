@@ -7,13 +7,17 @@ and spawned children inherit the parent's ``sys.path``.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import queue
 import random
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -162,3 +166,32 @@ def run_exchanging_ranks(target: Callable[..., None], world_size: int,
             if p.is_alive():
                 p.kill()
             p.join(5)
+
+
+def run_killed_job(tmp_path: Path, script: str, P: int, args: list[str], kill: str,
+                   timeout: float = 90.0) -> dict[int, Any]:
+    """Run ``script`` (source text) as P rank processes over loopback tcp, started without the
+    launcher (which would stop the job at the first loss), with ``args`` after the script;
+    ``kill`` names the ranks (comma-separated) the script kills itself. Each survivor must exit
+    0 and write ``rank-R.json`` into ``tmp_path``; returns those reports by rank."""
+    path = tmp_path / "rank.py"
+    path.write_text(script)
+    root = str(Path(__file__).parents[1])
+    port = free_port()
+    procs = []
+    try:
+        for r in range(P):
+            env = {**os.environ, "PYTHONPATH": root, "ASYNCCOLL_RANK": str(r),
+                   "ASYNCCOLL_WORLD_SIZE": str(P), "ASYNCCOLL_STORE": f"127.0.0.1:{port}",
+                   "ASYNCCOLL_TRANSPORT": "tcp", "ASYNCCOLL_SECRET": SECRET}
+            procs.append(subprocess.Popen([sys.executable, str(path), *args], env=env,
+                                          stderr=subprocess.PIPE))
+        errs = [p.communicate(timeout=timeout)[1].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    killed = {int(k) for k in kill.split(",")}
+    survivors = [r for r in range(P) if r not in killed]
+    for r in survivors:
+        assert procs[r].returncode == 0, f"rank {r}:\n{errs[r][-4000:]}"
+    return {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in survivors}

@@ -20,7 +20,6 @@ Each case that revealed a bug in review is kept here, now passing.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _helpers import free_port
+from _helpers import run_killed_job
 
 import asynccoll
 from asynccoll.comm.membership import AGREE_ANSWER, AGREE_ASK, AGREE_DECIDE
@@ -507,28 +506,8 @@ asyncio.run(main())
 """
 
 
-def _run(tmp_path: Path, what: str, kill: str, P: int) -> dict[int, dict]:
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
-    port = free_port()
-    procs = []
-    try:
-        for r in range(P):
-            env = {**os.environ, "PYTHONPATH": ROOT, "ASYNCCOLL_RANK": str(r),
-                   "ASYNCCOLL_WORLD_SIZE": str(P), "ASYNCCOLL_STORE": f"127.0.0.1:{port}",
-                   "ASYNCCOLL_TRANSPORT": "tcp",
-                   "ASYNCCOLL_SECRET": "a-test-secret-long-enough"}
-            procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path), what,
-                                           kill], env=env, stderr=subprocess.PIPE))
-        errs = [p.communicate(timeout=25)[1].decode() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    killed = {int(k) for k in kill.split(",")}
-    survivors = [r for r in range(P) if r not in killed]
-    for r in survivors:
-        assert procs[r].returncode == 0, f"rank {r}:\n{errs[r][-4000:]}"
-    return {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in survivors}
+def _run(tmp_path: Path, what: str, kill: str, P: int) -> dict[int, Any]:
+    return run_killed_job(tmp_path, RANK, P, [str(tmp_path), what, kill], kill, timeout=25)
 
 
 @pytest.mark.multiprocess

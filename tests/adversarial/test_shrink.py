@@ -9,14 +9,10 @@ the first loss).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _helpers import free_port
+from _helpers import run_killed_job
 
 ROOT = str(Path(__file__).parents[2])
 
@@ -63,27 +59,9 @@ asyncio.run(main())
 @pytest.mark.parametrize("kill", ["2", "0,3"], ids=["one", "two-with-coordinator"])
 def test_survivors_agree_and_shrink(tmp_path: Path, kill: str) -> None:
     P = 5
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
-    port = free_port()
-    procs = []
-    try:
-        for r in range(P):
-            env = {**os.environ, "PYTHONPATH": ROOT, "ASYNCCOLL_RANK": str(r),
-                   "ASYNCCOLL_WORLD_SIZE": str(P), "ASYNCCOLL_STORE": f"127.0.0.1:{port}",
-                   "ASYNCCOLL_TRANSPORT": "tcp",
-                   "ASYNCCOLL_SECRET": "a-test-secret-long-enough"}
-            procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path), kill,
-                                           "1"], env=env, stderr=subprocess.PIPE))
-        errs = [p.communicate(timeout=90)[1].decode() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    got = run_killed_job(tmp_path, RANK, P, [str(tmp_path), kill, "1"], kill)
     killed = {int(k) for k in kill.split(",")}
-    survivors = [r for r in range(P) if r not in killed]
-    for r in survivors:
-        assert procs[r].returncode == 0, f"rank {r}:\n{errs[r][-3000:]}"
-    got = {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in survivors}
+    survivors = sorted(got)
     want_sum = float(sum(r + 1 for r in survivors))
     for r, o in got.items():
         assert o["caught"] in killed, (r, o)

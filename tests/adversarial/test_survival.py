@@ -16,15 +16,12 @@ Real processes over loopback tcp, started without the launcher.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from _helpers import free_port
+from _helpers import run_killed_job
 
 ROOT = str(Path(__file__).parents[2])
 
@@ -85,29 +82,10 @@ asyncio.run(main())
 """
 
 
-def _run(tmp_path: Path, what: str, kill: str, P: int = 4) -> dict[int, dict]:
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
-    port = free_port()
-    procs = []
-    try:
-        for r in range(P):
-            env = {**os.environ, "PYTHONPATH": ROOT, "ASYNCCOLL_RANK": str(r),
-                   "ASYNCCOLL_WORLD_SIZE": str(P), "ASYNCCOLL_STORE": f"127.0.0.1:{port}",
-                   "ASYNCCOLL_TRANSPORT": "tcp",
-                   "ASYNCCOLL_SECRET": "a-test-secret-long-enough"}
-            procs.append(subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path), what, kill,
-                 str(Path(ROOT) / "tests" / "train")], env=env, stderr=subprocess.PIPE))
-        errs = [p.communicate(timeout=90)[1].decode() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    killed = {int(k) for k in kill.split(",")}
-    survivors = [r for r in range(P) if r not in killed]
-    for r in survivors:
-        assert procs[r].returncode == 0, f"rank {r}:\n{errs[r][-4000:]}"
-    return {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in survivors}
+def _run(tmp_path: Path, what: str, kill: str, P: int = 4) -> dict[int, Any]:
+    return run_killed_job(tmp_path, RANK, P,
+                          [str(tmp_path), what, kill, str(Path(ROOT) / "tests" / "train")],
+                          kill)
 
 
 @pytest.mark.timeout(120)
