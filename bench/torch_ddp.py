@@ -3,6 +3,7 @@
 
     python bench/torch_ddp.py [--quick] [--out FILE.json] [--plot FILE.png] [--P 4]
                               [--step-ms 40] [--steps 200] [--delays 0,0.5,1.0] [--reps 1]
+                              [--impls ddp-gloo,ddp-solo,...]
 
 Each case is one ``asynccoll run -n P`` job of ``examples/torch_ddp.py`` or
 ``examples/torch_adam.py`` (the same convolutional network, scikit-learn digits and seeds):
@@ -14,13 +15,18 @@ Each case is one ``asynccoll run -n P`` job of ``examples/torch_ddp.py`` or
 * ``adam-sync``, ``adam-majority``: ``DistributedOptimizer(torch.optim.Adam(...))``.
 
 The accelerator is simulated by a sleep up to c (``--step-ms``; 2 CPU cores, no GPU), and on
-every step one rank, drawn alike on all ranks, sleeps D = 0.5c or 1.0c more. Rank 0 measures
-test accuracy every 10 steps. Rows: wall time, ms per step, final test accuracy (after the
-collective ``finish``), and the wall time at which test accuracy first reached the target: the
-final accuracy of ``ddp-gloo`` at the same D for the DDP rows, of ``adam-sync`` for the Adam
-rows; ``time_ratio``: that time over the baseline's own. D = 0 runs only Gloo and
-``partial_hook("sync")``, for the step-time comparison. ``--quick``: 60 steps, D = 0 and 1.0c.
-Medians and spread over ``--reps`` repetitions of each case.
+every step one rank, drawn alike on all ranks, sleeps D = 0.5c or 1.0c more. Rank 0 keeps a
+copy of its parameters every 2 steps and measures their test accuracy after the loop, so the
+evaluation costs no rank any time in the timed loop. Rows: wall time, ms per step, final test
+accuracy (after the collective ``finish``), and the wall time at which test accuracy first
+reached the target: the final accuracy of ``ddp-gloo`` at the same D for the DDP rows, of
+``adam-sync`` for the Adam rows; ``time_ratio``: that time over the baseline's own, the product
+of ``step_time_ratio`` (ms per step over the baseline's) and ``steps_ratio`` (steps to the
+target over the baseline's); ``floor_step_time_ratio``: the lowest step-time ratio the injection
+allows a kind (:func:`step_floor`, from the undelayed synchronous step time). D = 0 runs only
+Gloo, ``partial_hook("sync")`` and sync Adam, for the step-time comparison and the floor.
+``--quick``: 60 steps, D = 0 and 1.0c. Medians and spread over ``--reps`` repetitions of each
+case.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import stats, write_json
@@ -48,7 +56,7 @@ IMPLS: dict[str, tuple[str, list[str]]] = {
     "adam-sync": ("torch_adam.py", ["--mode", "sync"]),
     "adam-majority": ("torch_adam.py", ["--mode", "majority"]),
 }
-NO_DELAY = ("ddp-gloo", "ddp-sync")
+NO_DELAY = ("ddp-gloo", "ddp-sync", "adam-sync")
 
 
 def run_case(impl: str, P: int, delay: float, args: argparse.Namespace,
@@ -83,6 +91,25 @@ def time_to(curve: list[list[float]], target: float) -> float | None:
     return next((t for t, _, acc in curve if acc >= target - 1e-9), None)
 
 
+def steps_to(curve: list[list[float]], target: float) -> int | None:
+    """The first step in ``curve`` with accuracy >= target."""
+    return next((int(s) for _, s, acc in curve if acc >= target - 1e-9), None)
+
+
+def step_floor(P: int, step_s: float, delay_s: float, impl: str) -> float | None:
+    """The mean time per step of rank 0 that the straggler injection alone imposes, given the
+    undelayed step time ``step_s``: every rank is the straggler on 1/P of the steps (solo and
+    quorum-like kinds wait for no one else), and majority also waits whenever its one drawn
+    initiator is the straggler, another 1/P of the steps (minus the steps where both are
+    rank 0 itself). The time ratio to a synchronous baseline whose steps take step_s + delay_s
+    cannot go below this over the baseline's step time unless fewer steps reach the target."""
+    if "solo" in impl:
+        return step_s + delay_s / P
+    if "majority" in impl:
+        return step_s + delay_s * (2 / P - 1 / P**2)
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -94,7 +121,13 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.2, help="SGD rate of the DDP runs")
     p.add_argument("--delays", default=None, help="D in units of c, comma-separated")
     p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of "
+                   + ", ".join(IMPLS))
     args = p.parse_args()
+    impls = args.impls.split(",")
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        p.error(f"unknown --impls {unknown}; choose from {list(IMPLS)}")
     if args.steps is None:
         args.steps = 60 if args.quick else 200
     delays = [float(d) for d in (args.delays or ("0,1.0" if args.quick else "0,0.5,1.0"))
@@ -102,7 +135,7 @@ def main() -> None:
     runs: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for rep in range(args.reps):
         for d in delays:
-            for impl in IMPLS:
+            for impl in impls:
                 if d == 0 and impl not in NO_DELAY:
                     continue
                 res = run_case(impl, args.P, d, args)
@@ -119,28 +152,47 @@ def main() -> None:
         row |= stats("wall_s", [r["wall"] for r in rs])
         row |= stats("ms_per_step", [r["wall"] / r["steps"] * 1000 for r in rs])
         row |= stats("accuracy", [r["accuracy"] for r in rs])
-        ratios, times = [], []
+        ratios, times, step_ratios, steps_ratios = [], [], [], []
         for i, r in enumerate(rs):
             base = runs.get((base_impl, d), [None])[min(i, len(runs.get((base_impl, d), [])) - 1)]
             if base is None:
                 continue
             tb = time_to(base["curve"], base["accuracy"])
             ti = time_to(r["curve"], base["accuracy"])
+            step_ratios.append(r["wall"] / r["steps"] / (base["wall"] / base["steps"]))
             if ti is not None:
                 times.append(ti)
                 if tb:
                     ratios.append(ti / tb)
+                    si = steps_to(r["curve"], base["accuracy"])
+                    sb = steps_to(base["curve"], base["accuracy"])
+                    if si is not None and sb:
+                        steps_ratios.append(si / sb)
         if times:
             row |= stats("time_to_target_s", times)
         if ratios:
             row |= stats("time_ratio", ratios)
+        # time_ratio = step_time_ratio x steps_ratio (to the target), up to the curve's grain
+        row |= stats("step_time_ratio", step_ratios)
+        if steps_ratios:
+            row |= stats("steps_ratio", steps_ratios)
+        undelayed = runs.get(("ddp-sync" if impl.startswith("ddp") else "adam-sync", 0.0))
+        if undelayed and d > 0:  # the floor the injection sets (step_floor)
+            base_step = float(np.median([u["wall"] / u["steps"] for u in undelayed]))
+            floor = step_floor(args.P, base_step, d * args.step_ms / 1000, impl)
+            if floor is not None:
+                row["floor_step_time_ratio"] = floor / float(np.median(
+                    [b["wall"] / b["steps"] for b in runs[(base_impl, d)]]))
         row["reached_target"] = f"{len(times)}/{len(rs)}"
         row["curve"] = rs[0]["curve"]
         rows.append(row)
     for row in rows:
         print(f"D={row['delay_c']:.2f}c {row['impl']:>14}: {row['ms_per_step_median']:.1f} "
               f"ms/step, accuracy {row['accuracy_median']:.3f}, time ratio "
-              f"{row.get('time_ratio_median', float('nan')):.2f} ({row['reached_target']} "
+              f"{row.get('time_ratio_median', float('nan')):.2f} = step time "
+              f"{row['step_time_ratio_median']:.2f} x steps "
+              f"{row.get('steps_ratio_median', float('nan')):.2f} (floor of the step time "
+              f"{row.get('floor_step_time_ratio', float('nan')):.2f}; {row['reached_target']} "
               f"reached {row['baseline']}'s final accuracy)")
     params = {"P": args.P, "step_ms": args.step_ms, "steps": args.steps, "delays": delays,
               "reps": args.reps, "quick": args.quick, "lr": args.lr}
