@@ -1,6 +1,6 @@
 """``asynccoll sim calibrate``: measure this machine's cost model and write a profile.
 
-What is measured (about 10 s per transport on a 2-core machine):
+What is measured (about 30 s per transport on a 2-core machine):
 
 * ``gamma``, the per-op CPU cost: the real executor runs a dense allreduce schedule of P = 8
   ranks over the in-process transport (no wire), and the time per op fired is the CPU an op
@@ -10,12 +10,20 @@ What is measured (about 10 s per transport on a 2-core machine):
   (spawned) connect through the rendezvous and time 4-byte and 4 MiB allreduces; P = 2
   recursive doubling is one exchange, so ``T(n) = alpha + 3 gamma + n beta + n / reduce_bps``
   on the path an allreduce takes, which gives ``alpha`` and ``beta``; measured twice, with
-  the progress thread and inline, the difference is the call's thread hop (``call_overhead``).
+  the progress thread and inline, the difference is the call's thread hop (``call_overhead``);
+* the **time-shared cores'** figures (:class:`~asynccoll.sim.cost.SharedCores`): a world of
+  ``2 * cores`` processes (each core time-shared by two ranks, every wake-up a context switch)
+  runs back-to-back barriers and back-to-back large allreduces; ``alpha`` is the intra-host
+  latency that makes the simulated barrier of that world as slow as the real one, then
+  ``beta`` the per-byte cost that does the same for the allreduce (:func:`fit_shared`; the
+  simulator's own schedules and scaling, so only the link's two figures are fitted); and
+  ``exit_gap`` the median spread of the ranks' exits from a barrier there (two waves of
+  ``cores`` ranks: one gap).
 
 Both link classes get the measured figures (every rank of this machine shares one host, so the
-inter-host class is a stand-in until calibrated on two hosts). ``cores`` is the machine's CPU
-count and ``ranks_per_host`` is left at 1: the simulation sets it to the number of ranks it
-places on the host (``bench/sim_validate.py`` does).
+inter-host class is a stand-in until calibrated on two hosts). ``cores`` is the number of cores
+this process may run on and ``ranks_per_host`` is left at 1: the simulation places the ranks
+with :meth:`~asynccoll.sim.cost.Profile.placed` (``bench/sim_validate.py`` does).
 """
 
 from __future__ import annotations
@@ -27,13 +35,14 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .cost import LinkClass, Profile
+from .cost import LinkClass, Profile, SharedCores
 
-__all__ = ["available_transports", "calibrate", "measure_gamma", "measure_reduce"]
+__all__ = ["available_transports", "calibrate", "fit_shared", "measure_gamma", "measure_reduce"]
 
 _SECRET = "asynccoll-sim-calibration-secret-0123456789"
 
@@ -149,38 +158,201 @@ def _pair(progress: str, transport: str, sizes: list[int], calls: int,
                 p.join(5)
 
 
+def _world_child(rank: int, world: int, port: int, transport: str, barriers: int,
+                 large: int, calls: int, q: Any) -> None:
+    try:
+        os.environ["ASYNCCOLL_SECRET"] = _SECRET
+        import asynccoll
+
+        async def main() -> tuple[list[float], list[float]]:
+            comm = await asynccoll.connect(rank=rank, world_size=world,
+                                           store=f"127.0.0.1:{port}", transport=transport,
+                                           timeout=60)
+            x = np.ones(large // 4, np.float32)
+            bar, big = [], []
+            async with comm:
+                for i in range(barriers + 5):
+                    await comm.barrier(timeout=30)
+                    if i >= 5:
+                        bar.append(time.perf_counter())  # one clock for the host's processes
+                for i in range(calls + 2):
+                    await comm.allreduce(x, out=x, timeout=60)
+                    if i >= 1:
+                        big.append(time.perf_counter())
+                await comm.barrier(timeout=30)
+            return bar, big
+
+        q.put((rank, "ok", asyncio.run(main())))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def _shared_world(world: int, transport: str, barriers: int, large: int, calls: int,
+                  timeout: float = 120.0) -> tuple[float, float, float]:
+    """``world`` spawned processes on this host run back-to-back barriers, then back-to-back
+    ``large``-byte allreduces. Returns the median period of each (the last rank's exit to
+    its next exit) and the median spread of the ranks' exits from a barrier."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_world_child,
+                         args=(r, world, port, transport, barriers, large, calls, q),
+                         daemon=True) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < world:
+            try:
+                rank, status, payload = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"calibration ranks did not report within {timeout} s") \
+                    from None
+            if status != "ok":
+                raise RuntimeError(f"calibration rank {rank} failed:\n{payload}")
+            got[rank] = payload
+        bar = np.array([got[r][0] for r in range(world)])
+        big = np.array([got[r][1] for r in range(world)])
+        return (float(np.median(np.diff(bar.max(0)))), float(np.median(np.diff(big.max(0)))),
+                float(np.median(bar.max(0) - bar.min(0))))
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _sim_barrier_period(prof: Profile, n: int = 20) -> float:
+    """The simulated period of back-to-back barriers of ``prof``'s ranks (one host)."""
+    from .dense import SimBarrier
+    from .engine import SimWorld
+
+    world = SimWorld(prof.ranks_per_host, prof)
+    bar = SimBarrier(world)
+    left = [n] * prof.ranks_per_host
+    exits: list[float] = []
+
+    def out(r: int) -> None:
+        if r == 0:
+            exits.append(world.now)
+        left[r] -= 1
+        if left[r]:
+            bar.enter(r, out)
+
+    for r in range(prof.ranks_per_host):
+        bar.enter(r, out)
+    world.run()
+    return float(np.median(np.diff(exits)))
+
+
+def _sim_allreduce_period(prof: Profile, nbytes: int, n: int = 6) -> float:
+    """The simulated period of back-to-back ``nbytes`` allreduces of ``prof``'s ranks."""
+    from .arrivals import Constant
+    from .run import simulate
+
+    run = simulate("sync", prof.ranks_per_host, n, profile=prof, compute=Constant(0.0),
+                   nbytes=nbytes)
+    return run.makespan / n
+
+
+def fit_shared(prof: Profile, world: int, barrier_s: float, large_s: float, large: int,
+               exit_gap: float) -> SharedCores:
+    """The :class:`SharedCores` whose ``alpha`` and ``beta`` make the simulated world of
+    ``world`` ranks on one host (placed by ``prof.placed``) take ``barrier_s`` per barrier
+    and ``large_s`` per ``large``-byte allreduce, back to back: ``alpha`` from the barrier (no
+    bytes), then ``beta`` from the allreduce, each by the secant method (the periods grow
+    with them, piecewise linearly)."""
+    def placed(a: float, b: float) -> Profile:
+        return prof.with_(shared=SharedCores(a, b, exit_gap, world)).placed(world)
+
+    alpha = _solve(lambda a: _sim_barrier_period(placed(a, 0.0)), barrier_s, 1e-6, 1e-3, 1e-7)
+    beta = _solve(lambda b: _sim_allreduce_period(placed(alpha, b), large), large_s,
+                  1e-12, 1e-9, 1e-12)
+    return SharedCores(alpha, beta, exit_gap, world)
+
+
+def _solve(f: Callable[[float], float], target: float, x0: float, x1: float,
+           lo: float) -> float:
+    """``x >= lo`` with ``f(x) = target`` for an increasing ``f`` (secant steps)."""
+    f0, f1 = f(x0), f(x1)
+    for _ in range(12):
+        if f1 == f0:
+            break
+        x2 = max(x1 + (target - f1) * (x1 - x0) / (f1 - f0), lo)
+        x0, f0, x1 = x1, f1, x2
+        f1 = f(x1)
+        if abs(f1 - target) <= 1e-6 * target or x1 == x0:
+            break
+    return x1
+
+
 def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
-              large: int = 4 << 20, repeats: int = 3) -> dict[str, Profile]:
+              large: int = 4 << 20, repeats: int = 3, shared: bool = True) -> dict[str, Profile]:
     """Measure (module doc) and return a profile per transport, named ``local-<transport>``;
-    each transport's pair of processes is started ``repeats`` times and the medians' median
-    kept. Raises ``RuntimeError`` when the measuring processes fail."""
+    each transport's pair of processes is started ``repeats`` times per configuration and the
+    medians' median kept; ``shared``: also measure the time-shared cores (module doc).
+    Raises ``RuntimeError`` when the measuring processes fail."""
     gamma = measure_gamma()
     rbps = measure_reduce()
     out: dict[str, Profile] = {}
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+    def med(runs: list[dict[int, float]], n: int) -> float:
+        return float(np.median([m[n] for m in runs]))
+
+    cores = _cores()
     for tr in transports:
         # wake-up latencies on a shared machine swing from minute to minute: the median of
-        # ``repeats`` pairs of processes (each its own median of ``calls``)
-        ins = [_pair("inline", tr, [4, large], calls) for _ in range(repeats)]
-        ths = [_pair("thread", tr, [4], calls) for _ in range(repeats)]
-        inline = {n: float(np.median([m[n] for m in ins])) for n in (4, large)}
-        thread = {4: float(np.median([m[4] for m in ths]))}
+        # ``repeats`` pairs of processes (each its own median of ``calls``), the
+        # configurations interleaved so that a busy minute touches them alike
+        ins, ths, worlds = [], [], []
+        for _ in range(repeats):
+            ins.append(_pair("inline", tr, [4, large], calls))
+            ths.append(_pair("thread", tr, [4], calls))
+            if shared:
+                worlds.append(_shared_world(2 * cores, tr, 4 * calls, large, calls // 6 + 2))
+        inline = {n: med(ins, n) for n in (4, large)}
+        thread = {4: med(ths, 4)}
         alpha = max(inline[4] - 3 * gamma, 1e-7)
         beta = max((inline[large] - inline[4] - large / rbps) / large, 1e-12)
         over = max(thread[4] - inline[4], 0.0)
         link = LinkClass(alpha, beta)
-        out[tr] = Profile(
+        figures: dict[str, Any] = {
+            "allreduce_p2_4B_inline_us": inline[4] * 1e6,
+            f"allreduce_p2_{large}B_inline_us": inline[large] * 1e6,
+            "allreduce_p2_4B_thread_us": thread[4] * 1e6, "call_overhead_us": over * 1e6,
+            "gamma_us": gamma * 1e6, "reduce_GBps": rbps / 1e9}
+        prof = Profile(
             name=f"local-{tr}", intra=link, inter=link, gamma=gamma, reduce_bps=rbps,
-            ranks_per_host=1, cores=os.cpu_count() or 1, call_overhead=over,
+            ranks_per_host=1, cores=cores, call_overhead=over,
             source=f"asynccoll sim calibrate on {socket.gethostname()} at {stamp}: {tr} "
                    f"between two processes (4 B and {large} B allreduces, the median of {repeats} "
-                   f"runs' medians of {calls})",
-            figures={"allreduce_p2_4B_inline_us": inline[4] * 1e6,
-                     f"allreduce_p2_{large}B_inline_us": inline[large] * 1e6,
-                     "allreduce_p2_4B_thread_us": thread[4] * 1e6,
-                     "call_overhead_us": over * 1e6, "gamma_us": gamma * 1e6,
-                     "reduce_GBps": rbps / 1e9})
+                   f"runs' medians of {calls})" + (f"; {2 * cores} ranks time-sharing "
+                                                   f"{cores} cores" if shared else ""),
+            figures=figures)
+        if shared:
+            n = 2 * cores
+            bar_s, big_s, gap = (float(np.median([w[i] for w in worlds])) for i in range(3))
+            sh = fit_shared(prof, n, bar_s, big_s, large, gap)
+            figures.update({f"shared_p{n}_barrier_us": bar_s * 1e6,
+                            f"shared_p{n}_allreduce_{large}B_us": big_s * 1e6,
+                            f"shared_p{n}_exit_spread_us": gap * 1e6,
+                            "shared_alpha_us": sh.alpha * 1e6,
+                            "shared_beta_GBps": 1e-9 / sh.beta})
+            prof = prof.with_(shared=sh)
+        out[tr] = prof
     return out
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
 def available_transports() -> tuple[str, ...]:
