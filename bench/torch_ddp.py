@@ -23,8 +23,8 @@ reached the target: the final accuracy of ``ddp-gloo`` at the same D for the DDP
 ``adam-sync`` for the Adam rows; ``time_ratio``: that time over the baseline's own, the product
 of ``step_time_ratio`` (ms per step over the baseline's) and ``steps_ratio`` (steps to the
 target over the baseline's); ``floor_step_time_ratio``: the lowest step-time ratio the injection
-allows a kind (:func:`step_floor`, from the undelayed synchronous step time). D = 0 runs only
-Gloo, ``partial_hook("sync")`` and sync Adam, for the step-time comparison and the floor.
+allows a kind (:func:`step_floor`: the injected sleeps alone, over the baseline's step time).
+D = 0 runs only Gloo, ``partial_hook("sync")`` and sync Adam, for the step-time comparison.
 ``--quick``: 60 steps, D = 0 and 1.0c. Medians and spread over ``--reps`` repetitions of each
 case.
 """
@@ -96,17 +96,18 @@ def steps_to(curve: list[list[float]], target: float) -> int | None:
     return next((int(s) for _, s, acc in curve if acc >= target - 1e-9), None)
 
 
-def step_floor(P: int, step_s: float, delay_s: float, impl: str) -> float | None:
-    """The mean time per step of rank 0 that the straggler injection alone imposes, given the
-    undelayed step time ``step_s``: every rank is the straggler on 1/P of the steps (solo and
-    quorum-like kinds wait for no one else), and majority also waits whenever its one drawn
-    initiator is the straggler, another 1/P of the steps (minus the steps where both are
-    rank 0 itself). The time ratio to a synchronous baseline whose steps take step_s + delay_s
-    cannot go below this over the baseline's step time unless fewer steps reach the target."""
+def step_floor(P: int, c_s: float, delay_s: float, impl: str) -> float | None:
+    """The mean time per step of a rank that the injection alone imposes, were the backward
+    pass, the optimizer and the communication free: every step sleeps ``c_s``, every rank is
+    the straggler on 1/P of the steps (solo waits for no one else), and majority also waits
+    whenever its one drawn initiator is the straggler, another 1/P of the steps (less the
+    1/P**2 where both are the rank itself). Over the baseline's step time this bounds the time
+    ratio from below, unless the kind needs fewer steps than the baseline to reach the
+    target."""
     if "solo" in impl:
-        return step_s + delay_s / P
+        return c_s + delay_s / P
     if "majority" in impl:
-        return step_s + delay_s * (2 / P - 1 / P**2)
+        return c_s + delay_s * (2 / P - 1 / P**2)
     return None
 
 
@@ -176,13 +177,10 @@ def main() -> None:
         row |= stats("step_time_ratio", step_ratios)
         if steps_ratios:
             row |= stats("steps_ratio", steps_ratios)
-        undelayed = runs.get(("ddp-sync" if impl.startswith("ddp") else "adam-sync", 0.0))
-        if undelayed and d > 0:  # the floor the injection sets (step_floor)
-            base_step = float(np.median([u["wall"] / u["steps"] for u in undelayed]))
-            floor = step_floor(args.P, base_step, d * args.step_ms / 1000, impl)
-            if floor is not None:
-                row["floor_step_time_ratio"] = floor / float(np.median(
-                    [b["wall"] / b["steps"] for b in runs[(base_impl, d)]]))
+        floor = step_floor(args.P, args.step_ms / 1000, d * args.step_ms / 1000, impl)
+        if floor is not None and d > 0 and (base_impl, d) in runs:
+            row["floor_step_time_ratio"] = floor / float(np.median(
+                [b["wall"] / b["steps"] for b in runs[(base_impl, d)]]))
         row["reached_target"] = f"{len(times)}/{len(rs)}"
         row["curve"] = rs[0]["curve"]
         rows.append(row)
