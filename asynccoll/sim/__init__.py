@@ -3,7 +3,8 @@
 * :mod:`.engine`: virtual time, messages, and an interpreter of committed schedules with the
   executor's semantics (:class:`SimWorld`, :class:`SimExecutor`);
 * :mod:`.handle` and :mod:`.dense`: the partial allreduce's call rules and flush in virtual time
-  (:class:`SimPartial`), a dense allreduce and a barrier;
+  (:class:`SimPartial`), a dense allreduce and a barrier; :mod:`.sparse`: the sparse
+  allreduce (:class:`SimSparse`, data mode);
 * :mod:`.run`: a training loop under one policy (:func:`simulate` -> :class:`SimRun`);
 * :mod:`.arrivals`: compute-time models (linear skew, shifted, lognormal, Pareto, slow group,
   replayed traces);
@@ -34,6 +35,7 @@ from .handle import SimPartial
 from .policy import DeadlinePolicy, PolicySpec, next_deadline, parse_policies, parse_policy
 from .profiles import BUILTIN_PROFILES, builtin_profile
 from .run import SimRun, simulate
+from .sparse import SimSparse
 
 __all__ = [
     "BUILTIN_PROFILES",
@@ -52,6 +54,7 @@ __all__ = [
     "SimExecutor",
     "SimPartial",
     "SimRun",
+    "SimSparse",
     "SimSync",
     "SimWorld",
     "SimulationError",
