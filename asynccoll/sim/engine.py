@@ -28,8 +28,10 @@ buffers' bytes (or a compute op's :class:`~asynccoll.sched.Payload`), receives w
 theirs, and compute ops run the real kernels, so values equal a real run's. Without buffers
 the simulator moves no data: it prices each op by the bytes its slots declare and calls only
 the ``hooks`` given for some kernels (the partial allreduce's snapshot, for its accounting),
-which is what makes P = 1024 cheap. The event loop is Python; the per-op work is a few list
-operations (about 2-4 µs per op fired on the development machine).
+which is what makes P = 1024 cheap. The event loop is Python: about 480 bytecodes per event,
+2.7-2.9 µs of CPU at P = 256 and 3.8-4.5 µs at P = 1024 (the ranks' state and the ~5000
+pending events no longer fit the caches) on the development machine, a shared 2-core EPYC
+(2026-11-24; the previous loop: 3.2-3.4 and 4.0-5.5 µs).
 
 **What keeps it cheap** (and the results exactly those of one event per op completion, in the
 same order): the P executors share one copy of the op tables (kinds, successors, thresholds,
@@ -39,11 +41,26 @@ whatever completes before it (the typical send: its successor also waits for the
 receive), is **deferred** instead of scheduled: it takes its event number as if scheduled, is
 counted when the executor next handles an event after it, and becomes a real event, with that
 number, the moment another completion brings one of its successors within reach of its
-threshold. About a quarter of the events go that way.
+threshold. About a quarter of the events go that way. Further, per event:
+
+* the clock is a heap of distinct **times** with a list of events per time (in event-number
+  order), not a heap of events: recursive doubling's partners are symmetric, so about a fifth
+  of the events share their time with another and cost no heap operation, and the heap
+  compares floats, not tuples;
+* a message's delivery event calls its executor directly (its endpoint looked up when it is
+  sent; :meth:`SimWorld.attach` redirects those under way if an endpoint changes hands);
+* each op counts down the completions it still waits for (``_left``, reset from the
+  thresholds at arming), and deferred completions are a heap, so settling the ones an event
+  passed costs one comparison when there are none;
+* :func:`~asynccoll.sim.run.simulate` turns the cyclic garbage collector off while it runs
+  (its passes over the schedules' objects cost about 5 %), and the partial allreduce's
+  timing mode keeps one meta vector per execution instead of two per rank (50 MB at
+  P = 1024, streamed through the caches once per execution).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import deque
@@ -76,7 +93,8 @@ class SimulationError(AsyncCollError):
 class SimWorld:
     """P ranks in virtual time priced by ``profile``. ``at(t, fn, *args)`` schedules
     ``fn(*args)`` at virtual time ``t``; :meth:`run` processes events in time order (ties in
-    the order they were scheduled). Costs one heap operation per event."""
+    the order they were scheduled). Costs a dict look-up per event, and a heap operation per
+    distinct time."""
 
     def __init__(self, world_size: int, profile: Profile) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -88,9 +106,11 @@ class SimWorld:
         self.now = 0.0
         #: the scheduling number of the event being processed (``now``'s tie-breaker)
         self.now_seq = -1
-        #: pending events, a heap of ``(time, seq, fn, a, b)``: ``fn(a, b)`` runs at ``time``
-        #: (two arguments, not ``*args``: an op's completion is most events, and saves a tuple)
-        self.queue: list[tuple[float, int, Callable[[Any, Any], None], Any, Any]] = []
+        #: pending events by time: ``pending[t]`` lists ``(seq, fn, a, b)`` in ``seq`` order,
+        #: and ``fn(a, b)`` runs at ``t`` (two arguments, not ``*args``: an op's completion is
+        #: most events, and saves a tuple); ``times`` is a heap of the keys of ``pending``
+        self.pending: dict[float, list[tuple[int, Callable[[Any, Any], None], Any, Any]]] = {}
+        self.times: list[float] = []
         #: the tie-breaker of events at one time (scheduling order)
         self.seq = itertools.count()
         scale = profile.cpu_scale
@@ -100,6 +120,7 @@ class SimWorld:
         self.nic_free = [0.0] * world_size
         rph = profile.ranks_per_host
         self.host = [r // rph for r in range(world_size)]
+        self._one_per_host = rph == 1
         # more ranks than cores on a host: a message between two of them is CPU work too
         # (loopback or shared memory: no wire), so it slows down as the CPU does
         self._intra = (profile.intra.alpha * scale, profile.intra.beta * scale)
@@ -115,43 +136,74 @@ class SimWorld:
     # -- the clock ---------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` at virtual time ``t`` (not before now)."""
-        heapq.heappush(self.queue, (t if t > self.now else self.now, next(self.seq), _apply, fn,
-                                    args))
+        self.push(t if t > self.now else self.now, next(self.seq), _apply, fn, args)
+
+    def push(self, t: float, q: int, fn: Callable[[Any, Any], None], a: Any, b: Any) -> None:
+        """Run ``fn(a, b)`` at ``t`` (>= now) as the event numbered ``q`` (from :attr:`seq`;
+        ``(t, q)`` after the event being processed). One dict look-up, and a heap push for a
+        time not pending yet."""
+        bucket = self.pending.get(t)
+        if bucket is None:
+            self.pending[t] = [(q, fn, a, b)]
+            heapq.heappush(self.times, t)
+        elif q > bucket[-1][0]:
+            bucket.append((q, fn, a, b))
+        else:  # a deferred completion made an event (module doc): its number is an old one
+            bisect.insort(bucket, (q, fn, a, b), key=_first)
 
     def run(self, until: float | None = None, max_events: int | None = None) -> None:
         """Process events until none is left (or virtual time passes ``until``, or
         ``max_events`` were processed)."""
-        heap = self.queue
+        times, pending = self.times, self.pending
         pop = heapq.heappop
+        limit = -1 if max_events is None else max_events
         n = 0
-        if until is None and max_events is None:
-            # the common case, without the two checks per event
-            try:
-                while heap:
-                    t, q, fn, a, b = pop(heap)
-                    self.now = t
-                    self.now_seq = q
-                    fn(a, b)
-                    n += 1
-            finally:
-                self.events += n
-            return
-        while heap:
-            if until is not None and heap[0][0] > until:
-                break
-            t, q, fn, a, b = pop(heap)
-            self.now = t
-            self.now_seq = q
-            fn(a, b)
-            n += 1
-            if max_events is not None and n >= max_events:
-                break
-        self.events += n
+        bucket: list[tuple[int, Callable[[Any, Any], None], Any, Any]] = []
+        t = 0.0
+        try:
+            while times and limit:
+                t = times[0]
+                if until is not None and t > until:
+                    break
+                bucket = pending[t]
+                self.now = t
+                if limit < 0:
+                    # the common case: the list iterator also yields the events that those
+                    # before them add at t (appended, or inserted after the current one)
+                    for q, fn, a, b in bucket:
+                        self.now_seq = q
+                        fn(a, b)
+                    n += len(bucket)
+                else:
+                    done = 0
+                    while done < len(bucket) and done < limit:
+                        q, fn, a, b = bucket[done]
+                        self.now_seq = q
+                        done += 1
+                        fn(a, b)
+                    n += done
+                    limit -= done
+                    if done < len(bucket):
+                        del bucket[:done]
+                        break
+                pop(times)
+                del pending[t]
+        except BaseException:
+            # drop what ran of the bucket, the failed event included (as a heap pop would)
+            done = 1 + next(j for j, x in enumerate(bucket) if x[0] == self.now_seq)
+            n += done
+            del bucket[:done]
+            if not bucket:
+                pop(times)
+                del pending[t]
+            raise
+        finally:
+            self.events += n
 
     @property
     def idle(self) -> bool:
         """True when no event is pending."""
-        return not self.queue
+        return not self.times
 
     # -- costs -------------------------------------------------------------------------------
     def cpu(self, rank: int, cost: float, at: float | None = None) -> float:
@@ -179,18 +231,31 @@ class SimWorld:
         t += g
         self.cpu_free[src] = t
         msg = (src, execution, tag, kind, nbytes, data, header, 0.0, g)
+        # straight to the executor (attach() keeps that right if the endpoint changes hands)
+        ex = self.endpoints.get((dst, sid))
         if src == dst:
-            # t + g >= now: what at() would clamp to
-            heapq.heappush(self.queue, (t + g, next(self.seq), self._deliver, (dst, sid), msg))
-            return t
-        a, b = self._intra if self.host[src] == self.host[dst] else self._inter
-        t0 = self.nic_free[src]
-        if t0 < t:
-            t0 = t
-        out = t0 + nbytes * b
-        self.nic_free[src] = out
-        self.messages += 1
-        heapq.heappush(self.queue, (out + a + g, next(self.seq), self._deliver, (dst, sid), msg))
+            out = t
+            t += g  # >= now: what at() would clamp to
+        else:
+            a, b = self._inter if self._one_per_host or self.host[src] != self.host[dst] \
+                else self._intra
+            t0 = self.nic_free[src]
+            if t0 < t:
+                t0 = t
+            out = t0 + nbytes * b
+            self.nic_free[src] = out
+            self.messages += 1
+            t = out + a + g
+        if ex is None:
+            self.push(t, next(self.seq), self._deliver, (dst, sid), msg)
+            return out
+        # push(), inlined: a message is a third of the events
+        bucket = self.pending.get(t)
+        if bucket is None:
+            self.pending[t] = [(next(self.seq), _deliver_to, ex, msg)]
+            heapq.heappush(self.times, t)
+        else:
+            bucket.append((next(self.seq), _deliver_to, ex, msg))
         return out
 
     def _deliver(self, endpoint: tuple[int, int], msg: tuple[Any, ...]) -> None:
@@ -199,6 +264,17 @@ class SimWorld:
             self.dropped += 1  # nobody runs that schedule (any more): as a closed endpoint
             return
         ex.deliver(msg)
+
+    def attach(self, ex: SimExecutor) -> None:
+        """Make ``ex`` the endpoint of its rank and schedule id: messages to it, including
+        those under way to an executor it replaces, go to ``ex``."""
+        key = (ex.rank, ex.sched_id)
+        old = self.endpoints.get(key)
+        self.endpoints[key] = ex
+        if old is not None:
+            for bucket in self.pending.values():
+                bucket[:] = [(q, fn, ex, b) if fn is _deliver_to and a is old else (q, fn, a, b)
+                             for q, fn, a, b in bucket]
 
 
 class SimExecutor:
@@ -212,11 +288,11 @@ class SimExecutor:
     """
 
     # P executors: slots keep each one small and its attributes one load away
-    __slots__ = ("_complete_event", "_consts", "_count", "_data", "_draining", "_final", "_fired",
-                 "_held", "_hooks", "_kernels", "_kind", "_lazy", "_msg", "_msgs", "_n",
+    __slots__ = ("_complete_event", "_consts", "_data", "_draining", "_final", "_fired",
+                 "_held", "_hooks", "_kernels", "_kind", "_lazy", "_left", "_msg", "_msgs", "_n",
                  "_nbytes", "_payloads", "_peer", "_pend", "_posted", "_ready", "_recv_sources",
                  "_silent", "_start_sources", "_succ", "_tag", "_thr", "_unfired", "_views",
-                 "_zeros", "armed", "completed", "execution", "on_complete", "persistent", "rank",
+                 "armed", "completed", "execution", "on_complete", "persistent", "rank",
                  "sched_id", "schedule", "started", "world")
 
     def __init__(self, world: SimWorld, schedule: Schedule, *, sched_id: int,
@@ -270,13 +346,13 @@ class SimExecutor:
         self.completed = -1
         self.armed = False
         self.started = False
-        self._zeros = [0] * self._n
         self._unfired = bytes(self._n)
-        self._count = [0] * self._n
+        #: per op, how many more completions it waits for (its threshold at each arming)
+        self._left = [0] * self._n
         self._fired = bytearray(self._n)
         self._complete_event = self._loop  # bound once: pushed per op completion
-        #: deferred completions (module doc): (time, event seq, op), and per op how many of
-        #: them count towards it
+        #: deferred completions (module doc): a heap of (time, event seq, op), and per op how
+        #: many of them count towards it
         self._lazy: list[tuple[float, int, int]] = []
         self._pend = [0] * self._n
         self._ready: deque[int] = deque()
@@ -296,13 +372,14 @@ class SimExecutor:
         # what the drain loop reads per op, unpacked in one step per drain
         # (every one of them is mutated in place only, never rebound)
         ready = self._ready
-        self._consts = (self._fired, self._count, self._thr, self._succ, self._kind, self._final,
+        self._consts = (self._fired, self._left, self._succ, self._kind, self._final,
                         self._silent, self._nbytes, self._hooks, world.cpu_free, world.gamma,
                         world.reduce_spb, self.rank, self._data, self._complete_event,
-                        world.queue, world.seq, self._lazy, self._pend, ready, ready.popleft,
+                        world.push, world.seq, self._lazy, self._pend, ready, ready.popleft,
                         ready.append, world.post, self.sched_id, self._peer, self._tag,
-                        self._msg, self._held, self._posted)
-        world.endpoints[(self.rank, sched_id)] = self
+                        self._msg, self._held, self._posted, world.pending, world.pending.get,
+                        world.times, heapq.heappush)
+        world.attach(self)
         if persistent:
             self._arm()
 
@@ -351,7 +428,7 @@ class SimExecutor:
 
     def _arm(self) -> None:
         # in place: the drain loop holds these lists across a re-arm
-        self._count[:] = self._zeros
+        self._left[:] = self._thr
         self._fired[:] = self._unfired
         if self._lazy:
             self._drop_lazy()
@@ -367,7 +444,7 @@ class SimExecutor:
     def deliver(self, msg: tuple[Any, ...]) -> None:
         """A message arrives (``(src, execution, tag, kind, nbytes, data, header, extra
         receive cost, delay of this delivery after the arrival)``)."""
-        src, e, tag, kind = msg[0], msg[1], msg[2], msg[3]
+        src, e, tag, kind, _nbytes, _data, _header, extra, delay = msg
         cur = self.execution
         if e < cur or (e == cur and not self.armed and self.completed == e):
             if kind == _ACT:
@@ -379,17 +456,17 @@ class SimExecutor:
             i = self._posted.pop((src, tag), -1)
             if i >= 0:
                 if self._data:
-                    self._recv_arrived(i, msg, self.world.now - msg[8])
+                    self._recv_arrived(i, msg, self.world.now - delay)
                     return
                 # _recv_arrived without data, inlined (one of every op's few events)
                 w = self.world
                 now = w.now
-                arrived = now - msg[8]
+                arrived = now - delay
                 cpu_free = w.cpu_free
                 t = cpu_free[self.rank]
                 if t < arrived:
                     t = arrived
-                t += w.gamma + msg[7]
+                t += w.gamma + extra
                 cpu_free[self.rank] = t
                 if self._silent[i]:
                     return
@@ -437,7 +514,7 @@ class SimExecutor:
         if t <= w.now + 1e-15:
             self._complete(i)
         else:
-            heapq.heappush(w.queue, (t, next(w.seq), self._complete_event, i, e))
+            w.push(t, next(w.seq), self._complete_event, i, e)
 
     # -- the engine --------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -457,13 +534,13 @@ class SimExecutor:
             return
         self._draining = True
         try:
-            (fired, count, thr, succ, kind, final, silent, nbytes, hooks, cpu_free, g, spb, rank,
-             data, event, heap, seq, lazy, pend, ready, popleft, append, post, sid, peer, tag,
-             msgk, held, posted) = self._consts
-            if lazy:
+            (fired, left, succ, kind, final, silent, nbytes, hooks, cpu_free, g, spb, rank,
+             data, event, push, seq, lazy, pend, ready, popleft, append, post, sid, peer, tag,
+             msgk, held, posted, pending, pget, times, tpush) = self._consts
+            w = self.world
+            now = w.now
+            if lazy and lazy[0] < (now, w.now_seq):
                 self._settle()
-            push = heapq.heappush
-            now = self.world.now
             while True:
                 if i >= 0:  # op i completed now
                     if i == final:
@@ -471,11 +548,11 @@ class SimExecutor:
                         e = self.execution
                     else:
                         for s in succ[i]:
-                            c = count[s] + 1
-                            count[s] = c
-                            if c == thr[s]:
+                            c = left[s] - 1
+                            left[s] = c
+                            if not c:
                                 append(s)
-                            elif lazy and c < thr[s] and pend[s] and c + pend[s] >= thr[s]:
+                            elif lazy and c > 0 and pend[s] >= c:
                                 self._unlazy()
                 if not ready:
                     return
@@ -498,15 +575,15 @@ class SimExecutor:
                         q = next(seq)
                         if i != final:
                             for s in succ[i]:
-                                if count[s] < thr[s] <= count[s] + pend[s] + 1:
+                                if 0 < left[s] <= pend[s] + 1:
                                     break
                             else:
-                                lazy.append((t, q, i))
+                                heapq.heappush(lazy, (t, q, i))
                                 for s in succ[i]:
                                     pend[s] += 1
                                 i = -1
                                 continue
-                        push(heap, (t, q, event, i, e))
+                        push(t, q, event, i, e)
                         i = -1
                 elif k == _RECV:
                     key = (peer[i], tag[i])
@@ -529,7 +606,13 @@ class SimExecutor:
                         if h is not None:
                             h(rank, e, i)
                     if t > now:
-                        push(heap, (t, next(seq), event, i, e))
+                        # push(), inlined: a compute op's completion is a third of the events
+                        bucket = pget(t)
+                        if bucket is None:
+                            pending[t] = [(next(seq), event, i, e)]
+                            tpush(times, t)
+                        else:
+                            bucket.append((next(seq), event, i, e))
                         i = -1
         finally:
             self._draining = False
@@ -573,7 +656,7 @@ class SimExecutor:
         if t <= w.now:
             self._complete(i)
         else:
-            heapq.heappush(w.queue, (t, next(w.seq), self._complete_event, i, e))
+            w.push(t, next(w.seq), self._complete_event, i, e)
 
     def _run_kernel(self, i: int) -> None:
         op = self.schedule.ops[i]
@@ -591,13 +674,13 @@ class SimExecutor:
         if i == self._final:
             self._finish()
             return
-        count, thr, ready, pend = self._count, self._thr, self._ready, self._pend
+        left, ready, pend = self._left, self._ready, self._pend
         for s in self._succ[i]:
-            c = count[s] + 1
-            count[s] = c
-            if c == thr[s]:
+            c = left[s] - 1
+            left[s] = c
+            if not c:
                 ready.append(s)
-            elif c < thr[s] and pend[s] and c + pend[s] >= thr[s]:
+            elif c > 0 and pend[s] >= c:
                 self._unlazy()
         if not self._draining:
             self._drain()
@@ -609,46 +692,48 @@ class SimExecutor:
         w = self.world
         q = next(w.seq)
         if i != self._final:
-            count, thr, pend = self._count, self._thr, self._pend
+            left, pend = self._left, self._pend
             succ = self._succ[i]
             for s in succ:
-                if count[s] < thr[s] <= count[s] + pend[s] + 1:
+                if 0 < left[s] <= pend[s] + 1:
                     break
             else:
-                self._lazy.append((t, q, i))
+                heapq.heappush(self._lazy, (t, q, i))
                 for s in succ:
                     pend[s] += 1
                 return
-        heapq.heappush(w.queue, (t, q, self._complete_event, i, e))
+        w.push(t, q, self._complete_event, i, e)
 
     def _settle(self) -> None:
         """Count the deferred completions that lie before the current event (none of them
         made a successor ready: :meth:`_unlazy` keeps it so)."""
         w = self.world
         now, cur = w.now, w.now_seq
-        count, pend, succ = self._count, self._pend, self._succ
-        keep = []
-        for item in self._lazy:
-            t, q, i = item
-            if t < now or (t == now and q < cur):
-                for s in succ[i]:
-                    count[s] += 1
-                    pend[s] -= 1
-            else:
-                keep.append(item)
-        self._lazy[:] = keep
+        left, pend, succ = self._left, self._pend, self._succ
+        lazy = self._lazy
+        mark = (now, cur)
+        while lazy and lazy[0] < mark:
+            i = heapq.heappop(lazy)[2]
+            for s in succ[i]:
+                left[s] -= 1
+                pend[s] -= 1
 
     def _unlazy(self) -> None:
         """A deferred completion may now make a successor ready: make them all events, with
         the scheduling numbers they were given (so the event order is the same)."""
-        heap, e, event = self.world.queue, self.execution, self._complete_event
+        push, e, event = self.world.push, self.execution, self._complete_event
         for t, q, i in self._lazy:
-            heapq.heappush(heap, (t, q, event, i, e))
+            push(t, q, event, i, e)
         self._drop_lazy()
 
     def _drop_lazy(self) -> None:
+        # only the successors of deferred completions have a pending count: a few stores
+        # instead of a copy of the whole table
+        pend, succ = self._pend, self._succ
+        for _t, _q, i in self._lazy:
+            for s in succ[i]:
+                pend[s] = 0
         self._lazy.clear()
-        self._pend[:] = self._zeros
 
     def _finish(self) -> None:
         e = self.execution
@@ -664,6 +749,10 @@ class SimExecutor:
         self.execution = e + 1
         if self.persistent:
             self._arm()
+
+
+#: a delivery event's function: ``_deliver_to(executor, message)``
+_deliver_to = SimExecutor.deliver
 
 
 class _Compiled:
@@ -695,6 +784,10 @@ def _compiled(s: Schedule) -> _Compiled:
 
 def _apply(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
     fn(*args)
+
+
+def _first(entry: tuple[Any, ...]) -> Any:
+    return entry[0]
 
 
 def _ref_bytes(s: Schedule, ref: Any) -> int:

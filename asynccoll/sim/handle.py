@@ -183,15 +183,22 @@ class SimPartial:
         else:
             scheds = _partial_schedules(P, int(like.size), like.dtype.str, skind, op, quorum,
                                         algorithm)
+            # one scratch meta for all ranks: a snapshot writes it whole and adds it to its
+            # execution's sum at once (P meta vectors of 3P + 2 int64 would be 50 MB at
+            # P = 1024, streamed through the cache once per execution)
+            scratch = np.zeros(m, np.int64)
             for r in range(P):
-                self._meta.append(np.zeros(m, np.int64))
+                self._meta.append(scratch)
                 self._state.append(np.zeros(STATE_LEN, np.int64))
                 self.executors.append(self._executor(scheds[r], None, None))
             self._sig = signature(skind, op, quorum, int(like.size), like.dtype, algorithm)
         self._given = [-1] * P
         self._round = [-1] * P
         self._value: list[Any] = [None] * P
-        self._vmeta = [np.zeros(m, np.int64) for _ in range(P)]
+        #: per rank, the meta of the value kept: its own buffer with data; without, the
+        #: execution's sum itself (never written once complete), or a new array for a sum
+        self._vmeta = [np.zeros(m, np.int64) for _ in range(P)] if data \
+            else [np.zeros(m, np.int64)] * P
         self._has_value = [False] * P
         self._wait_round = [-1] * P
         self._wait_included = [False] * P
@@ -416,7 +423,12 @@ class SimPartial:
             self._value[rank] = self._contrib[rank].keep(self._value[rank], self.accumulate)
         self._has_value[rank] = True
         vm = self._vmeta[rank]
-        if summed:
+        if not self.data:
+            if summed:
+                vm = vm + meta
+                vm[self._stamps] = meta[self._stamps]
+            self._vmeta[rank] = vm if summed else meta
+        elif summed:
             vm += meta
             vm[self._stamps] = meta[self._stamps]
         else:

@@ -27,6 +27,7 @@ a :class:`SimRun` with per-call arrays and the statistics a user compares polici
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,7 +124,27 @@ def simulate(policy: str | PolicySpec, world_size: int, steps: int, *, profile: 
     result (per rank, in call order) and each rank's flush result in the returned run.
     ``choices``: for ``two_choice``, draw that many initiators instead (a what-if). Raises
     ``ValueError`` naming a bad argument; ``SimulationError`` if the simulation stalls.
+
+    Python's cyclic garbage collector is off while it runs (and back on after): the events
+    make no reference cycles, and its passes over the schedules' millions of objects cost
+    about 5 % of a P = 1024 run.
     """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate(policy, world_size, steps, profile, compute, nbytes, data, values,
+                         seed, barrier, flush, accumulate, deadline, keep_results, algorithm,
+                         choices)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Profile,
+              compute: ComputeModel | np.ndarray, nbytes: int, data: bool,
+              values: Callable[[int, int], Any] | None, seed: int, barrier: bool, flush: bool,
+              accumulate: bool, deadline: DeadlinePolicy | None, keep_results: bool,
+              algorithm: str | None, choices: int | None) -> SimRun:
     spec = policy if isinstance(policy, PolicySpec) else parse_policy(policy, world_size)
     P = world_size
     if steps < 1:

@@ -1,0 +1,105 @@
+"""The simulator's clock: events by time, ties in scheduling order, whatever the queue's shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from asynccoll.collectives.dense import barrier
+from asynccoll.sim import LinkClass, Profile, SimExecutor, SimWorld
+
+FAST = Profile("test", LinkClass(1e-6, 1e-12), LinkClass(1e-6, 1e-12), gamma=1e-7,
+               reduce_bps=1e12)
+
+
+def _world() -> tuple[SimWorld, list[Any]]:
+    return SimWorld(2, FAST), []
+
+
+@pytest.mark.timeout(10)
+def test_ties_run_in_scheduling_order_and_later_ones_after() -> None:
+    w, seen = _world()
+
+    def note(x: Any) -> None:
+        seen.append((w.now, x))
+        if x == "a":
+            w.at(1.0, note, "a-now")  # at the current time: after those already pending
+            w.at(0.5, note, "a-past")  # in the past: clamped to now
+            w.at(2.0, note, "a-later")
+
+    w.at(2.0, note, "c")
+    w.at(1.0, note, "a")
+    w.at(1.0, note, "b")
+    w.run()
+    assert seen == [(1.0, "a"), (1.0, "b"), (1.0, "a-now"), (1.0, "a-past"), (2.0, "c"),
+                    (2.0, "a-later")]
+    assert w.events == 6
+    assert w.idle
+
+
+@pytest.mark.timeout(10)
+def test_an_old_event_number_goes_before_the_newer_ones_of_its_time() -> None:
+    # a deferred completion made an event keeps the number it was given
+    w, seen = _world()
+    q_first, q_old, q_new = next(w.seq), next(w.seq), next(w.seq)
+
+    def first(_a: Any, _b: Any) -> None:
+        seen.append("first")
+        w.push(1.0, q_old, lambda a, b: seen.append("old"), None, None)
+
+    w.push(1.0, q_first, first, None, None)
+    w.push(1.0, q_new, lambda a, b: seen.append("new"), None, None)
+    w.run()
+    assert seen == ["first", "old", "new"]
+
+
+@pytest.mark.timeout(10)
+def test_until_and_max_events_resume_in_order() -> None:
+    w, seen = _world()
+    for i in range(6):
+        w.at(float(i // 2), seen.append, i)  # two events per time
+    w.run(max_events=3)
+    assert seen == [0, 1, 2]
+    w.run(until=1.5)
+    assert seen == [0, 1, 2, 3]
+    w.run(max_events=1)
+    assert seen == [0, 1, 2, 3, 4]
+    w.run()
+    assert seen == list(range(6))
+    assert w.events == 6
+    assert w.idle
+
+
+@pytest.mark.timeout(10)
+def test_a_failing_event_is_dropped_and_the_rest_still_run() -> None:
+    w, seen = _world()
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    w.at(1.0, seen.append, "a")
+    w.at(1.0, boom)
+    w.at(1.0, seen.append, "b")
+    w.at(2.0, seen.append, "c")
+    with pytest.raises(RuntimeError, match="boom"):
+        w.run()
+    assert seen == ["a"]
+    w.run()
+    assert seen == ["a", "b", "c"]
+    assert w.events == 4
+
+
+@pytest.mark.timeout(10)
+def test_messages_under_way_follow_a_replaced_endpoint() -> None:
+    w = SimWorld(2, FAST)
+    done: list[str] = []
+    s0, s1 = barrier(0, 2), barrier(1, 2)
+    SimExecutor(w, s0, sched_id=3, on_complete=lambda e: done.append("old 0"))
+    ex1 = SimExecutor(w, s1, sched_id=3, on_complete=lambda e: done.append("1"))
+    ex1.start()  # its message to rank 0 is under way
+    new0 = SimExecutor(w, s0, sched_id=3, on_complete=lambda e: done.append("new 0"))
+    w.at(1.0, new0.start)
+    w.run()
+    assert sorted(done) == ["1", "new 0"]
+    assert w.dropped == 0
