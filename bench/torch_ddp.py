@@ -218,7 +218,8 @@ def plot(rows: list[dict[str, Any]], delay: float, path: str) -> None:
         ax.set_title(f"{prefix.upper()}, P = {rows[0]['P']}, one straggler per step, "
                      f"D = {delay:g}c")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_lines():
+            ax.legend()
     axes[0].set_ylabel("test accuracy (rank 0)")
     fig.tight_layout()
     d = os.path.dirname(path)
