@@ -9,7 +9,16 @@ Open MPI.
 default allreduce stays off shared memory); ``asynccoll-shm`` is ``algorithm="shm"`` (every
 rank on this host; the data through shared memory, the wake-ups over tcp);
 ``asynccoll-shm-arena`` the same with arrays from ``comm.empty`` (in shared memory already, so
-nothing is copied in: what the shared-memory path is built for).
+nothing is copied in: what the shared-memory path is built for). ``--algorithm shm_one_shot``
+or ``shm_two_shot`` forces one of the shared-memory algorithms for those rows (by default they
+choose by size). ``asynccoll-partial-shm`` and ``asynccoll-partial-tcp`` time a call of a
+persistent partial allreduce handle (``--partial-kind``, default ``majority``) whose data phase
+goes through shared memory (``shm=True``) or over tcp (``shm=False``), the calls made at the
+same moment on every rank (after a barrier) and the handle flushed after each size: the cost
+of the partial machinery and its data phase with no skew to hide. ``--interleave
+shm_one_shot,shm_two_shot,network`` (or ``partial-shm,partial-tcp``, ...) times several
+asynccoll variants call by call in one world instead, so that their ratios see the same load
+on a shared machine.
 
 For each implementation and P (real processes on this host), each message size (4 B, 4 KiB,
 1 MiB, 16 MiB, 64 MiB): warm-up calls, then timed calls, each preceded by a barrier; a call's
@@ -49,7 +58,7 @@ from _harness import (
 
 SIZES = [4, 4 << 10, 1 << 20, 16 << 20, 64 << 20]
 ALL_IMPLS = ("asynccoll-tcp", "asynccoll-shm", "asynccoll-shm-arena", "asynccoll-ucx", "gloo",
-             "mpi")
+             "mpi", "asynccoll-partial-shm", "asynccoll-partial-tcp")
 
 
 def calls_for(size: int, quick: bool) -> tuple[int, int]:
@@ -67,7 +76,8 @@ def _slowest(per_rank: list[list[float]]) -> list[float]:
 # -- asynccoll -------------------------------------------------------------------------------
 async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: list[int],
                           quick: bool, progress: str, algorithm: str | None, copy: bool,
-                          arena: bool = False) -> dict[int, list[float]]:
+                          arena: bool = False,
+                          partial: tuple[str, bool] | None = None) -> dict[int, list[float]]:
     import asynccoll
 
     comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
@@ -82,15 +92,26 @@ async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: l
                 x = np.full(size // 4, rank + 1, np.float32)
             warm, timed = calls_for(size, quick)
             times = []
+            if partial is not None:  # a partial handle: (kind, through shared memory)
+                h = comm.partial_allreduce(partial[0], like=x, shm=partial[1],
+                                           name=f"bench-{size}")
             for i in range(warm + timed):
                 x[...] = rank + 1  # in place overwrites x: refill it, outside the timed part
                 await comm.barrier(timeout=120)
                 t0 = time.perf_counter()
-                y = await comm.allreduce(x, algorithm=algorithm, timeout=300,
-                                         out=None if copy else x)
+                if partial is not None:
+                    y = (await h(x, timeout=300)).value
+                else:
+                    y = await comm.allreduce(x, algorithm=algorithm, timeout=300,
+                                             out=None if copy else x)
                 dt = time.perf_counter() - t0
                 if i >= warm:
                     times.append(dt)
+            if partial is not None:
+                await h.flush(timeout=300)
+                await h.close()
+                out[size] = times
+                continue
             expect = P * (P + 1) / 2
             if y.size and not (y[0] == expect and y[-1] == expect):
                 raise AssertionError(f"wrong allreduce result {y[0]} != {expect}")
@@ -101,23 +122,88 @@ async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: l
 
 def _asynccoll_child(rank: int, P: int, port: int, transport: str, sizes: list[int],
                      quick: bool, progress: str, algorithm: str | None, copy: bool,
-                     arena: bool, q: Any) -> None:
+                     arena: bool, partial: tuple[str, bool] | None, q: Any) -> None:
     try:
         os.environ["ASYNCCOLL_SECRET"] = SECRET
         res = asyncio.run(_asynccoll_rank(rank, P, port, transport, sizes, quick, progress,
-                                          algorithm, copy, arena))
+                                          algorithm, copy, arena, partial))
         q.put((rank, "ok", res))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
 
 
 def run_asynccoll(transport: str, P: int, sizes: list[int], quick: bool, progress: str,
-                  algorithm: str | None, copy: bool,
-                  arena: bool = False) -> dict[int, list[float]]:
+                  algorithm: str | None, copy: bool, arena: bool = False,
+                  partial: tuple[str, bool] | None = None) -> dict[int, list[float]]:
     out = spawn_world(_asynccoll_child, P,
-                      (free_port(), transport, sizes, quick, progress, algorithm, copy, arena),
-                      1200)
+                      (free_port(), transport, sizes, quick, progress, algorithm, copy, arena,
+                       partial), 1200)
     return {s: _slowest([o[s] for o in out]) for s in sizes}
+
+
+# -- asynccoll, several variants interleaved call by call in one world ------------------------
+#: the variants ``--interleave`` knows: dense allreduce algorithms, and partial handles
+VARIANTS = ("shm_one_shot", "shm_two_shot", "shm", "network", "partial-shm", "partial-tcp")
+
+
+async def _interleaved_rank(rank: int, P: int, port: int, sizes: list[int], quick: bool,
+                            progress: str, variants: list[str],
+                            kind: str) -> dict[str, dict[int, list[float]]]:
+    """Each timed round calls every variant once, in turn (a barrier before each call), so
+    that their ratios see the same load: the way to compare them on a shared machine."""
+    import asynccoll
+
+    comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
+                                   transport="tcp", timeout=120, progress=progress)
+    out: dict[str, dict[int, list[float]]] = {v: {} for v in variants}
+    async with comm:
+        for size in sizes:
+            x = np.full(size // 4, rank + 1, np.float32)
+            hs = {v: comm.partial_allreduce(kind, like=x, shm=v == "partial-shm",
+                                            name=f"bench-{v}-{size}")
+                  for v in variants if v.startswith("partial")}
+            warm, timed = calls_for(size, quick)
+            for v in variants:
+                out[v][size] = []
+            for i in range(warm + timed):
+                for v in variants:
+                    x[...] = rank + 1
+                    await comm.barrier(timeout=120)
+                    t0 = time.perf_counter()
+                    if v in hs:
+                        await hs[v](x, timeout=300)
+                    else:
+                        await comm.allreduce(x, algorithm=None if v == "network" else v,
+                                             timeout=300, out=x)
+                    dt = time.perf_counter() - t0
+                    if i >= warm:
+                        out[v][size].append(dt)
+                    if v not in hs and x[0] != P * (P + 1) / 2:
+                        raise AssertionError(f"{v}: wrong allreduce result {x[0]}")
+            for h in hs.values():
+                await h.flush(timeout=300)
+                await h.close()
+        await comm.barrier(timeout=60)
+    return out
+
+
+def _interleaved_child(rank: int, P: int, port: int, sizes: list[int], quick: bool,
+                       progress: str, variants: list[str], kind: str, q: Any) -> None:
+    try:
+        os.environ["ASYNCCOLL_SECRET"] = SECRET
+        os.environ["ASYNCCOLL_SHM"] = "0"  # "network": the default stays off shared memory
+        res = asyncio.run(_interleaved_rank(rank, P, port, sizes, quick, progress, variants,
+                                            kind))
+        q.put((rank, "ok", res))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_interleaved(P: int, sizes: list[int], quick: bool, progress: str, variants: list[str],
+                    kind: str) -> dict[str, dict[int, list[float]]]:
+    out = spawn_world(_interleaved_child, P,
+                      (free_port(), sizes, quick, progress, variants, kind), 1200)
+    return {v: {s: _slowest([o[v][s] for o in out]) for s in sizes} for v in variants}
 
 
 # -- gloo ------------------------------------------------------------------------------------
@@ -251,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impls", default=",".join(ALL_IMPLS))
     ap.add_argument("--progress", default="thread", choices=("thread", "inline"))
     ap.add_argument("--algorithm", default=None)
+    ap.add_argument("--partial-kind", default="majority",
+                    help="the kind of the asynccoll-partial-* rows")
+    ap.add_argument("--interleave", default=None,
+                    help="comma-separated asynccoll variants to time call by call in one "
+                         f"world, rows asynccoll-VARIANT ({', '.join(VARIANTS)}); the "
+                         "asynccoll entries of --impls are then skipped (--impls '' for none)")
     ap.add_argument("--copy", action="store_true",
                     help="asynccoll returns a new array (its default) instead of reducing in "
                          "place like the peers (out=x)")
@@ -259,9 +351,27 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     impls = args.impls.split(",")
     rows: list[dict[str, Any]] = []
+    if args.interleave:
+        variants = args.interleave.split(",")
+        bad = [v for v in variants if v not in VARIANTS]
+        if bad:
+            ap.error(f"unknown --interleave variant(s) {bad}; known: {', '.join(VARIANTS)}")
+        impls = [i for i in impls if i and not i.startswith("asynccoll")]  # peers: --impls
+        for P in Ps:
+            t0 = time.time()
+            got = run_interleaved(P, sizes, args.quick, args.progress, variants,
+                                  args.partial_kind)
+            for v, res in got.items():
+                rows += rows_of(f"asynccoll-{v}", P, res)
+            print(f"allreduce: interleaved {variants} P={P} done in {time.time() - t0:.1f} s",
+                  file=sys.stderr)
+            for r in rows[-len(sizes) * len(variants):]:
+                print(f"  {r['impl']:>24} {r['size']:>10} B  {r['time_us_median']:>12.1f} µs",
+                      file=sys.stderr)
     for impl in impls:
         need = {"asynccoll-tcp": None, "asynccoll-shm": None, "asynccoll-shm-arena": None,
-                "asynccoll-ucx": "ucx",
+                "asynccoll-ucx": "ucx", "asynccoll-partial-shm": None,
+                "asynccoll-partial-tcp": None,
                 "gloo": "gloo", "mpi": "mpi"}
         if impl not in need:
             ap.error(f"unknown impl {impl!r}; known: {', '.join(ALL_IMPLS)}")
@@ -271,15 +381,23 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for P in Ps:
             t0 = time.time()
-            if impl.startswith("asynccoll"):
+            if impl.startswith("asynccoll-partial"):
+                # the same handle either way; ASYNCCOLL_SHM=1 so that shm=True may be asked
+                os.environ["ASYNCCOLL_SHM"] = "1"
+                res = run_asynccoll("tcp", P, sizes, args.quick, args.progress, None, False,
+                                    partial=(args.partial_kind, impl.endswith("shm")))
+            elif impl.startswith("asynccoll"):
                 # asynccoll-tcp and -ucx: the network path (ASYNCCOLL_SHM=0 keeps the default
                 # allreduce off shared memory); asynccoll-shm: through shared memory, with the
                 # wake-ups over tcp
                 # (-arena: the arrays from comm.empty, in shared memory already)
                 shm = impl.startswith("asynccoll-shm")
                 os.environ["ASYNCCOLL_SHM"] = "1" if shm else "0"
+                algo = args.algorithm
+                if shm and not (algo or "").startswith("shm"):
+                    algo = "shm"  # --algorithm shm_one_shot / shm_two_shot forces one
                 res = run_asynccoll("tcp" if shm else impl.split("-")[1], P, sizes, args.quick,
-                                    args.progress, "shm" if shm else args.algorithm, args.copy,
+                                    args.progress, algo, args.copy,
                                     arena=impl == "asynccoll-shm-arena")
             elif impl == "gloo":
                 res = run_gloo(P, sizes, args.quick)
@@ -291,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {r['size']:>10} B  {r['time_us_median']:>12.1f} µs", file=sys.stderr)
     params = {"P": Ps, "sizes": sizes, "impls": impls, "quick": args.quick,
               "progress": args.progress, "algorithm": args.algorithm,
+              "partial_kind": args.partial_kind, "interleave": args.interleave,
               "in_place": not args.copy, "dtype": "float32",
               "op": "sum"}
     write_json(args.out, "allreduce", params, rows)

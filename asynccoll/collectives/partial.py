@@ -63,7 +63,10 @@ One rank's schedule, executed again and again by a persistent executor::
   when :func:`packs_meta` says the data's dtype holds it exactly, else separately), so every rank
   learns the same contributors and counts, and ranks that disagree on the collective find out.
 * The data allreduce is :func:`~asynccoll.collectives.dense.build_allreduce` (algorithm chosen
-  by size and P, or ``algorithm=``), in place on ``data``.
+  by size and P, or ``algorithm=``), in place on ``data``. On one host the runtime may build
+  :func:`asynccoll.comm.shm.build_shm_partial_allreduce` instead: the same front without the
+  activation broadcast (``append_activation_front(broadcast=False)``), the data through
+  shared memory, whose first message activates.
 
 The ``final`` op waits for the allreduce(s) only, never for the internal start, the arrival
 sends or the activation sends (a rank reached from outside forwards along lower dimensions only,
@@ -458,7 +461,8 @@ def signature(kind: str, op: str, quorum: int | None, count: int, dtype: Any,
     return int.from_bytes(digest, "little") & 0xFFFF
 
 
-def append_activation_front(s: Schedule, quorum: int | None, fused: int | None = None) -> int:
+def append_activation_front(s: Schedule, quorum: int | None, fused: int | None = None, *,
+                            broadcast: bool = True) -> int:
     """Append what activates an execution (module doc) to ``s``; return the ``activated`` op.
 
     The internal start (op 0 when ``s`` is empty: the runtime's :meth:`Executor.start`), the
@@ -467,7 +471,12 @@ def append_activation_front(s: Schedule, quorum: int | None, fused: int | None =
     :data:`TAG_ACTIVATION`; the data collective starts from :data:`TAG_DATA`. Shared by the
     dense and the sparse partial allreduce. ``fused``: the partner whose first data message
     activates this rank instead of an activation message (see
-    :func:`~asynccoll.collectives.activation.build_activation`).
+    :func:`~asynccoll.collectives.activation.build_activation`). ``broadcast=False`` leaves the
+    activation broadcast out: ``activated`` is then the OR of the internal start (or the
+    quorum) and the forced activation, and the caller must add the receives that activate a
+    rank reached from outside (:func:`~asynccoll.collectives.activation.add_triggers`; the
+    shared-memory data phase's "written" messages, which every activated rank sends to every
+    other rank).
     """
     rank, world_size = s.rank, s.world_size
     start = s.nop(label="internal start")
@@ -485,8 +494,12 @@ def append_activation_front(s: Schedule, quorum: int | None, fused: int | None =
         # without an activation broadcast (which only a forced activation still starts)
         reached = s.nop(deps=[start, *arrivals], k=quorum,
                         label=f"quorum {quorum} of {world_size}")
+        if not broadcast:
+            return s.nop(deps=[*triggers, reached], k=1, label="activated")
         return build_activation(s, triggers, tag=TAG_ACTIVATION, fused=fused,
                                 quiet=[reached]).activated
+    if not broadcast:
+        return s.nop(deps=triggers, k=1, label="activated")
     return build_activation(s, triggers, tag=TAG_ACTIVATION, fused=fused).activated
 
 

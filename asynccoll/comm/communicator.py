@@ -297,6 +297,10 @@ class Communicator:
         Collective; :func:`~asynccoll.connect` calls it once. Returns the offset (seconds)."""
         self._check_open()
         wait = 30.0 if timeout is None else timeout
+        if not self._clock_syncs:
+            # the host layout comes along once, so that partial handles, made without a
+            # collective, can choose shared memory the same way on every rank
+            await self._run(self._dense.hosts(wait))
         first = self._clock_syncs << 16  # past every ping of an earlier exchange
         self._clock_syncs += 1
         off = await self._run(clock.estimate_offset(self.transport, rounds, wait, first))
@@ -423,6 +427,7 @@ class Communicator:
                              stall_warn=self.stall_warn, survive=self.survive, _child=True)
         child._group_key = key
         child._parent = self
+        child._dense.inherit_hosts(self._dense, members, key)
         child.clock_offset = self.clock_offset
         if child._writer is not None and self.clock_offset:
             child._writer.write({"type": "clock", "offset": self.clock_offset})
@@ -460,7 +465,8 @@ class Communicator:
         ``op``: ``sum``, ``prod``, ``min``, ``max``, or ``avg`` (the sum divided by P, for
         floating-point data only; as torch.distributed's ``ReduceOp.AVG``). ``algorithm``:
         ``recursive_doubling``, ``ring``, ``rabenseifner``, ``shm`` (through shared memory,
-        every rank on one host: :mod:`asynccoll.comm.shm`) or ``None``: ``shm`` from 256 KiB
+        every rank on one host, one-shot or two-shot by size: :mod:`asynccoll.comm.shm`;
+        ``shm_one_shot`` / ``shm_two_shot`` force one) or ``None``: ``shm`` from 128 KiB
         up when every rank is on this host, else chosen by size and P. Every rank ends with
         bitwise identical results. By default the result is a new array
         (``x`` is left as it is), which costs an allocation and a copy of ``x``; ``out=``
@@ -681,7 +687,8 @@ class Communicator:
                           deadline: float | tuple[float, float] | None = None,
                           mad_factor: float | None = None,
                           deadline_window: int | None = None,
-                          survive: bool | None = None) -> PartialAllreduce:
+                          survive: bool | None = None,
+                          shm: bool | None = None) -> PartialAllreduce:
         """A persistent partial allreduce handle ``h``: ``await h(x) -> PartialResult``.
 
         ``kind``: ``solo`` (any rank's call starts an execution), ``majority`` (one drawn rank
@@ -723,8 +730,18 @@ class Communicator:
         and rebuild the schedule for themselves, and ``PartialResult.lost`` names the ranks
         lost (:mod:`asynccoll.comm.survival`, docs/groups.md). Dense handles only.
 
+        ``shm``: whether the data phase goes through shared memory (:mod:`asynccoll.comm.shm`;
+        the activation rides on its wake-ups). ``None``: when every rank is on this host,
+        ``like`` is a NumPy array of at least 128 KiB and ``algorithm`` is None (unless
+        ``ASYNCCOLL_SHM=0``); ``True`` (or ``algorithm="shm"``, ``"shm_one_shot"``,
+        ``"shm_two_shot"``): always, ``ValueError`` if the ranks are on several hosts;
+        ``False``: never. Creating the handle stays free of collectives: this rank's segments
+        are made at once, its peers' mapped at the first execution (docs/collectives.md).
+        A handle that survives a lost rank goes on over the network.
+
         Raises ``ValueError`` naming ``kind``, ``quorum``, ``op``, ``algorithm``, ``name`` (in
-        use), ``like``, ``deadline``, ``mad_factor`` or ``deadline_window``. Builds and arms
+        use), ``like``, ``deadline``, ``mad_factor``, ``deadline_window`` or ``shm``;
+        ``OSError`` when this rank's shared-memory segments cannot be created. Builds and arms
         the schedule at once (so other ranks' activations are answered from now on); costs
         O(P log P) Python work.
         """
@@ -754,6 +771,12 @@ class Communicator:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
                                  or seed < 0):
             raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
+        token: int | None = None
+        if sparse:
+            if shm:
+                raise ValueError("shm: sparse handles move their data over the network")
+        else:  # before the name is taken: a refusal must not shift the automatic names
+            token, algorithm = self._dense.partial_plan(like, algorithm, shm)
         name = self._handle_name(name, "partial")
         if name in self._handles:
             raise ValueError(f"name {name!r} is already used by a partial allreduce of this "
@@ -770,7 +793,7 @@ class Communicator:
             trace=self._writer, kernels=self.kernels, live=self.live,
             stall_warn=self.stall_warn, average=average and not accumulate,
             deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window,
-            like_kind=like_kind))
+            like_kind=like_kind, shm_token=token))
         h.clock_offset = self.clock_offset
         if self.survive if survive is None else survive:
             if sparse:

@@ -43,6 +43,7 @@ from ..collectives.sparse.streams import (
     write_piece,
 )
 from ..sched import Schedule
+from .shm import SHM_NAMES, build_shm_partial_allreduce, shm_algorithm
 
 __all__ = ["Combine", "Contribution", "DenseContribution", "SparseContribution"]
 
@@ -113,8 +114,11 @@ class DenseContribution(Contribution):
     """Arrays of ``like``'s shape and dtype (NumPy or CuPy), reduced with ``op``.
 
     Schedule: :func:`~asynccoll.collectives.partial.build_partial_allreduce` (the meta vector
-    packed after the data where the dtype carries it exactly). Costs per call one reduction
-    into the send buffer (or ``combine``), per execution one copy of the result.
+    packed after the data where the dtype carries it exactly), or with ``algorithm`` one of
+    :data:`~asynccoll.comm.shm.SHM_NAMES` the data phase through shared memory
+    (:func:`~asynccoll.comm.shm.build_shm_partial_allreduce`: the handle binds the segments,
+    :attr:`shm`). Costs per call one reduction into the send buffer (or ``combine``), per
+    execution one copy of the result.
     """
 
     label = "PartialAllreduce"
@@ -129,8 +133,13 @@ class DenseContribution(Contribution):
         self.dtype = np.dtype(like.dtype)
         count = int(like.size)
         P, op = world_size, self.op
-        sched = build_partial_allreduce(rank, P, count, self.dtype, kind=kind, op=op,
-                                        quorum=quorum, algorithm=self.algorithm)
+        if self.shm:
+            sched = build_shm_partial_allreduce(rank, P, count, self.dtype, kind=kind, op=op,
+                                                quorum=quorum,
+                                                algorithm=shm_algorithm(self.algorithm))
+        else:
+            sched = build_partial_allreduce(rank, P, count, self.dtype, kind=kind, op=op,
+                                            quorum=quorum, algorithm=self.algorithm)
         flat_like = like.reshape(-1)
         self._acc = empty_like(flat_like)
         self._acc.fill(identity(op, self.dtype))
@@ -139,7 +148,9 @@ class DenseContribution(Contribution):
         self._work = empty_like(flat_like, count + (m if self._packed else 0))
         self._data = self._work[:count]  # the result part of the work buffer
         self._meta = np.zeros(m, np.int64)
-        self.signature = signature(kind, op, quorum, count, self.dtype, self.algorithm)
+        self.signature = signature(kind, op, quorum, count, self.dtype,
+                                   f"shm_{sched.meta['partial']['shm']}" if self.shm
+                                   else self.algorithm)
         state = np.zeros(STATE_LEN, np.int64)
         bufs = {"acc": self._acc, "data": self._work, "meta": self._meta, "state": state}
         bufs.update(scratch_buffers(sched))
@@ -147,6 +158,17 @@ class DenseContribution(Contribution):
             bufs.update({k: v for k, v in scratch_buffers(sched, flat_like).items()
                          if not k.startswith("meta_")})
         return sched, bufs
+
+    @property
+    def shm(self) -> bool:
+        """Whether the data phase goes through shared memory (every rank on one host)."""
+        return self.algorithm in SHM_NAMES
+
+    def go_network(self) -> None:
+        """From the next :meth:`build` on, the data phase goes over the network (a handle
+        that survived a lost rank rebuilds so)."""
+        if self.shm:
+            self.algorithm = None
 
     @property
     def send_buffer(self) -> Any:

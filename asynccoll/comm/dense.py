@@ -27,15 +27,20 @@ from ..errors import ExecutionError, PeerLostError
 from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
 from .shm import (
+    SHM_ALGORITHMS,
+    SHM_DIR,
     SHM_MIN_BYTES,
+    SHM_NAMES,
     Segment,
     build_hier_allreduce,
     build_shm_allreduce,
     build_shm_inplace,
+    choose_shm,
     host_groups,
     host_hash,
     new_token,
     segment_path,
+    shm_algorithm,
 )
 from .stall import wait_or_warn
 
@@ -56,17 +61,26 @@ class ShmUnavailable(ExecutionError):
     it together); the message says why on the rank where it happened."""
 
 
+def _tmpfs_bytes() -> int:
+    """The total size of :data:`~.shm.SHM_DIR` (0 when it cannot be read)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize
+
+
 class _Arena:
     """An array allocated in shared memory (one segment per rank) and its in-place
-    allreduce executors, one per op (made at first use)."""
+    allreduce executors, one per op and algorithm (made at first use)."""
 
-    def __init__(self, sids: dict[str, int], segs: list[Any], arrays: list[Any], count: int,
-                 dtype: np.dtype[Any]) -> None:
+    def __init__(self, sids: dict[tuple[str, str], int], segs: list[Any], arrays: list[Any],
+                 count: int, dtype: np.dtype[Any]) -> None:
         self.segs = segs
         self.arrays = arrays
         self.count = count
         self.dtype = dtype
-        self.executors: dict[str, Executor] = {}
+        self.executors: dict[tuple[str, str], Executor] = {}
         self.sids = sids
         self.lock = asyncio.Lock()
 
@@ -138,6 +152,7 @@ class DenseOps:
         self._arenas: dict[int, _Arena] = {}  # by address: arrays made by shared_empty
         self._host: tuple[bool, int] | None = None  # (every rank on this host, job token)
         self._groups: list[list[int]] = []  # the ranks of each host, after _hosts()
+        self._hashes: list[int] = []  # each rank's host hash, after _hosts()
         #: ASYNCCOLL_SHM=0 keeps the default allreduce off shared memory (``algorithm="shm"``
         #: still takes it)
         self._auto_shm = os.environ.get("ASYNCCOLL_SHM", "1").strip() != "0"
@@ -171,8 +186,9 @@ class DenseOps:
             raise ValueError("shared arrays need every rank on one host (ASYNCCOLL_HOST_ID "
                              "or the host name and boot id differ)")
         sid = self._next_id()
-        # the in-place allreduce's schedule ids, one per op, taken now in a fixed order
-        sids = {op: self._next_id() for op in sorted(REDUCE_OPS)}
+        # the in-place allreduce's schedule ids, one per op and algorithm, taken now in a
+        # fixed order
+        sids = {(op, a): self._next_id() for op in sorted(REDUCE_OPS) for a in SHM_ALGORITHMS}
         segs = await self._map_segments([sid], count * dt.itemsize, token, timeout)
         arrays = [seg.array(dt, count) for seg in segs[0]]
         mine = arrays[self.rank]  # writable: this rank's own segment
@@ -184,19 +200,20 @@ class DenseOps:
     async def allreduce(self, buf: Any, op: str, algorithm: str | None,
                         timeout: float | None) -> None:
         """Allreduce ``buf`` (flat, contiguous) in place: through shared memory when
-        ``algorithm="shm"``, or by default from :data:`~.shm.SHM_MIN_BYTES` up when every
-        rank is on this host (the same choice on every rank: same size, same hosts) unless
-        ``ASYNCCOLL_SHM=0``; else the network schedule of ``algorithm``
-        (:mod:`asynccoll.collectives.dense`)."""
+        ``algorithm`` is one of :data:`SHM_NAMES` (``"shm"``: one-shot or two-shot by size),
+        or by default from :data:`~.shm.SHM_MIN_BYTES` up when every rank is on this host
+        (the same choice on every rank: same size, same hosts) unless ``ASYNCCOLL_SHM=0``;
+        else the network schedule of ``algorithm`` (:mod:`asynccoll.collectives.dense`)."""
         arena = self._arenas.get(buf.__array_interface__["data"][0]) \
-            if isinstance(buf, np.ndarray) and algorithm in (None, "shm") else None
+            if isinstance(buf, np.ndarray) and (algorithm is None or algorithm in SHM_NAMES) \
+            else None
         if arena is not None and arena.count == buf.size and arena.dtype == buf.dtype:
-            await self._arena_allreduce(arena, buf, op, timeout)
+            await self._arena_allreduce(arena, buf, op, shm_algorithm(algorithm), timeout)
             return
-        if algorithm == "shm" or (algorithm is None and self._auto_shm and self.size > 1
-                                  and isinstance(buf, np.ndarray)
-                                  and buf.nbytes >= SHM_MIN_BYTES
-                                  and (await self._hosts(timeout))[0]):
+        if (algorithm is not None and algorithm in SHM_NAMES) or (
+                algorithm is None and self._auto_shm and self.size > 1
+                and isinstance(buf, np.ndarray) and buf.nbytes >= SHM_MIN_BYTES
+                and (await self._hosts(timeout))[0]):
             if await self._shm_or_not(buf, op, algorithm, timeout, hier=False):
                 return
         if algorithm == "hier" or (algorithm is None and self._auto_shm and self.size > 1
@@ -216,7 +233,7 @@ class DenseOps:
         cannot be had (every rank learns it together), log it once, stop choosing it and
         return False so that the caller takes the network path. Asked for by name, raise."""
         try:
-            await self._shm_allreduce(buf, op, timeout, hier)
+            await self._shm_allreduce(buf, op, timeout, hier, shm_algorithm(algorithm))
             return True
         except ShmUnavailable as exc:
             if algorithm is not None:
@@ -232,14 +249,76 @@ class DenseOps:
             mine = np.array([host_hash(), new_token()], np.int64)
             every = np.zeros(2 * self.size, np.int64)
             every[2 * self.rank:2 * self.rank + 2] = mine
+            # fixed by the runtime (nothing the ranks could disagree on): not agreed, so that
+            # connect() learning it leaves the agreement's executions to the user's calls
             await self.call(("hosts",), lambda: dense.allgather(self.rank, self.size, 2,
-                                                                 np.int64), every, timeout)
-            self._groups = host_groups(every[0::2].tolist())
+                                                                 np.int64), every, timeout,
+                            agree=False)
+            self._hashes = every[0::2].tolist()
+            self._groups = host_groups(self._hashes)
             self._host = (len(self._groups) == 1, int(every[1]))
         return self._host
 
+    async def hosts(self, timeout: float | None) -> tuple[bool, int]:
+        """(whether every rank is on this host, the job's segment token): collective at the
+        first call (one allgather of two int64 per rank), free afterwards."""
+        return await self._hosts(timeout)
+
+    def inherit_hosts(self, parent: DenseOps, members: list[int], key: str) -> None:
+        """Know the host layout of the group ``key`` made of the ``members`` (ranks of
+        ``parent``) without a collective, when ``parent`` knows its own. The group's token is
+        ``parent``'s hashed with ``key``: its schedule ids count from 1 again and its ranks
+        from 0, so its segments need names of their own."""
+        if parent._host is not None:
+            self._hashes = [parent._hashes[m] for m in members]
+            self._groups = host_groups(self._hashes)
+            d = hashlib.blake2b(f"{parent._host[1]}/{key}".encode(), digest_size=8).digest()
+            self._host = (len(self._groups) == 1, int.from_bytes(d, "little") >> 1)
+
+    def partial_plan(self, like: Any, algorithm: str | None,
+                     shm: bool | None) -> tuple[int | None, str | None]:
+        """How a new dense partial handle moves its data: ``(token, algorithm)``, ``token``
+        the job's segment token when through shared memory (else None: the network) and
+        ``algorithm`` the one to build with. No collective, so the same answer on every rank
+        needs the host layout known beforehand (:meth:`hosts`; ``connect()`` learns it).
+
+        ``shm=None``: through shared memory when every rank is on this host, ``like`` is a
+        NumPy array of at least :data:`~.shm.SHM_MIN_BYTES`, ``algorithm`` is None, the
+        default is on (``ASYNCCOLL_SHM``) and this host's ``/dev/shm`` could hold the
+        handle's segments four times over (its total size, the same on every rank of the
+        host); ``algorithm`` one of :data:`~.shm.SHM_NAMES` or ``shm=True`` asks for it (every
+        rank on one host, NumPy data); ``shm=False`` refuses it. Raises ``ValueError`` naming
+        ``shm`` or ``algorithm`` when asked for where it cannot be, ``TypeError`` for data
+        that is not a NumPy array."""
+        asked = algorithm is not None and algorithm in SHM_NAMES
+        if shm is False:
+            if asked:
+                raise ValueError(f"algorithm={algorithm!r} goes through shared memory, but "
+                                 "shm=False")
+            return None, algorithm
+        if not (asked or shm):
+            P = self.size
+            if algorithm is not None or not self._auto_shm or P < 2 \
+                    or type(like) is not np.ndarray or like.nbytes < SHM_MIN_BYTES \
+                    or self._host is None or not self._host[0] \
+                    or _tmpfs_bytes() < 4 * P * like.nbytes:
+                return None, algorithm
+            return self._host[1], "shm"
+        if not isinstance(like, np.ndarray):
+            raise TypeError("a partial allreduce through shared memory needs NumPy data "
+                            f"(shared memory is host memory), got {type(like).__name__}")
+        if self._host is None and self.size == 1:
+            return new_token(), algorithm if asked else "shm"
+        if self._host is None or not self._host[0]:
+            why = ("the host layout is not known yet (connect() learns it; else call "
+                   "'await comm.sync_clocks()' first)" if self._host is None
+                   else "the ranks are on several hosts")
+            raise ValueError(f"shm=True (or algorithm={algorithm!r}) needs every rank on "
+                             f"one host: {why}")
+        return self._host[1], algorithm if asked else "shm"
+
     async def _shm_allreduce(self, buf: Any, op: str, timeout: float | None,
-                             hier: bool = False) -> None:
+                             hier: bool = False, algorithm: str | None = None) -> None:
         name = "hier" if hier else "shm"
         if not isinstance(buf, np.ndarray):
             raise TypeError(f"algorithm={name!r} needs a NumPy array (shared memory is host "
@@ -248,10 +327,11 @@ class DenseOps:
         if not same and not hier:
             raise ValueError("algorithm='shm' needs every rank on one host (ASYNCCOLL_HOST_ID "
                              "or the host name and boot id differ)")
-        key = (buf.size, buf.dtype.str, op, hier)
+        algo = None if hier else choose_shm(buf.nbytes, self.size, algorithm)
+        key = (buf.size, buf.dtype.str, op, algo, hier)
         sh = self._shm.get(key)
         if sh is None:
-            sh = await self._shm_setup(key, buf, op, token, timeout, hier)
+            sh = await self._shm_setup(key, buf, op, token, timeout, hier, algo)
         async with sh.lock:
             ex, segs = sh.next()
             ex.bind({"data": buf, **segs})
@@ -263,7 +343,7 @@ class DenseOps:
                 raise
 
     async def _shm_setup(self, key: tuple[Any, ...], buf: Any, op: str, token: int,
-                         timeout: float | None, hier: bool) -> _Shm:
+                         timeout: float | None, hier: bool, algorithm: str | None) -> _Shm:
         """Two executors, each with a segment per rank: created, mapped by the ranks of its
         host, then unlinked (module doc of :mod:`.shm`). Collective; every rank fails if one
         cannot map."""
@@ -272,7 +352,8 @@ class DenseOps:
                                          self._groups)
             local = next(g for g in self._groups if self.rank in g)
         else:
-            sched = build_shm_allreduce(self.rank, self.size, buf.size, buf.dtype, op)
+            sched = build_shm_allreduce(self.rank, self.size, buf.size, buf.dtype, op,
+                                        algorithm)
             local = list(range(self.size))
         await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
         sids = [self._next_id(), self._next_id()]
@@ -345,21 +426,23 @@ class DenseOps:
                                  "this host's shared-memory segments (see its error)")
         return mapped
 
-    async def _arena_allreduce(self, arena: _Arena, buf: Any, op: str,
+    async def _arena_allreduce(self, arena: _Arena, buf: Any, op: str, algorithm: str | None,
                                timeout: float | None) -> None:
-        ex = arena.executors.get(op)
+        algo = choose_shm(buf.nbytes, self.size, algorithm)
+        ex = arena.executors.get((op, algo))
         if ex is None:
-            sched = build_shm_inplace(self.rank, self.size, arena.count, arena.dtype, op)
+            sched = build_shm_inplace(self.rank, self.size, arena.count, arena.dtype, op, algo)
             await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
             bufs = {("mine" if q == self.rank else f"peer{q}"): a
                     for q, a in enumerate(arena.arrays)}
             bufs["mine"] = buf.reshape(-1)
+            bufs.update(scratch_buffers(sched))
+            sid = arena.sids[(op, algo)]
             sink = None if self._writer is None else self._writer.add_schedule(
-                sched, arena.sids[op], collective="allreduce")
-            ex = self._live.add(Executor(sched, self.transport, bufs,
-                                         sched_id=arena.sids[op], trace_sink=sink,
-                                         kernels=self._kernels), self._writer)
-            arena.executors[op] = ex
+                sched, sid, collective="allreduce")
+            ex = self._live.add(Executor(sched, self.transport, bufs, sched_id=sid,
+                                         trace_sink=sink, kernels=self._kernels), self._writer)
+            arena.executors[(op, algo)] = ex
         async with arena.lock:
             await self._execute(ex, timeout, "allreduce (shared array)")
 
@@ -373,9 +456,11 @@ class DenseOps:
             raise ex.timeout_error(timeout) from None
 
     async def call(self, key: tuple[Any, ...], build: Callable[[], Schedule], data: Any,
-                   timeout: float | None) -> None:
+                   timeout: float | None, *, agree: bool = True) -> None:
         """Run the collective of ``key`` (its schedule from ``build()`` at first use) on
-        ``data`` in place, waiting at most ``timeout`` seconds (CollectiveTimeoutError)."""
+        ``data`` in place, waiting at most ``timeout`` seconds (CollectiveTimeoutError).
+        ``agree=False``: skip the check of the definition at first use (the runtime's own
+        collectives of a fixed definition)."""
         cache = self._internal if key == _AGREE_KEY else self.entries
         entry = cache.get(key)
         fresh = entry is None
@@ -396,7 +481,7 @@ class DenseOps:
                                          trace_sink=sink, kernels=self._kernels), self._writer)
             entry = _Dense(ex, scratch, own)
             cache[key] = entry
-            if key != _AGREE_KEY and self.size > 1:
+            if agree and key != _AGREE_KEY and self.size > 1:
                 what = sched.meta.get("collectives", [{"kind": key[0]}])[0]
                 try:
                     await self.agree_on(key[0], what, timeout)

@@ -96,6 +96,7 @@ from ..transport.base import Transport
 from . import clock
 from .contribution import Combine, Contribution, DenseContribution
 from .progress import ProgressEngine
+from .shm import SHM_ATTACH, PartialSegments
 from .stall import wait_or_warn
 
 
@@ -141,7 +142,10 @@ class PartialAllreduce:
     ``stall_warn``: seconds a call waits before it logs that it still waits (see
     :mod:`.stall`; ``None``: never). ``deadline``, ``mad_factor``, ``deadline_window``: the
     ``deadline`` kind's parameters (:func:`~asynccoll.collectives.partial.check_deadline`;
-    ``ValueError`` naming them when bad or given for another kind).
+    ``ValueError`` naming them when bad or given for another kind). ``shm_token``: the job's
+    segment token, for a dense contribution whose data phase goes through shared memory
+    (:class:`~.shm.PartialSegments`: this rank's segments are created here, ``OSError`` when
+    they cannot be).
     """
 
     def __init__(self, engine: ProgressEngine, transport: Transport, contribution: Contribution,
@@ -152,7 +156,8 @@ class PartialAllreduce:
                  stall_warn: float | None = None,
                  deadline: float | tuple[float, float] | None = None,
                  mad_factor: float | None = None,
-                 deadline_window: int | None = None) -> None:
+                 deadline_window: int | None = None,
+                 shm_token: int | None = None) -> None:
         self._engine = engine
         self._writer = trace
         self._contribution = contribution
@@ -218,7 +223,20 @@ class PartialAllreduce:
         self._lock = threading.RLock()
         self._kernels = _locked_snapshots(COLLECTIVE_KERNELS if kernels is None else kernels,
                                           self._lock, self._snapped)
-        self._ex = self._executor(transport, sched, bufs, live, 0)
+        #: the shared-memory segments of the data phase (:mod:`.shm`), or None (network)
+        self._segments: PartialSegments | None = None
+        if isinstance(contribution, DenseContribution) and contribution.shm:
+            if shm_token is None:
+                raise ValueError("a shared-memory partial allreduce needs the job's segment "
+                                 "token (shm_token)")
+            spec = sched.slots["mine"]
+            assert spec.count is not None
+            self._segments = PartialSegments(shm_token, self.sched_id, self.rank, P, spec.count,
+                                             spec.dtype)
+            bufs.update(self._segments.buffers(0))
+            self._kernels[SHM_ATTACH] = self._attach
+        self._bufs = bufs
+        self._arm(self._executor(transport, sched, bufs, live, 0))
 
     def _executor(self, transport: Transport, sched: Schedule, bufs: dict[str, Any],
                   live: LiveOps | None, first: int) -> Executor:
@@ -228,7 +246,9 @@ class PartialAllreduce:
         sink = None if trace is None else trace.add_schedule(
             sched, self.sched_id, collective=f"{self.kind}_allreduce", kind=self.kind,
             handle=self.name, quorum=self.quorum, seed=self.seed)
-        ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=True,
+        # not armed yet (:meth:`_arm`): an execution that completes at once, its messages
+        # already in, must find the executor in ``self._ex``
+        ex = Executor(sched, transport, bufs, sched_id=self.sched_id, persistent=False,
                       on_complete=self._on_complete, trace_sink=sink, kernels=self._kernels,
                       first_execution=first)
         if self.kind not in ARRIVAL_KINDS:  # who may start an execution: named in warnings
@@ -236,6 +256,12 @@ class PartialAllreduce:
         if live is not None:
             live.add(ex, trace)
         return ex
+
+    def _arm(self, ex: Executor) -> None:
+        """Make ``ex`` this handle's executor, then arm it (persistent from now on)."""
+        self._ex = ex
+        ex.persistent = True
+        ex.current  # noqa: B018  (arms the first execution: receives posted)
 
     # -- public, from any loop ---------------------------------------------------------------
     async def __call__(self, x: Any, timeout: float | None = None, *,
@@ -318,6 +344,7 @@ class PartialAllreduce:
         # the handle survives a lost rank (the call recovers first).
         err = self._ex.error
         if err is not None and not self._survivable(err):
+            self._shm_failed(err)
             raise err
 
     def _check(self, x: Any) -> Any:
@@ -442,6 +469,9 @@ class PartialAllreduce:
             await wait_or_warn(fut, t, self.stall_warn,
                                lambda: f"rank {self.rank}: {self.kind} allreduce {self.name!r} "
                                        f"execution {e}", self._ex.pending_text)
+        except PeerLostError as exc:
+            self._shm_failed(exc)
+            raise
         except asyncio.TimeoutError:
             pend = self._ex.pending()
             if self._writer is not None:
@@ -459,6 +489,48 @@ class PartialAllreduce:
         # copy the result out, since the next snapshot overwrites ``data``.
         with self._lock:
             self._complete(e)
+        if self._segments is not None:
+            self._shm_next(e)
+
+    # -- the data phase through shared memory (:class:`.shm.PartialSegments`) ----------------
+    def _attach(self, out: Any, inputs: Any, params: Any, msgs: Any) -> None:
+        """The schedule's :data:`~.shm.SHM_ATTACH` kernel: every peer has said "written", so
+        its segments exist; map those not mapped yet and bind them (the first execution)."""
+        segs = self._segments
+        if segs is not None and segs.attach():
+            self._ex.bind({**self._bufs, **segs.buffers(self._ex.execution % 2)})
+
+    def _shm_next(self, e: int) -> None:
+        """After execution ``e``: unlink this rank's segments once every peer has mapped them
+        (``e >= 1``, :class:`~.shm.PartialSegments`), and bind the other set for ``e + 1``."""
+        segs = self._segments
+        assert segs is not None
+        if e >= 1 and not segs.unlinked:
+            segs.unlink_own()
+        self._ex.bind({**self._bufs, **segs.buffers((e + 1) % 2)})
+
+    def _shm_failed(self, err: BaseException | None) -> None:
+        """The executor failed: nobody maps this rank's segments any more, so unlink them, and
+        a lost peer's, which it cannot unlink itself (by name)."""
+        segs = self._segments
+        if segs is None or err is None:
+            return
+        if isinstance(err, PeerLostError):
+            segs.forget(err.rank)
+        segs.unlink_own()
+
+    def _shm_close(self) -> None:
+        """Unlink and unmap the segments (at close, or when the data phase leaves them)."""
+        segs, self._segments = self._segments, None
+        if segs is not None:
+            err = self._ex.error
+            if isinstance(err, PeerLostError):
+                segs.forget(err.rank)
+            if self._survival is not None:
+                for q in self._survival.lost:
+                    segs.forget(q)
+            segs.close()
+            self._kernels.pop(SHM_ATTACH, None)
 
     def _complete(self, e: int) -> None:
         c = self._contribution
@@ -624,6 +696,9 @@ class PartialAllreduce:
             self.rank = transport.rank
             if self.quorum is not None:
                 self.quorum = min(self.quorum, P)
+            # the survivors' world goes over the network (docs/collectives.md)
+            self._shm_close()
+            c.go_network()
             sched, bufs = c.build(self._like, self.rank, P, self.kind, self.quorum)
             bufs["acc"][...] = old_acc
             self._meta, self._state = bufs["meta"], bufs["state"]
@@ -640,7 +715,9 @@ class PartialAllreduce:
                 # the waiting call's data (put back, or never taken) goes into the new world's
                 # execution
                 self._wait_included = True
-            old, self._ex = self._ex, self._executor(transport, sched, bufs, comm.live, first)
+            self._bufs = bufs
+            old = self._ex
+            self._arm(self._executor(transport, sched, bufs, comm.live, first))
         old.close()
 
     def _rejoin(self, e: int, stamp: int) -> asyncio.Future[int]:
@@ -725,6 +802,7 @@ class PartialAllreduce:
                             "that no execution took; call 'await h.flush()' before closing to "
                             "include them", self.rank, self.name, left)
             self._ex.close()  # a waiting call fails with TransportClosedError
+            self._shm_close()
 
 
 #: the kernels that move a send buffer into an execution (dense and sparse partials)

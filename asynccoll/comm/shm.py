@@ -1,33 +1,45 @@
-"""The allreduce between the ranks of one host, through shared memory (two-shot).
+"""The allreduce between the ranks of one host, through shared memory (one-shot and two-shot).
 
-Every rank owns a segment (a file in ``/dev/shm`` that every rank maps); a call, for rank r of
-P, with the vector cut into P blocks (``numpy.array_split``'s rule):
+Every rank owns a segment (a file in ``/dev/shm`` that every rank maps). A call, for rank r of
+P, first copies the caller's array into r's own segment and tells every peer (an empty message
+over the communicator's existing connections: the wake-up, no spinning). Then:
 
-1. copy the caller's array into its own segment, then tell every peer (an empty message over
-   the communicator's existing connections: the wake-up, no spinning);
-2. once told by every peer, reduce block r of all P segments, reading the peers' memory in
-   place, into block r of its own segment, then tell every peer again;
-3. copy each block q out of the segment of the rank q that reduced it into the caller's array.
+* **one-shot** (small and medium messages: :data:`SHM_ONE_SHOT_READ`): once told by
+  every peer, r reduces the *whole* vector straight out of all P segments, in rank order (so
+  every rank computes bitwise the same sum), into the caller's array. One wake-up round; each
+  rank reads P vectors and writes two (the copy in, the result).
+* **two-shot** (large messages), with the vector cut into P blocks (``numpy.array_split``'s
+  rule): r reduces block r of all P segments, reading the peers' memory in place, into block r
+  of its own segment, tells every peer again, then copies each block q out of the segment of
+  the rank q that reduced it into the caller's array. Two wake-up rounds; each rank reads every
+  byte about twice and writes it twice plus its block once, where one-shot reads it P times.
 
-Each rank reads every byte once and writes it twice (the copy in, the copy out) plus its block
-once: three passes over the vector per rank, where an allreduce over TCP moves it through the
-kernel's socket buffers several times. Two messages per peer per call; at small sizes the
-recursive-doubling allreduce over the network costs fewer, so the communicator takes this path
-only from :data:`SHM_MIN_BYTES` up (or when asked for, ``algorithm="shm"``), and only when every
-rank of the communicator is on this host (:func:`host_id`, compared at first use).
+So one-shot trades P - 1 reads of the vector (cheap while it stays in the caches) for a
+wake-up round (tens of microseconds per hop on a loaded machine, and the slowest peer's
+scheduling delay). :func:`choose_shm` picks by size (the same answer on every rank). At small
+sizes the recursive-doubling allreduce over the network costs fewer messages still, so the
+communicator takes this path only from :data:`SHM_MIN_BYTES` up (or when asked for,
+``algorithm="shm"``, ``"shm_one_shot"`` or ``"shm_two_shot"``), and only when every rank of
+the communicator is on this host (:func:`host_id`, compared at first use).
 
-**Reuse without a third message.** Calls alternate between two executors with two segments
-each: a rank writes into the segment of call n again at call n + 2, and by then every peer has
-finished reading it (a peer's "copied in" message of call n + 1 comes after its call n ended).
+**Reuse without another message.** Calls alternate between two executors with two segments
+each: rank r writes into the segment of call n again at call n + 2, only after its call n + 1
+completed. That completion needs the "copied in" message of call n + 1 from every peer q (the
+reduce of either algorithm waits for all of them), and q sends it only after its own call n
+returned, that is after q finished every read of r's segment of call n (one-shot: the reduce;
+two-shot: the reduce and the copy out, both before q's final op). So one round (one-shot) or
+two (two-shot) suffice, never a third.
 
 **Arrays that live in shared memory.** :meth:`Communicator.empty
 <asynccoll.Communicator.empty>` (collective) allocates an array in a segment of its own that
 every peer maps; ``allreduce(x, out=x)`` of such an array skips the copy in (peers read it
-where it is) and reduces it in place (:func:`build_shm_inplace`), at the price of a third
-wake-up round.
+where it is) and reduces it in place (:func:`build_shm_inplace`). Here one allocation serves
+every call, so a last round ("copied out" / "read") is needed before the call returns: the
+caller may overwrite its array at once. Two-shot then takes three rounds; one-shot two (the
+sum goes to a scratch buffer, and into the array once every peer said it has read it).
 
 **Across hosts** (:func:`build_hier_allreduce`): the ranks of each host sum their data through
-shared memory as above, the lowest rank of each host (its leader) allreduces the host sums
+shared memory (two-shot), the lowest rank of each host (its leader) allreduces the host sums
 with the other leaders over the network (the dense schedule of the leaders, chosen by size and
 their number), and each leader hands the result to its host's ranks through its segment. Each
 byte crosses the network once per host instead of once per rank.
@@ -40,10 +52,17 @@ that others may read or write, or of the wrong size. Once every rank has mapped 
 happens to the processes, a SIGKILL included; the memory lives as long as a mapping does. A
 rank lost mid-call is reported like any other (PeerLostError, over the connections that carry
 the wake-ups).
+
+**Partial collectives** (:func:`build_shm_partial_allreduce`, :class:`PartialSegments`): a
+persistent partial handle runs the same one-shot or two-shot pieces as its data phase, whose
+"written" messages also activate; its segments are made without a collective step (this
+rank's at the handle's creation, a peer's mapped at the first execution that needs them) and
+unlinked once every peer has provably mapped them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -54,19 +73,41 @@ from typing import Any
 
 import numpy as np
 
-from ..collectives._plan import block_bounds
-from ..collectives.dense import REDUCE_OPS, build_allreduce
+from ..buffers import dtype_to_wire
+from ..collectives._plan import block_bounds, check_op
+from ..collectives.activation import add_triggers
+from ..collectives.dense import REDUCE_OPS, build_allreduce, next_tag
+from ..collectives.partial import (
+    PARTIAL_KERNELS,
+    STATE_LEN,
+    TAG_DATA,
+    append_activation_front,
+    check_kind,
+    meta_len,
+    packs_meta,
+    signature,
+)
 from ..sched import BufRef, Schedule, SlotSpec
 
-__all__ = ["SHM_DIR", "SHM_MIN_BYTES", "Segment", "build_hier_allreduce", "build_shm_allreduce",
-           "build_shm_inplace", "host_groups", "host_hash", "host_id", "new_token",
-           "segment_path"]
+__all__ = ["SHM_ALGORITHMS", "SHM_ATTACH", "SHM_DIR", "SHM_MIN_BYTES", "SHM_NAMES",
+           "SHM_ONE_SHOT_READ", "PartialSegments", "Segment", "build_hier_allreduce",
+           "build_shm_allreduce", "build_shm_inplace", "build_shm_partial_allreduce",
+           "choose_shm", "host_groups", "host_hash", "host_id", "new_token", "segment_path",
+           "shm_algorithm"]
 
 #: where segments live (a tmpfs on Linux)
 SHM_DIR = "/dev/shm"
 #: the communicator's allreduce takes the shared-memory path from this many bytes up, when
 #: every rank is on one host (below it, recursive doubling's fewer messages win)
-SHM_MIN_BYTES = 256 << 10
+SHM_MIN_BYTES = 128 << 10
+#: the shared-memory allreduce is one-shot while the P vectors each rank reads (P times the
+#: message) come to fewer bytes than this, two-shot from it up: at P = 4, below 4 MiB
+SHM_ONE_SHOT_READ = 16 << 20
+#: the shared-memory algorithms (``algorithm="shm_" + name`` forces one)
+SHM_ALGORITHMS = ("one_shot", "two_shot")
+#: the ``algorithm=`` names of the allreduce through shared memory on one host: ``"shm"`` (by
+#: size, :func:`choose_shm`), or one of :data:`SHM_ALGORITHMS` forced
+SHM_NAMES = ("shm", *(f"shm_{a}" for a in SHM_ALGORITHMS))
 
 _READY, _REDUCED, _DONE, _FINAL = 0, 1, 2, 3  # the tags of the wake-up rounds
 _NET_TAG = 16  # the leaders' network allreduce of a hierarchical schedule starts here
@@ -99,10 +140,12 @@ def new_token() -> int:
     return secrets.randbits(63)
 
 
-def segment_path(token: int, sched_id: int, rank: int) -> str:
-    """The path of rank ``rank``'s segment for schedule ``sched_id`` of the job ``token``."""
-    return os.path.join(SHM_DIR,
-                        f"asynccoll-{os.getuid()}-{token:016x}-{sched_id & (2**64 - 1):x}-{rank}")
+def segment_path(token: int, sched_id: int, rank: int, part: int | None = None) -> str:
+    """The path of rank ``rank``'s segment for schedule ``sched_id`` of the job ``token``
+    (``part``: which of a persistent schedule's alternating segments)."""
+    tail = "" if part is None else f".{part}"
+    return os.path.join(SHM_DIR, f"asynccoll-{os.getuid()}-{token:016x}-"
+                                 f"{sched_id & (2**64 - 1):x}-{rank}{tail}")
 
 
 class Segment:
@@ -187,23 +230,62 @@ def _free_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def shm_algorithm(name: str | None) -> str | None:
+    """The shared-memory algorithm the ``algorithm=`` name ``name`` forces (``None``: by
+    size, for ``"shm"`` and ``None``)."""
+    return name[4:] if name is not None and name.startswith("shm_") else None
+
+
+def choose_shm(nbytes: int, world_size: int, algorithm: str | None = None) -> str:
+    """``algorithm`` checked (one of :data:`SHM_ALGORITHMS`), or when ``None`` by the bytes
+    one-shot would read per rank: one-shot while ``world_size * nbytes`` is below
+    :data:`SHM_ONE_SHOT_READ`, else two-shot (measured at P = 2, 4, 8: one-shot wins up to
+    there, two-shot from about twice that; docs/collectives.md). Raises ``ValueError``
+    naming a bad ``algorithm``."""
+    if algorithm is None:
+        return "one_shot" if world_size * nbytes < SHM_ONE_SHOT_READ else "two_shot"
+    if algorithm not in SHM_ALGORITHMS:
+        raise ValueError(f"shared-memory algorithm must be one of {SHM_ALGORITHMS} or None, "
+                         f"got {algorithm!r}")
+    return algorithm
+
+
+#: the scratch slot of the one-shot in-place allreduce (the sum, before it goes into place)
+_SUM_SLOT = "shm_sum"
+
+
 def build_shm_inplace(rank: int, world_size: int, count: int, dtype: Any,
-                      op: str = "sum") -> Schedule:
+                      op: str = "sum", algorithm: str | None = None) -> Schedule:
     """The schedule of an allreduce of an array that already lives in shared memory
     (:meth:`Communicator.empty <asynccoll.Communicator.empty>`): no copy in. Slots ``mine``
     (the caller's array, reduced in place) and ``peer{q}`` (rank q's array of the same
-    allocation, read-only). Three wake-up rounds: "written", "reduced", and "copied out" —
-    the last because the caller may overwrite its array as soon as the call returns, and a
-    peer may still be copying this rank's reduced block out of it until then."""
+    allocation, read-only); one-shot adds the scratch slot ``shm_sum`` (``scratch_buffers``).
+    ``algorithm``: :func:`choose_shm`'s. Two-shot takes three wake-up rounds: "written",
+    "reduced", and "copied out" (the caller may overwrite its array as soon as the call
+    returns, and a peer may still be copying this rank's reduced block out of it until then);
+    one-shot two: "written", then "read" (every peer has read this rank's array, so the sum,
+    reduced into scratch meanwhile, may go into it)."""
     _check(op, count)
     P, r = world_size, rank
     wire = np.dtype(dtype).str
+    algo = choose_shm(count * np.dtype(dtype).itemsize, world_size, algorithm)
     s = Schedule(r, P, name="shm_allreduce_inplace")
     for slot in _segment_slots(r, range(P)).values():
         s.declare(slot, SlotSpec(count, wire))
     start = s.nop(label="start")
-    outs = _two_shot(s, range(P), count, op, start, "mine", "written")
     others = [q for q in range(P) if q != r]
+    if algo == "one_shot" and others:
+        s.declare(_SUM_SLOT, SlotSpec(count, wire))
+        s.meta.setdefault("scratch", {})[_SUM_SLOT] = count
+        summed = _one_shot(s, range(P), op, start, _SUM_SLOT, "written")
+        for q in others:
+            s.send(q, None, _DONE, deps=summed, label="read")
+        read = [s.recv(q, None, _DONE, label="read") for q in others]
+        put = s.compute("copy", [_SUM_SLOT], "mine", deps=[summed, *read],
+                        label="the sum into place")
+        s.final = s.nop(deps=[put], label="final")
+        return _commit(s, count, wire, op, "shm-inplace-one-shot")
+    outs = _two_shot(s, range(P), count, op, start, "mine", "written")
     copied = s.nop(deps=outs, label="copied out")
     for q in others:
         s.send(q, None, _DONE, deps=copied, label="copied out")
@@ -213,21 +295,191 @@ def build_shm_inplace(rank: int, world_size: int, count: int, dtype: Any,
 
 
 def build_shm_allreduce(rank: int, world_size: int, count: int, dtype: Any,
-                        op: str = "sum") -> Schedule:
+                        op: str = "sum", algorithm: str | None = None) -> Schedule:
     """The committed schedule of rank ``rank`` (module doc). Slots: ``data`` (the caller's
     array, reduced in place), ``mine`` (this rank's segment), ``peer{q}`` (rank q's segment,
-    read-only), ``count`` elements of ``dtype`` each. Raises ``ValueError`` naming a bad
-    ``op`` or ``count``."""
+    read-only), ``count`` elements of ``dtype`` each. ``algorithm``: ``"one_shot"``,
+    ``"two_shot"`` or ``None`` (:func:`choose_shm`). Raises ``ValueError`` naming a bad
+    ``op``, ``count`` or ``algorithm``."""
     _check(op, count)
     P, r = world_size, rank
     wire = np.dtype(dtype).str
+    algo = choose_shm(count * np.dtype(dtype).itemsize, world_size, algorithm)
     s = Schedule(r, P, name="shm_allreduce")
     for slot in ("data", *_segment_slots(r, range(P)).values()):
         s.declare(slot, SlotSpec(count, wire))
     copied = s.compute("copy", ["data"], "mine", label="copy in")
-    outs = _two_shot(s, range(P), count, op, copied, "data", "copied in")
+    if algo == "one_shot":
+        outs = [_one_shot(s, range(P), op, copied, "data", "copied in")]
+    else:
+        outs = _two_shot(s, range(P), count, op, copied, "data", "copied in")
     s.final = s.nop(deps=outs, label="final")
-    return _commit(s, count, wire, op, "shm")
+    return _commit(s, count, wire, op, "shm" if algo == "two_shot" else "shm-one-shot")
+
+
+#: the kernel of a shared-memory partial allreduce that maps the peers' segments the first time
+#: (the handle's: :class:`PartialSegments`)
+SHM_ATTACH = "partial_shm_attach"
+
+
+def build_shm_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, *,
+                                kind: str = "solo", op: str = "sum",
+                                quorum: int | None = None,
+                                algorithm: str | None = None) -> Schedule:
+    """The persistent schedule of a partial allreduce whose data phase goes through shared
+    memory (every rank on one host): the activation front of
+    :func:`~asynccoll.collectives.partial.build_partial_allreduce` without its broadcast,
+    the snapshot straight into this rank's segment (``mine``: the copy in), then the
+    one-shot or two-shot sum (``algorithm``, :func:`choose_shm`) into the work buffer
+    ``data``.
+
+    **Activation by the data.** Every activated rank snapshots and then tells every other rank
+    that its segment is written; the first such message activates a rank that was not
+    activated yet (an OR with its own triggers, as the fused activation of the network
+    schedule). So the "written" round is the activation broadcast too: one hop from any
+    initiator, instead of ``ceil(log2 P)`` hops and then the data.
+
+    Slots: those of the network schedule (``acc``, ``data``, ``meta``, ``state``, the meta's
+    scratch when the meta vector is not packed), plus ``mine`` and ``peer{q}`` (``data``'s
+    length each; bound to the two alternating sets of :class:`PartialSegments`). The compute
+    op :data:`SHM_ATTACH` (the handle's kernel) runs after every peer said "written" and
+    before anything reads a peer's segment. Raises ``ValueError`` as the network builder.
+    """
+    P = world_size
+    k = check_kind(kind, P, quorum)
+    check_op(op)
+    _check(op, count)
+    dt = np.dtype(dtype)
+    wire = dtype_to_wire(dt)
+    packed = packs_meta(dt, op, P)
+    m = meta_len(P)
+    n = count + (m if packed else 0)
+    algo = choose_shm(n * dt.itemsize, P, algorithm)
+    s = Schedule(rank, P, name=f"partial_allreduce.{kind}.shm")
+    s.declare("acc", SlotSpec(count, wire))
+    for slot in ("data", *_segment_slots(rank, range(P)).values()):
+        s.declare(slot, SlotSpec(n, wire))
+    s.declare("meta", SlotSpec(m, "<i8"))
+    s.declare("state", SlotSpec(STATE_LEN, "<i8"))
+    activated = append_activation_front(s, k, broadcast=False)
+    sig = signature(kind, op, quorum, count, dt, f"shm_{algo}")
+    snap = s.compute("partial_snapshot", ["acc", "mine", "meta", "state"], deps=activated,
+                     label="snapshot into the segment", rank=rank, world_size=P, op=op,
+                     sig=sig, packed=packed, count=count)
+    first = len(s.ops)
+    if algo == "one_shot":
+        done = [_one_shot(s, range(P), op, snap, "data", "written", SHM_ATTACH, TAG_DATA)]
+    else:
+        done = _two_shot(s, range(P), n, op, snap, "data", "written", SHM_ATTACH, TAG_DATA)
+    s.meta["next_tag"] = TAG_DATA + _DONE
+    written = [i for i in range(first, len(s.ops))
+               if s.ops[i].kind == "recv" and s.ops[i].tag == TAG_DATA + _READY]
+    add_triggers(s, activated, written)
+    if not packed:
+        done.append(build_allreduce(s, m, np.int64, "sum", None, slot="meta",
+                                    scratch_prefix="meta_", tag_base=next_tag(s),
+                                    after=[snap]))
+    s.final = s.nop(deps=done, label="final")
+    s.meta["partial"] = {"kind": kind, "op": op, "quorum": k, "count": count, "dtype": wire,
+                         "packed": packed, "shm": algo}
+    return s.commit([*PARTIAL_KERNELS, SHM_ATTACH])
+
+
+class PartialSegments:
+    """The segments of one shared-memory partial allreduce handle, made without a collective.
+
+    Executions alternate between two sets (part ``e % 2`` for execution ``e``), for the reason
+    the dense path alternates two executors (module doc: rank r writes part p again at
+    execution e + 2 only after completing e + 1, which needs every peer's "written" of e + 1,
+    sent after that peer completed e and so after its last read of r's part p).
+
+    * This rank's two segments are created here, synchronously, with names every rank can
+      derive (:func:`segment_path` of the job ``token``, the handle's schedule id, the rank
+      and the part), ``O_EXCL`` and mode 0600 as always.
+    * A peer's segments are mapped by :meth:`attach`, which the schedule's :data:`SHM_ATTACH`
+      op calls once every peer has said "written" for an execution: a peer says so only after
+      creating its segments (at its handle's creation), so they exist. Until then a peer's
+      slot is bound to a placeholder of zeros that nothing reads.
+    * :meth:`unlink_own` once every peer has provably mapped this rank's segments: after this
+      rank completed execution 1 (each peer then completed execution 0, whose attach mapped
+      both parts). :meth:`forget` unlinks a lost peer's by name; :meth:`close` unlinks this
+      rank's and unmaps.
+
+    Raises ``OSError`` (ENOSPC naming the fix, EEXIST) when this rank's segments cannot be
+    created; :meth:`attach` raises ``PermissionError``/``ValueError`` for a peer segment that
+    another user owns, that others may read, or of the wrong size.
+    """
+
+    def __init__(self, token: int, sched_id: int, rank: int, world_size: int, count: int,
+                 dtype: Any) -> None:
+        self._token, self._sid, self.rank, self.world_size = token, sched_id, rank, world_size
+        self.count = count
+        self.dtype = np.dtype(dtype)
+        self._nbytes = count * self.dtype.itemsize
+        self._own: list[Segment] = []
+        try:
+            for part in (0, 1):
+                self._own.append(Segment.create(self.path(rank, part), self._nbytes))
+        except BaseException:
+            for seg in self._own:
+                seg.unlink()
+                seg.close()
+            raise
+        self._own_arrays = [seg.array(self.dtype, count) for seg in self._own]
+        self._peer_segs: list[Segment] = []
+        self._peer_arrays: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
+        self._missing = [q for q in range(world_size) if q != rank]
+        self._placeholder = np.zeros(count, self.dtype)  # untouched pages: no memory taken
+        self.unlinked = False
+
+    def path(self, rank: int, part: int) -> str:
+        """The path of ``rank``'s segment ``part`` of this handle."""
+        return segment_path(self._token, self._sid, rank, part)
+
+    def buffers(self, part: int) -> dict[str, np.ndarray[Any, Any]]:
+        """The arrays to bind to ``mine`` and ``peer{q}`` for an execution of ``part``."""
+        out = {"mine": self._own_arrays[part]}
+        for q in range(self.world_size):
+            if q != self.rank:
+                out[f"peer{q}"] = self._peer_arrays.get((q, part), self._placeholder)
+        return out
+
+    def attach(self) -> bool:
+        """Map every peer segment not mapped yet (read-only, checked as
+        :meth:`Segment.attach`); return whether any was. Costs nothing once all are."""
+        if not self._missing:
+            return False
+        for q in self._missing:
+            for part in (0, 1):
+                seg = Segment.attach(self.path(q, part), self._nbytes)
+                self._peer_segs.append(seg)
+                self._peer_arrays[(q, part)] = seg.array(self.dtype, self.count)
+        self._missing = []
+        return True
+
+    def unlink_own(self) -> None:
+        """Unlink this rank's segments (the mappings stay valid). Idempotent."""
+        if not self.unlinked:
+            self.unlinked = True
+            for seg in self._own:
+                seg.unlink()
+
+    def forget(self, rank: int) -> None:
+        """Unlink a lost ``rank``'s segments by name (it cannot any more); no error if they
+        are gone already."""
+        if 0 <= rank < self.world_size and rank != self.rank:
+            for part in (0, 1):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path(rank, part))
+
+    def close(self) -> None:
+        """Unlink this rank's segments and unmap every segment (each mapping goes with its
+        last array)."""
+        self.unlink_own()
+        self._own_arrays = []
+        self._peer_arrays.clear()
+        for seg in (*self._own, *self._peer_segs):
+            seg.close()
 
 
 def host_groups(hosts: Sequence[int]) -> list[list[int]]:
@@ -296,34 +548,63 @@ def _segment_slots(rank: int, group: Iterable[int]) -> dict[int, str]:
     return {q: "mine" if q == rank else f"peer{q}" for q in group}
 
 
+def _one_shot(s: Schedule, group: Sequence[int], op: str, after: int, into: str | BufRef,
+              said: str, attach: str | None = None, tag_base: int = 0) -> int:
+    """Append the one-shot sum over the segments of ``group`` (this rank among them) once op
+    ``after`` has the data in ``mine``: tell the peers (label ``said``), then reduce every
+    segment, in the order of ``group`` (the same on every rank, so the same bits), into
+    ``into`` (not ``mine``: the peers read it meanwhile). Returns the reduce op.
+    ``attach``: a kernel (no inputs, no output) run once every peer has said so and before
+    anything reads a peer's segment (:func:`_told`). Tags from ``tag_base``."""
+    r = s.rank
+    seg = _segment_slots(r, group)
+    others = [q for q in group if q != r]
+    if not others:
+        return s.compute("copy", ["mine"], into, deps=after, label="copy out")
+    ready = _told(s, others, after, said, attach, tag_base)
+    return s.compute(op, [seg[q] for q in group], into, deps=[after, *ready],
+                     label=f"reduce all {len(seg)} segments")
+
+
+def _told(s: Schedule, others: Sequence[int], after: int, said: str, attach: str | None,
+          tag_base: int = 0) -> list[int]:
+    """Tell ``others`` once op ``after`` is done; return the ops after which every one of
+    them has told this rank (its segment written), the ``attach`` kernel's op when given
+    (the shared-memory partial allreduce maps a peer's segment there, the first time)."""
+    for q in others:
+        s.send(q, None, tag_base + _READY, deps=after, label=said)
+    ready = [s.recv(q, None, tag_base + _READY, label=said) for q in others]
+    if attach is None:
+        return ready
+    return [s.compute(attach, [], None, deps=ready, label="map the peers' segments")]
+
+
 def _two_shot(s: Schedule, group: Sequence[int], count: int, op: str, after: int, into: str,
-              said: str) -> list[int]:
+              said: str, attach: str | None = None, tag_base: int = 0) -> list[int]:
     """Append the two-shot sum over the segments of ``group`` (this rank among them) once op
     ``after`` has the data in ``mine``: tell the peers (label ``said``), reduce this rank's
     block of every segment into ``mine``, tell them again, copy every block into slot
     ``into`` (this rank's own only when ``into`` is not ``mine``). Returns the ops whose
-    completion means ``into`` holds the sum."""
+    completion means ``into`` holds the sum. ``attach``, ``tag_base``: as :func:`_one_shot`'s."""
     r = s.rank
     i = list(group).index(r)
     seg = _segment_slots(r, group)
     others = [q for q in group if q != r]
     b = block_bounds(count, len(group))
-    for q in others:
-        s.send(q, None, _READY, deps=after, label=said)
-    ready = [s.recv(q, None, _READY, label=said) for q in others]
+    ready = _told(s, others, after, said, attach, tag_base) if others else []
     mine = BufRef("mine", b[i], b[i + 1] - b[i])
     reduced = after if not others else s.compute(
         op, [mine, *(BufRef(seg[q], b[i], b[i + 1] - b[i]) for q in others)], mine,
         deps=[after, *ready], label=f"reduce block {i}")
     for q in others:
-        s.send(q, None, _REDUCED, deps=reduced, label="reduced")
+        s.send(q, None, tag_base + _REDUCED, deps=reduced, label="reduced")
     outs = [reduced if into == "mine" else s.compute(
         "copy", [mine], BufRef(into, b[i], b[i + 1] - b[i]), deps=reduced,
         label=f"copy out block {i}")]
     for j, q in enumerate(group):
         if q == r:
             continue
-        got = s.recv(q, None, _REDUCED, label="reduced")
+        got = s.recv(q, None, tag_base + _REDUCED, label="reduced")
         lo, n = b[j], b[j + 1] - b[j]
         outs.append(s.compute("copy", [BufRef(seg[q], lo, n)], BufRef(into, lo, n),
                               deps=[got, reduced], label=f"copy out block {j}"))

@@ -201,7 +201,7 @@ def test_schedule_arguments_are_checked() -> None:
         build_shm_allreduce(0, 2, 4, np.float32, "mean")
     with pytest.raises(ValueError, match="count"):
         build_shm_allreduce(0, 2, 0, np.float32)
-    s = build_shm_allreduce(1, 3, 10, np.float32)
+    s = build_shm_allreduce(1, 3, 10, np.float32, algorithm="two_shot")
     assert set(s.slots) == {"data", "mine", "peer0", "peer2"}
     # two wake-up messages per peer, nothing else crosses the network
     assert sum(op.kind == "send" for op in s.ops) == 2 * 2
