@@ -288,8 +288,14 @@ class DenseOps:
         handle's segments four times over (its total size, the same on every rank of the
         host); ``algorithm`` one of :data:`~.shm.SHM_NAMES` or ``shm=True`` asks for it (every
         rank on one host, NumPy data); ``shm=False`` refuses it. Raises ``ValueError`` naming
-        ``shm`` or ``algorithm`` when asked for where it cannot be, ``TypeError`` for data
-        that is not a NumPy array."""
+        ``shm`` or ``algorithm`` when asked for where it cannot be, for an ``shm`` that is not
+        a bool or None, and for ``shm=True`` with a network ``algorithm``; ``TypeError`` for
+        data that is not a NumPy array."""
+        # a bool or None only: ``shm="no"`` (truthy) or ``shm=0`` (falsy: "automatic", not
+        # "never") would silently mean something else than written
+        if shm is not None and not isinstance(shm, (bool, np.bool_)):
+            raise ValueError(f"shm must be True, False or None, got {shm!r}")
+        shm = None if shm is None else bool(shm)
         asked = algorithm is not None and algorithm in SHM_NAMES
         if shm is False:
             if asked:
@@ -304,6 +310,10 @@ class DenseOps:
                     or _tmpfs_bytes() < 4 * P * like.nbytes:
                 return None, algorithm
             return self._host[1], "shm"
+        if shm and algorithm is not None and not asked:
+            # else the network algorithm (even a misspelt one) would be dropped in silence
+            raise ValueError(f"shm=True goes through shared memory, but algorithm={algorithm!r} "
+                             f"names a network one (give one of {SHM_NAMES} or None)")
         if not isinstance(like, np.ndarray):
             raise TypeError("a partial allreduce through shared memory needs NumPy data "
                             f"(shared memory is host memory), got {type(like).__name__}")

@@ -68,6 +68,7 @@ import mmap
 import os
 import secrets
 import socket
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -425,6 +426,12 @@ class PartialSegments:
                 seg.unlink()
                 seg.close()
             raise
+        # A process that exits without closing its communicator (no ``async with``, or
+        # ``sys.exit`` elsewhere) would otherwise leave both files in /dev/shm for good when
+        # fewer than two executions ran: unlink them at interpreter exit at the latest (a
+        # SIGKILL still leaves them, to the survivors' :meth:`forget`).
+        self._unlink_at_exit = weakref.finalize(self, _unlink_paths,
+                                                [seg.path for seg in self._own])
         self._own_arrays = [seg.array(self.dtype, count) for seg in self._own]
         self._peer_segs: list[Segment] = []
         self._peer_arrays: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
@@ -461,8 +468,7 @@ class PartialSegments:
         """Unlink this rank's segments (the mappings stay valid). Idempotent."""
         if not self.unlinked:
             self.unlinked = True
-            for seg in self._own:
-                seg.unlink()
+            self._unlink_at_exit()  # unlinks them (once), and not again at exit
 
     def forget(self, rank: int) -> None:
         """Unlink a lost ``rank``'s segments by name (it cannot any more); no error if they
@@ -480,6 +486,13 @@ class PartialSegments:
         self._peer_arrays.clear()
         for seg in (*self._own, *self._peer_segs):
             seg.close()
+
+
+def _unlink_paths(paths: Sequence[str]) -> None:
+    """Unlink ``paths``, those gone already or not ours to remove aside."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def host_groups(hosts: Sequence[int]) -> list[list[int]]:
