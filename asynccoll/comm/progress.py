@@ -12,6 +12,13 @@ it the two wake-ups of sleeping threads; ``asyncio.run_coroutine_threadsafe`` wi
 
 The progress thread runs uvloop when it is installed (a faster loop, for TCP in particular).
 
+**At interpreter exit** every progress thread still running is stopped and joined (an
+``atexit`` hook: its tasks cancelled, its loop stopped and closed, at most
+:data:`EXIT_TIMEOUT` seconds each), as :meth:`ProgressEngine.close` does. A program that ends
+without closing its communicator otherwise left a daemon thread inside its loop while the
+interpreter tore down the modules that loop uses: measured, 4 of 10 such three-rank jobs had a
+rank die of SIGSEGV at exit. The peers then see the connections close, as after any exit.
+
 **Process-wide side effect.** Starting a progress thread lowers the interpreter's switch interval
 (``sys.setswitchinterval``, to 0.5 ms unless it is already lower; never raised, never restored):
 this is the one piece of process-wide state asynccoll changes, and it affects every thread of the
@@ -26,20 +33,35 @@ almost nothing.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import contextlib
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
 from ..errors import TransportClosedError
 
-__all__ = ["DEFAULT_SWITCH_INTERVAL", "ProgressEngine"]
+__all__ = ["DEFAULT_SWITCH_INTERVAL", "EXIT_TIMEOUT", "ProgressEngine"]
 
 T = TypeVar("T")
 
 #: the switch interval a progress thread sets when the process's is larger (seconds).
 DEFAULT_SWITCH_INTERVAL = 0.0005
+#: at interpreter exit, how long stopping one progress thread may take (seconds)
+EXIT_TIMEOUT = 2.0
+
+#: the progress threads not closed yet (stopped at interpreter exit: module doc)
+_RUNNING: weakref.WeakSet[ProgressEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for engine in list(_RUNNING):
+        with contextlib.suppress(Exception):  # exiting: nobody is left to tell
+            engine.close(EXIT_TIMEOUT)
 
 
 class ProgressEngine:
@@ -100,7 +122,9 @@ class ProgressEngine:
         t = threading.Thread(target=main, name="asynccoll-progress", daemon=True)
         t.start()
         started.wait()
-        return cls(loop, t)
+        engine = cls(loop, t)
+        _RUNNING.add(engine)
+        return engine
 
     # -- sharing -----------------------------------------------------------------------------
     def acquire(self) -> ProgressEngine:
@@ -116,11 +140,13 @@ class ProgressEngine:
         if self._refs <= 0:
             self.close()
 
-    def close(self) -> None:
-        """Cancel the loop's remaining tasks, stop it and join the thread. Idempotent."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel the loop's remaining tasks, stop it and join the thread (each step waits at
+        most ``timeout`` seconds). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        _RUNNING.discard(self)
         t = self._thread
         if t is None or not t.is_alive():
             return
@@ -135,10 +161,10 @@ class ProgressEngine:
             await asyncio.gather(*rest, return_exceptions=True)
 
         try:
-            asyncio.run_coroutine_threadsafe(cancel_rest(), self.loop).result(10.0)
+            asyncio.run_coroutine_threadsafe(cancel_rest(), self.loop).result(timeout)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
-            t.join(10.0)
+            t.join(timeout)
 
     @property
     def closed(self) -> bool:
