@@ -165,7 +165,10 @@ class PartialAllreduce:
         self.name = name
         self.op = contribution.op
         #: ``"sum"``: hand out the sum of the results not yet given; ``"mean"``: the sum of each
-        #: one divided by its count; ``False``: the latest
+        #: one divided by its count; ``"world"``: the sum of each one divided by the size of
+        #: the world it spanned (set by :class:`~asynccoll.train.EagerSGD`: a survivor may
+        #: receive a result of the world before a loss after it; :mod:`.survival`); ``False``:
+        #: the latest
         self.accumulate: bool | str = "sum" if accumulate is True else accumulate
         quorum = check_kind(kind, transport.world_size, quorum)
         self.quorum = quorum
@@ -198,6 +201,10 @@ class PartialAllreduce:
         self._value: Any = None  # latest result (or the sum since given), not yet handed out
         self._vmeta = np.zeros(len(self._meta), np.int64)
         self._stamps = slice(2 * P + 2, 3 * P + 2)  # the arrival stamps in the meta vector
+        #: while the kept value is a result of the world before a rebuild (never handed out):
+        #: that world's size (``_vmeta`` is in its layout) and the new rank of each of its
+        #: ranks (-1: lost); see :meth:`_rebuild`
+        self._vold: tuple[int, list[int]] | None = None
         dc = self.deadline_config
         self._state[DSIG] = deadline_signature(dc)
         #: the deadline (seconds) the next execution uses; the spreads it comes from
@@ -576,11 +583,14 @@ class PartialAllreduce:
 
     def _keep(self) -> None:
         """Keep the result just completed (and its meta) for the next call to hand out."""
+        self._relayout()  # a result kept from before a rebuild: meet this world's layout
         summed = self._value is not None and bool(self.accumulate)
         scale = 1.0
         if self.accumulate == "mean":
             n = int(self._meta[:self.world_size].sum())
             scale = 1.0 / n if n else 1.0
+        elif self.accumulate == "world":  # each execution by the size of the world it spanned
+            scale = 1.0 / self.world_size
         # the kept value was never handed out, so nobody sees it change
         self._value = self._contribution.keep(self._value, bool(self.accumulate), scale)
         if summed:
@@ -607,22 +617,27 @@ class PartialAllreduce:
         value, self._value = self._value, None
         assert value is not None
         given, self._given = self._given, self._round
+        # a result kept from before a rebuild is handed out as that world's (its size, its
+        # counts; :meth:`_rebuild`)
+        P = self.world_size if self._vold is None else self._vold[0]
+        stamps = slice(2 * P + 2, 3 * P + 2)
         res = PartialResult.from_meta(self._contribution.present(value), self._round, included,
-                                      self._vmeta, self.world_size, missed, self.rank,
-                                      decode_arrivals(self._vmeta[self._stamps]),
-                                      *self._deadline_fields(),
+                                      self._vmeta, P, missed, self.rank,
+                                      decode_arrivals(self._vmeta[stamps]),
+                                      *self._deadline_fields(stamps),
                                       lost=_NONE if self._survival is None
                                       else self._survival.lost)
+        self._relayout()  # what a cancelled call gives back is merged in this world's layout
         self._takes.append((res, value, self._vmeta.copy(), given))
         return res
 
-    def _deadline_fields(self) -> tuple[float | None, bool | None]:
+    def _deadline_fields(self, stamps: slice) -> tuple[float | None, bool | None]:
         """``deadline`` and ``deadline_expired`` of the result to take (None, None unless the
-        deadline kind)."""
+        deadline kind), its arrival stamps at ``stamps`` in ``_vmeta``."""
         if self.deadline_config is None:
             return None, None
         return (self._deadline_of.get(self._round),
-                bool(decode_expired(self._vmeta[self._stamps])))
+                bool(decode_expired(self._vmeta[stamps])))
 
     def _give_back(self, res: PartialResult) -> None:
         """Take back ``res``, a result taken for a call that never received it (the call was
@@ -633,6 +648,7 @@ class PartialAllreduce:
             i = next((i for i, t in enumerate(self._takes) if t[0] is res), None)
             if i is None:
                 return
+            self._relayout()  # the takes are in this world's layout
             _, value, vmeta, given = self._takes[i]
             newest = i == len(self._takes) - 1
             del self._takes[i]
@@ -682,16 +698,25 @@ class PartialAllreduce:
             reduce_into(self.op, c.send_buffer, snapshot)
             self._state[COUNT] += count
 
-    def _rebuild(self, comm: Any, first: int) -> None:
+    def _rebuild(self, comm: Any, first: int, ranks: list[int]) -> None:
         """Go on over ``comm`` (the survivors' Communicator), from execution ``first``: the
         schedule built for its ranks, the send buffer and its count carried over
-        (:mod:`.survival`)."""
+        (:mod:`.survival`). ``ranks``: the new rank of each rank of the world so far (-1:
+        lost).
+
+        A result kept and not yet handed out (an execution of the world so far, completed
+        here or settled by the recovery) stays as it is: the next call or flush hands it out
+        with that world's size and counts, as the survivors that received it before the loss
+        got it; only if a new world's execution completes first are the two merged
+        (accumulating), its counts then moved to the new ranks (the lost ranks' dropped)."""
         c = self._contribution
         assert isinstance(c, DenseContribution)
         transport = comm.transport
         with self._lock:
             old_acc, st = c.send_buffer, self._state
             count, flushing = int(st[COUNT]), int(st[FLUSHING])
+            self._relayout()  # (kept across an earlier rebuild, still not handed out)
+            kept = None if self._value is None else (self.world_size, list(ranks))
             P = self.world_size = transport.world_size
             self.rank = transport.rank
             if self.quorum is not None:
@@ -706,7 +731,9 @@ class PartialAllreduce:
             st[COUNT], st[FLUSHING], st[SNAPSHOTS] = count, flushing, first
             st[DSIG] = deadline_signature(self.deadline_config)
             self.schedule = sched
-            self._vmeta = np.zeros(len(self._meta), np.int64)
+            self._vold = kept
+            if kept is None:
+                self._vmeta = np.zeros(len(self._meta), np.int64)
             self._stamps = slice(2 * P + 2, 3 * P + 2)
             self._takes.clear()  # results of cancelled calls in the old world: not given back
             self._flushing_seen = 0
@@ -719,6 +746,34 @@ class PartialAllreduce:
             old = self._ex
             self._arm(self._executor(transport, sched, bufs, comm.live, first))
         old.close()
+
+    def _average_by_world(self) -> None:
+        """Switch an accumulating dense handle to ``accumulate="world"`` (set by
+        :class:`~asynccoll.train.EagerSGD` right after creation; the communicator does not
+        take the value). Under the lock, so a result completed already (the handle is armed
+        at creation) is divided like every later one."""
+        with self._lock:
+            assert self.accumulate == "sum"
+            assert isinstance(self._contribution, DenseContribution)
+            self.accumulate = "world"
+            if self._value is not None:
+                self._value *= 1.0 / self.world_size
+
+    def _relayout(self) -> None:
+        """Under the lock: if ``_vmeta`` is in an old world's layout (:meth:`_rebuild`),
+        move it into this world's: counts, fresh flags and arrival stamps to the new ranks,
+        the lost ranks' dropped."""
+        if self._vold is None:
+            return
+        (Q, ranks), old = self._vold, self._vmeta
+        P = self.world_size
+        new = np.zeros(len(self._meta), np.int64)
+        for i, j in enumerate(ranks):
+            if j >= 0:
+                new[j], new[P + j], new[2 * P + 2 + j] = \
+                    old[i], old[Q + i], old[2 * Q + 2 + i]
+        new[2 * P:2 * P + 2] = old[2 * Q:2 * Q + 2]
+        self._vmeta, self._vold = new, None
 
     def _rejoin(self, e: int, stamp: int) -> asyncio.Future[int]:
         """After a recovery that left execution ``e`` to the new world: the waiting call

@@ -143,7 +143,8 @@ class Survival:
         log.warning("rank %d: partial allreduce %r goes on with %d ranks (lost %s) from "
                     "execution %d", self.comm.rank, h.name, new.size, sorted(self.lost),
                     cmax + 1)
-        h._rebuild(new, cmax + 1)
+        h._rebuild(new, cmax + 1,
+                   [new.members.index(m) if m in alive else -1 for m in self.comm.members])
         self.comm = new
         new.membership.listeners.append(self._on_loss)
         self._mine = None  # put back, or in the settled result

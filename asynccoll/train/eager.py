@@ -21,6 +21,14 @@ latest result, so replicas drift apart; ``sync_every`` re-synchronises them. Wit
 SGD (no momentum, no weight decay) every rank applies exactly the same total update and, after
 :meth:`EagerSGD.finish`, all replicas are equal.
 
+**Lost ranks** (``survive=True``). Averaging by the world divides each round by the number of
+ranks *its execution* spanned: a survivor may receive the result of the last execution before a
+loss only after the recovery (the recovery settles it, or it was kept and not yet handed out),
+when the world is already smaller; dividing it by the new size would make its step larger than
+on the survivors that received it before the loss. With ``accumulate=True`` the handle divides
+each round as it completes (its ``accumulate="world"``), so rounds of both worlds summed into
+one result are each averaged by their own size.
+
 **Model synchronisation (collective-safe).** A *sync event* is ``flush`` of the partial
 allreduce (collective: every rank hands in all it holds and applies every result it has not
 applied) followed by a synchronous average of the parameters. Any rank may *trigger* one: after
@@ -121,6 +129,10 @@ class EagerSGD:
                 mode, like=self.params, quorum=quorum, seed=seed, name=name,
                 accumulate="mean" if self._mean_rounds() else self.accumulate,
                 deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window)
+            if self._world_rounds():
+                # each round divided by the size of the world it spanned, when it completes
+                # (module doc, "Lost ranks")
+                self._h._average_by_world()
         n = self.params.size
         self._sync_buf = np.empty(n + 2, self.params.dtype)
         # Where a list of gradients is fused (the collective copies it, so it can be reused).
@@ -148,10 +160,19 @@ class EagerSGD:
         """Whether accumulated rounds are averaged each by its own count (module doc)."""
         return self.accumulate and self.average == "contributions"
 
+    def _world_rounds(self) -> bool:
+        """Whether accumulated rounds are averaged each by its own world size (module doc,
+        "Lost ranks")."""
+        return self.accumulate and self.average == "world"
+
     def _divisor(self, res: PartialResult) -> int:
         if self.average == "contributions":
             return 1 if self._mean_rounds() else res.count
-        return self.world_size
+        if self._world_rounds():
+            return 1
+        # the world the execution spanned: the world before a loss for a result of it that
+        # this rank receives after the recovery
+        return res.world_size or self.world_size
 
     def _step_lr(self, res: PartialResult) -> float:
         return self.lr
