@@ -32,6 +32,15 @@ async def _train(opt: RNA, prob: Problem, r: int, delay: float, seconds: float) 
     return steps
 
 
+async def _train_then_finish(opt: RNA, prob: Problem, r: int, delay: float, seconds: float,
+                             **finish: Any) -> None:
+    """:func:`_train`, then this rank's ``finish`` at once, as a rank of a real job does. (Not
+    after every rank's training: a straggler's last call may wait for an execution that only
+    initiators which have stopped calling, or their flush, can start.)"""
+    await _train(opt, prob, r, delay, seconds)
+    await opt.finish(**finish)
+
+
 async def _hier_rank(rank: int, P: int, port: int) -> dict[str, Any]:
     comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
                                    transport="tcp", timeout=30)
@@ -81,9 +90,8 @@ async def test_switch_condition_follows_the_measured_spread(slow: float, want: b
         opts = [RNA(c, prob.w0.copy(), 0.1, groups=2, check_interval=0.25, accumulate=True)
                 for c in comms]
         await asyncio.wait_for(asyncio.gather(*(
-            _train(o, prob, r, BASE + (slow if r >= 2 else 0.0), 1.2)
-            for r, o in enumerate(opts))), 30)
-        await asyncio.wait_for(asyncio.gather(*(o.finish() for o in opts)), 20)
+            _train_then_finish(o, prob, r, BASE + (slow if r >= 2 else 0.0), 1.2)
+            for r, o in enumerate(opts))), 50)
     assert [o.hierarchical for o in opts] == [want] * 4
     assert all(o.switches == int(want) for o in opts)
     assert opts[0].spread is not None
@@ -135,8 +143,8 @@ async def test_unequal_groups_with_a_leader_listed_first() -> None:
                     exchange_every=1, accumulate=True) for c in comms]
         delays = [BASE, BASE, 2 * BASE, 4 * BASE]
         await asyncio.wait_for(asyncio.gather(*(
-            _train(o, prob, r, delays[r], 1.0) for r, o in enumerate(opts))), 30)
-        await asyncio.wait_for(asyncio.gather(*(o.finish(average=False) for o in opts)), 20)
+            _train_then_finish(o, prob, r, delays[r], 1.0, average=False)
+            for r, o in enumerate(opts))), 50)
     assert all(o.hierarchical and o.switches == 0 for o in opts)
     hs = [o.hier for o in opts]
     assert [h.leader for h in hs if h] == [False, False, True, True]
