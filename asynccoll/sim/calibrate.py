@@ -138,17 +138,7 @@ def _pair(progress: str, transport: str, sizes: list[int], calls: int,
     try:
         for p in procs:
             p.start()
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
-        while len(got) < 2:
-            try:
-                rank, status, payload = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"calibration ranks did not report within {timeout} s") \
-                    from None
-            if status != "ok":
-                raise RuntimeError(f"calibration rank {rank} failed:\n{payload}")
-            got[rank] = payload
+        got = _reports(q, 2, timeout)
         return dict(got[0])
     finally:
         for p in procs:
@@ -203,17 +193,7 @@ def _shared_world(world: int, transport: str, barriers: int, large: int, calls: 
     try:
         for p in procs:
             p.start()
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
-        while len(got) < world:
-            try:
-                rank, status, payload = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"calibration ranks did not report within {timeout} s") \
-                    from None
-            if status != "ok":
-                raise RuntimeError(f"calibration rank {rank} failed:\n{payload}")
-            got[rank] = payload
+        got = _reports(q, world, timeout)
         bar = np.array([got[r][0] for r in range(world)])
         big = np.array([got[r][1] for r in range(world)])
         return (float(np.median(np.diff(bar.max(0)))), float(np.median(np.diff(big.max(0)))),
@@ -360,3 +340,19 @@ def available_transports() -> tuple[str, ...]:
     from importlib.util import find_spec
 
     return ("tcp", "ucx") if find_spec("ucxx") is not None else ("tcp",)
+
+
+def _reports(q: Any, n: int, timeout: float) -> dict[int, Any]:
+    """The payloads of ``n`` calibration ranks, by rank, from their ``(rank, status, payload)``
+    reports on ``q``; ``RuntimeError`` when one failed or they did not all report in time."""
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        try:
+            rank, status, payload = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise RuntimeError(f"calibration ranks did not report within {timeout} s") from None
+        if status != "ok":
+            raise RuntimeError(f"calibration rank {rank} failed:\n{payload}")
+        got[rank] = payload
+    return got
