@@ -149,6 +149,8 @@ class DenseOps:
         self.entries: dict[tuple[Any, ...], _Dense] = {}
         self._internal: dict[tuple[Any, ...], _Dense] = {}  # the runtime's own collectives
         self._shm: dict[tuple[Any, ...], _Shm] = {}
+        self._order: dict[tuple[Any, ...], asyncio.Lock] = {}  # allreduce's call order
+        self._host_lock = asyncio.Lock()  # one learning of the hosts, however many callers
         self._arenas: dict[int, _Arena] = {}  # by address: arrays made by shared_empty
         self._host: tuple[bool, int] | None = None  # (every rank on this host, job token)
         self._groups: list[list[int]] = []  # the ranks of each host, after _hosts()
@@ -203,7 +205,22 @@ class DenseOps:
         ``algorithm`` is one of :data:`SHM_NAMES` (``"shm"``: one-shot or two-shot by size),
         or by default from :data:`~.shm.SHM_MIN_BYTES` up when every rank is on this host
         (the same choice on every rank: same size, same hosts) unless ``ASYNCCOLL_SHM=0``;
-        else the network schedule of ``algorithm`` (:mod:`asynccoll.collectives.dense`)."""
+        else the network schedule of ``algorithm`` (:mod:`asynccoll.collectives.dense`).
+
+        Calls with the same size, dtype, op and algorithm run in the order they were made,
+        one at a time (a FIFO lock taken before the first await): a call made while an
+        earlier one is still setting up (agreeing on its definition, learning the hosts,
+        mapping segments) queues behind it instead of overtaking it, which would pair its
+        execution with the peers' earlier call or set the collective up twice."""
+        okey = (buf.size, buf.dtype.str, op, algorithm)
+        lock = self._order.get(okey)
+        if lock is None:
+            lock = self._order[okey] = asyncio.Lock()
+        async with lock:
+            await self._allreduce(buf, op, algorithm, timeout)
+
+    async def _allreduce(self, buf: Any, op: str, algorithm: str | None,
+                         timeout: float | None) -> None:
         arena = self._arenas.get(buf.__array_interface__["data"][0]) \
             if isinstance(buf, np.ndarray) and (algorithm is None or algorithm in SHM_NAMES) \
             else None
@@ -246,18 +263,23 @@ class DenseOps:
         """(whether every rank is on this host, the job's segment token): one allgather of
         each rank's host hash and a token, at first use."""
         if self._host is None:
-            mine = np.array([host_hash(), new_token()], np.int64)
-            every = np.zeros(2 * self.size, np.int64)
-            every[2 * self.rank:2 * self.rank + 2] = mine
-            # fixed by the runtime (nothing the ranks could disagree on): not agreed, so that
-            # connect() learning it leaves the agreement's executions to the user's calls
-            await self.call(("hosts",), lambda: dense.allgather(self.rank, self.size, 2,
-                                                                 np.int64), every, timeout,
-                            agree=False)
-            self._hashes = every[0::2].tolist()
-            self._groups = host_groups(self._hashes)
-            self._host = (len(self._groups) == 1, int(every[1]))
+            async with self._host_lock:
+                if self._host is None:
+                    await self._learn_hosts(timeout)
+        assert self._host is not None
         return self._host
+
+    async def _learn_hosts(self, timeout: float | None) -> None:
+        mine = np.array([host_hash(), new_token()], np.int64)
+        every = np.zeros(2 * self.size, np.int64)
+        every[2 * self.rank:2 * self.rank + 2] = mine
+        # fixed by the runtime (nothing the ranks could disagree on): not agreed, so that
+        # connect() learning it leaves the agreement's executions to the user's calls
+        await self.call(("hosts",), lambda: dense.allgather(self.rank, self.size, 2, np.int64),
+                        every, timeout, agree=False)
+        self._hashes = every[0::2].tolist()
+        self._groups = host_groups(self._hashes)
+        self._host = (len(self._groups) == 1, int(every[1]))
 
     async def hosts(self, timeout: float | None) -> tuple[bool, int]:
         """(whether every rank is on this host, the job's segment token): collective at the
@@ -472,50 +494,66 @@ class DenseOps:
         ``agree=False``: skip the check of the definition at first use (the runtime's own
         collectives of a fixed definition)."""
         cache = self._internal if key == _AGREE_KEY else self.entries
-        entry = cache.get(key)
-        fresh = entry is None
-        if entry is None:
-            sched = build()  # before taking an id: a bad argument must not shift the ids
-            sid = self._next_id()
-            scratch = scratch_buffers(sched, None if data is None or isinstance(data, np.ndarray)
-                                      else data)
-            bufs = dict(scratch)
-            own = None
-            if "data" in sched.slots:
-                small = isinstance(data, np.ndarray) and data.nbytes <= _SMALL
-                own = data.copy() if small else None
-                bufs["data"] = data if own is None else own
-            sink = None if self._writer is None else self._writer.add_schedule(
-                sched, sid, collective=key[0])
-            ex = self._live.add(Executor(sched, self.transport, bufs, sched_id=sid,
-                                         trace_sink=sink, kernels=self._kernels), self._writer)
-            entry = _Dense(ex, scratch, own)
-            cache[key] = entry
-            if agree and key != _AGREE_KEY and self.size > 1:
-                what = sched.meta.get("collectives", [{"kind": key[0]}])[0]
+        while True:
+            entry = cache.get(key)
+            fresh = entry is None
+            if entry is None:
+                entry = self._create(key, build, data, cache)
+            # Calls of one key execute in the order they were made: the lock is FIFO and is
+            # taken before the first use's agreement (an await), so a second call made
+            # meanwhile queues behind the first instead of overtaking it and pairing with the
+            # peers' first call (mixed sums; seen with OD-SGD's call in flight).
+            async with entry.lock:
+                if cache.get(key) is not entry:
+                    continue  # dropped by the call before this one: start a fresh executor
+                if fresh and agree and key != _AGREE_KEY and self.size > 1:
+                    sched = entry.ex.schedule
+                    what = sched.meta.get("collectives", [{"kind": key[0]}])[0]
+                    try:
+                        await self.agree_on(key[0], what, timeout)
+                    except BaseException:
+                        self._drop(key, entry, cache)
+                        raise
+                ex = entry.ex
+                own = entry.own
+                if own is not None:
+                    own[...] = data
+                elif data is not None and not fresh:
+                    ex.bind({"data": data, **entry.scratch})  # O(ops): views of the new array
                 try:
-                    await self.agree_on(key[0], what, timeout)
-                except BaseException:
+                    await self._execute(ex, timeout, str(key[0]))
+                    if own is not None:
+                        data[...] = own
+                except BaseException as exc:
+                    # A failed, timed-out or cancelled execution leaves the executor mid-way:
+                    # drop it (its receives retired); the next call of this key, and any call
+                    # queued behind this one, starts a fresh one.
+                    if self._writer is not None:
+                        self._writer.write_pending(ex, reason=repr(exc))
                     self._drop(key, entry, cache)
                     raise
-        async with entry.lock:
-            ex = entry.ex
-            own = entry.own
-            if own is not None:
-                own[...] = data
-            elif data is not None and not fresh:
-                ex.bind({"data": data, **entry.scratch})  # O(ops): views of the new array
-            try:
-                await self._execute(ex, timeout, str(key[0]))
-                if own is not None:
-                    data[...] = own
-            except BaseException as exc:
-                # A failed, timed-out or cancelled execution leaves the executor mid-way: drop
-                # it (its receives retired); the next call of this key starts a fresh one.
-                if self._writer is not None:
-                    self._writer.write_pending(ex, reason=repr(exc))
-                self._drop(key, entry, cache)
-                raise
+                return
+
+    def _create(self, key: tuple[Any, ...], build: Callable[[], Schedule], data: Any,
+                cache: dict[tuple[Any, ...], _Dense]) -> _Dense:
+        """The cache entry of ``key``: its schedule from ``build()``, an id, an executor."""
+        sched = build()  # before taking an id: a bad argument must not shift the ids
+        sid = self._next_id()
+        scratch = scratch_buffers(sched, None if data is None or isinstance(data, np.ndarray)
+                                  else data)
+        bufs = dict(scratch)
+        own = None
+        if "data" in sched.slots:
+            small = isinstance(data, np.ndarray) and data.nbytes <= _SMALL
+            own = data.copy() if small else None
+            bufs["data"] = data if own is None else own
+        sink = None if self._writer is None else self._writer.add_schedule(
+            sched, sid, collective=key[0])
+        ex = self._live.add(Executor(sched, self.transport, bufs, sched_id=sid,
+                                     trace_sink=sink, kernels=self._kernels), self._writer)
+        entry = _Dense(ex, scratch, own)
+        cache[key] = entry
+        return entry
 
     async def agree_on(self, kind: str, what: dict[str, Any], timeout: float | None) -> None:
         """Raise ExecutionError on every rank unless every rank passes the same ``what`` (the

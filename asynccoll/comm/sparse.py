@@ -253,35 +253,37 @@ class SparseOps:
         the entry is then dropped)."""
         size, dt = (x.size, x.values.dtype) if isinstance(x, SparseVector) else (x.size, x.dtype)
         key = (int(size), np.dtype(dt).str, algorithm, quantize, delta, int(bucket), int(seed))
-        entry = self._entries.get(key)
-        if entry is None:
-            # Built before taking an id (its executor is made at the first run): a bad
-            # argument must not shift the ids.
-            op = self._make(int(size), dt, 0, algorithm=algorithm, quantize=quantize,
-                            delta=delta, bucket=bucket, seed=seed)
-            op.sched_id = self._next_id()
-            entry = _Entry(op)
-            self._entries[key] = entry
-            if agree is not None:
+        while True:
+            entry = self._entries.get(key)
+            fresh = entry is None
+            if entry is None:
+                # Built before taking an id (its executor is made at the first run): a bad
+                # argument must not shift the ids.
+                op = self._make(int(size), dt, 0, algorithm=algorithm, quantize=quantize,
+                                delta=delta, bucket=bucket, seed=seed)
+                op.sched_id = self._next_id()
+                entry = _Entry(op)
+                self._entries[key] = entry
+            # The lock is FIFO and taken before the first use's agreement (an await): a call
+            # made meanwhile queues behind the first instead of overtaking it (its run would
+            # pair with the peers' first call).
+            async with entry.lock:
+                if self._entries.get(key) is not entry:
+                    continue  # dropped by the call before this one: start afresh
                 try:
-                    await agree({"kind": "sparse_allreduce", "size": int(size),
-                                 "dtype": np.dtype(dt).str, "algorithm": algorithm,
-                                 "quantize": quantize, "delta": delta, "bucket": int(bucket),
-                                 "seed": int(seed)})
+                    if fresh and agree is not None:
+                        await agree({"kind": "sparse_allreduce", "size": int(size),
+                                     "dtype": np.dtype(dt).str, "algorithm": algorithm,
+                                     "quantize": quantize, "delta": delta,
+                                     "bucket": int(bucket), "seed": int(seed)})
+                    return await entry.op.run(x, timeout=timeout)
                 except BaseException:
+                    # A disagreement, or a failed, timed-out or cancelled run (the executor
+                    # left mid-way): drop the entry; the next call starts a fresh one.
                     entry.op.close()
                     if self._entries.get(key) is entry:
                         del self._entries[key]
                     raise
-        async with entry.lock:
-            try:
-                return await entry.op.run(x, timeout=timeout)
-            except BaseException:
-                # A failed, timed-out or cancelled run leaves the executor mid-way: drop it.
-                entry.op.close()
-                if self._entries.get(key) is entry:
-                    del self._entries[key]
-                raise
 
     def named(self, name: str, sched_id: int, size: int, dtype: Any, *, algorithm: str,
               quantize: int | None, delta: float | None, bucket: int, seed: int

@@ -250,10 +250,10 @@ async def test_odsgd_local_update_moves_the_model_off_the_global_weights() -> No
         out = await run_ranks(comms, make, 5)
     assert float((seen[0][2] - seen[1][2]).abs().max()) > 1e-6
     for w, _, _ in out:
-        # Agree to rounding: about one CI run in three the replicas differed in their last
-        # bits only (equal to every printed digit; cause not found yet, see the closing note
-        # of 2026-11-24), so this asserts agreement to 1e-12, not bit equality.
-        torch.testing.assert_close(w, out[0][0], rtol=0, atol=1e-12)
+        # Bit for bit: the ranks reduce the same gradients in the same order. (This once
+        # failed about one CI run in three: a rank's second allreduce overtook its first
+        # while the first agreed on its definition; tests/comm/test_call_order.py.)
+        assert torch.equal(w, out[0][0]), (w, out[0][0])
 
 
 # -- deadline ----------------------------------------------------------------------------------
