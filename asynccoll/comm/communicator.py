@@ -705,7 +705,12 @@ class Communicator:
         completed since the previous call instead of the latest; ``"mean"``: the sum of each
         of those results divided by its own ``count`` (the per-execution average, what
         averaging by contributions needs: dividing summed results by summed counts would weigh
-        executions by their size; dense floating-point data and ``op="sum"`` only).
+        executions by their size; dense floating-point data and ``op="sum"`` only);
+        ``"world"``: the sum of each of those results divided by the size of the world it
+        spanned (P, or the survivors' number after a lost rank: ``survive``), as it completes:
+        synchronous SGD's average over every gradient, still right when a loss changes the
+        world between a result's completion and the call that takes it (dense floating-point
+        data and ``op="sum"`` only).
         ``op="avg"``: **averaging by contributions**: each execution's sum is divided by its
         own ``count`` (the local contributions summed into it, over all ranks; an empty
         execution stays zeros), not by P; with ``accumulate`` the value is the sum of those
@@ -755,19 +760,22 @@ class Communicator:
                                  "be a SparseVector)")
         check_kind(kind, self.size, quorum)
         check_deadline(kind, deadline, mad_factor, deadline_window)
-        if accumulate not in (False, True, "sum", "mean"):
-            raise ValueError(f"accumulate must be False, True, 'sum' or 'mean', got "
+        if accumulate not in (False, True, "sum", "mean", "world"):
+            raise ValueError(f"accumulate must be False, True, 'sum', 'mean' or 'world', got "
                              f"{accumulate!r}")
         average = op == "avg"
         if average:
             _avg_op(op, like)
+            if accumulate == "world":
+                raise ValueError("accumulate='world' divides by the world size; op='avg' "
+                                 "divides by contributions: give one of them")
             op = "sum"
             accumulate = "mean" if accumulate else False
         check_op(op)
-        if accumulate == "mean" and (sparse or op != "sum"
-                                     or not np.issubdtype(np.dtype(like.dtype), np.floating)):
-            raise ValueError("accumulate='mean' needs dense floating-point data and op='sum' "
-                             f"(got like={type(like).__name__}, op={op!r})")
+        if accumulate in ("mean", "world") and (
+                sparse or op != "sum" or not np.issubdtype(np.dtype(like.dtype), np.floating)):
+            raise ValueError(f"accumulate={accumulate!r} needs dense floating-point data and "
+                             f"op='sum' (got like={type(like).__name__}, op={op!r})")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
                                  or seed < 0):
             raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")

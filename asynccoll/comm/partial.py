@@ -747,18 +747,6 @@ class PartialAllreduce:
             self._arm(self._executor(transport, sched, bufs, comm.live, first))
         old.close()
 
-    def _average_by_world(self) -> None:
-        """Switch an accumulating dense handle to ``accumulate="world"`` (set by
-        :class:`~asynccoll.train.EagerSGD` right after creation; the communicator does not
-        take the value). Under the lock, so a result completed already (the handle is armed
-        at creation) is divided like every later one."""
-        with self._lock:
-            assert self.accumulate == "sum"
-            assert isinstance(self._contribution, DenseContribution)
-            self.accumulate = "world"
-            if self._value is not None:
-                self._value *= 1.0 / self.world_size
-
     def _relayout(self) -> None:
         """Under the lock: if ``_vmeta`` is in an old world's layout (:meth:`_rebuild`),
         move it into this world's: counts, fresh flags and arrival stamps to the new ranks,

@@ -127,12 +127,11 @@ class EagerSGD:
         if mode != "sync":
             self._h = comm.partial_allreduce(
                 mode, like=self.params, quorum=quorum, seed=seed, name=name,
-                accumulate="mean" if self._mean_rounds() else self.accumulate,
+                # accumulated rounds each divided by its own count ("mean"), or by the size
+                # of the world it spanned when it completes ("world": module doc, "Lost ranks")
+                accumulate="mean" if self._mean_rounds() else
+                "world" if self._world_rounds() else self.accumulate,
                 deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window)
-            if self._world_rounds():
-                # each round divided by the size of the world it spanned, when it completes
-                # (module doc, "Lost ranks")
-                self._h._average_by_world()
         n = self.params.size
         self._sync_buf = np.empty(n + 2, self.params.dtype)
         # Where a list of gradients is fused (the collective copies it, so it can be reused).

@@ -407,3 +407,28 @@ async def test_accumulate_mean_averages_each_execution_and_checks_its_arguments(
         assert r.count == 3
         # (8 + 16)/2 + 32/1 = 44, where sum/count would give 56/3
         np.testing.assert_allclose(r.value, 44.0)
+
+
+@pytest.mark.timeout(30)
+async def test_accumulate_world_divides_each_execution_by_the_world_and_checks_arguments() -> None:
+    async with local_world(2, progress="inline") as comms:
+        for kw, match in (({"accumulate": "world", "like": np.zeros(2, np.int32)},
+                           "floating-point"),
+                          ({"accumulate": "world", "like": np.zeros(2), "op": "max"},
+                           "floating-point"),
+                          ({"accumulate": "world", "like": np.zeros(2), "op": "avg"},
+                           "give one of them")):
+            with pytest.raises(ValueError, match=match):
+                comms[0].partial_allreduce("solo", **kw)
+        hs = [c.partial_allreduce("solo", like=np.zeros(2), accumulate="world", name="w")
+              for c in comms]
+        r0 = await asyncio.gather(hs[0](np.full(2, 1.0)), hs[1](np.full(2, 2.0)))
+        np.testing.assert_allclose(r0[0].value, 1.5)  # (1 + 2) / P
+        await hs[0](np.full(2, 4.0))                  # execution 1: rank 0 alone
+        await hs[0](np.full(2, 8.0))                  # execution 2: rank 0 alone
+        late = await hs[1](np.full(2, 16.0))          # executions 1 and 2 at once
+        assert not late.included
+        assert (late.missed, late.count) == (2, 2)
+        np.testing.assert_allclose(late.value, (4.0 + 8.0) / 2)  # each by P, not by count
+        r = await hs[0](np.full(2, 32.0))             # execution 3: 32 + rank 1's 16
+        np.testing.assert_allclose(r.value, (32.0 + 16.0) / 2)
