@@ -35,12 +35,17 @@ the ops and ranks still awaited; anything after :meth:`Communicator.close` raise
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import hashlib
 import itertools
 import logging
 import os
 import signal
+import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -73,6 +78,47 @@ __all__ = ["Communicator"]
 T = TypeVar("T")
 
 log = logging.getLogger("asynccoll.comm")
+
+#: communicators not closed yet (closed in order at interpreter exit: :func:`_close_at_exit`)
+_OPEN: weakref.WeakSet[Communicator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close, in order, every communicator a program left open when it ends normally.
+
+    A program that ends without closing its communicator (no ``async with``) used to leave as
+    a lost rank: a peer still inside its last collective (a barrier whose exit this rank had
+    passed first, say) failed with ``PeerLostError`` (about one run in five of a three-rank
+    job under load). So at exit each open communicator on a progress thread closes as
+    :meth:`Communicator.close` does (goodbyes, serving the peers until each has closed, at
+    most its ``close_timeout``), all at once so that ranks sharing a process do not wait for
+    one another: ``MPI_Finalize``'s contract, which ``mpi4py`` also applies at exit. Not
+    after an uncaught exception (the interpreter keeps it as ``sys.last_value``): a crashed
+    rank leaves at once and its peers learn of the loss at once, as from a killed one. Runs
+    before the progress threads are stopped (``atexit`` runs the last registered first, and
+    this module imports :mod:`.progress`). Inline communicators are not closed: their loop
+    ended with ``asyncio.run``."""
+    if getattr(sys, "last_value", None) is not None or \
+            getattr(sys, "last_exc", None) is not None:
+        return
+    comms = [c for c in list(_OPEN) if not c._closed and c._parent is None
+             and c._engine.mode == "thread" and not c._engine.closed]
+    if not comms:
+        return
+    futs = []
+    for c in comms:
+        if c._dump_signal is not None:  # signal handlers are put back on the main thread
+            with contextlib.suppress(Exception):
+                c._dump_signal.restore()
+            c._dump_signal = None
+        with contextlib.suppress(Exception):  # a loop already stopping: nothing to say
+            futs.append(asyncio.run_coroutine_threadsafe(c.close(), c._engine.loop))
+    deadline = time.monotonic() + max(c.close_timeout for c in comms) + 5.0
+    for f in futs:
+        with contextlib.suppress(Exception):  # exiting: a failed close cannot be reported
+            f.result(max(0.0, deadline - time.monotonic()))
+
 
 class Communicator:
     """Collectives over a connected ``transport`` for its rank; see the module doc.
@@ -142,6 +188,7 @@ class Communicator:
         self._group_key = "world"
         self._shrunk: Communicator | None = None
         self._parent: Communicator | None = None
+        _OPEN.add(self)
         #: seconds this rank adds to its clock to read rank 0's (:meth:`sync_clocks`)
         self.clock_offset = 0.0
         self._clock_syncs = 0
