@@ -28,10 +28,10 @@ buffers' bytes (or a compute op's :class:`~asynccoll.sched.Payload`), receives w
 theirs, and compute ops run the real kernels, so values equal a real run's. Without buffers
 the simulator moves no data: it prices each op by the bytes its slots declare and calls only
 the ``hooks`` given for some kernels (the partial allreduce's snapshot, for its accounting),
-which is what makes P = 1024 cheap. The event loop is Python: about 480 bytecodes per event,
-2.7-2.9 µs of CPU at P = 256 and 3.8-4.5 µs at P = 1024 (the ranks' state and the ~5000
-pending events no longer fit the caches) on the development machine, a shared 2-core EPYC
-(2026-11-24; the previous loop: 3.2-3.4 and 4.0-5.5 µs).
+which is what makes P = 1024 cheap. The event loop is Python: about 2.6-2.8 µs of CPU per
+event at P = 256 and 2.8-3.6 µs at P = 1024 on the development machine, a shared 2-core EPYC
+whose timings vary by ±15 % from run to run (2026-11-24; docs/sim.md, "Cost of a
+simulation", has the figures).
 
 **What keeps it cheap** (and the results exactly those of one event per op completion, in the
 same order): the P executors share one copy of the op tables (kinds, successors, thresholds,
@@ -41,14 +41,28 @@ whatever completes before it (the typical send: its successor also waits for the
 receive), is **deferred** instead of scheduled: it takes its event number as if scheduled, is
 counted when the executor next handles an event after it, and becomes a real event, with that
 number, the moment another completion brings one of its successors within reach of its
-threshold. About a quarter of the events go that way. Further, per event:
+threshold. About a quarter of the events go that way. When a completion would bring a
+successor to its threshold and the only other completions it waits for are deferred ones,
+the latest of those (by time and number) is the one that makes it ready: when that is a
+deferred one later than the new completion (a send still being pushed out while the receive
+beside it already has its message), that one becomes the event and the new one is deferred
+(:meth:`SimExecutor._defer_late`; a tenth of the events at P = 1024). Further, per event:
 
 * the clock is a heap of distinct **times** with a list of events per time (in event-number
   order), not a heap of events: recursive doubling's partners are symmetric, so about a fifth
   of the events share their time with another and cost no heap operation, and the heap
   compares floats, not tuples;
-* a message's delivery event calls its executor directly (its endpoint looked up when it is
-  sent; :meth:`SimWorld.attach` redirects those under way if an endpoint changes hands);
+* every virtual time is a Python float: :meth:`SimWorld.at` converts what it is given, and
+  :func:`~asynccoll.sim.run.simulate` hands it the compute times as floats (a NumPy scalar
+  there made every time derived from it one too: the same IEEE doubles, at about ten times
+  the cost of each addition and comparison);
+* an executor's drain loop and its message receiver are closures over the tables and world
+  state they read (:meth:`SimExecutor._make_handlers`), made once per executor; the drain
+  loop does a send's :meth:`SimWorld.post` inline, and a message's delivery event is its
+  receiver's closure (its endpoint looked up when it is sent, in a per-schedule list by rank;
+  :meth:`SimWorld.attach` redirects those under way if an endpoint changes hands);
+* a message that comes before its receive is posted is held in a list, not a deque (a deque
+  allocates a block of 64 slots; it is almost always one message);
 * each op counts down the completions it still waits for (``_left``, reset from the
   thresholds at arming), and deferred completions are a heap, so settling the ones an event
   passed costs one comparison when there are none;
@@ -123,9 +137,11 @@ class SimWorld:
         self._one_per_host = rph == 1
         # more ranks than cores on a host: a message between two of them is CPU work too
         # (loopback or shared memory: no wire), so it slows down as the CPU does
-        self._intra = (profile.intra.alpha * scale, profile.intra.beta * scale)
-        self._inter = (profile.inter.alpha, profile.inter.beta)
+        self.intra = (profile.intra.alpha * scale, profile.intra.beta * scale)
+        self.inter = (profile.inter.alpha, profile.inter.beta)
         self.endpoints: dict[tuple[int, int], SimExecutor] = {}
+        #: the endpoints by schedule id, as lists by rank (what a send reads)
+        self._by_sid: dict[int, list[SimExecutor | None]] = {}
         #: the op tables the executors share: the ranks' schedules of one builder differ in
         #: peers and tags only, so P executors read one copy (and keep it in cache)
         self.tables: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -135,7 +151,10 @@ class SimWorld:
 
     # -- the clock ---------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` at virtual time ``t`` (not before now)."""
+        """Run ``fn(*args)`` at virtual time ``t`` (not before now). ``t`` is made a Python
+        float: a NumPy scalar would make every time derived from it one too (same values, ~10x
+        the cost per operation)."""
+        t = float(t)
         self.push(t if t > self.now else self.now, next(self.seq), _apply, fn, args)
 
     def push(self, t: float, q: int, fn: Callable[[Any, Any], None], a: Any, b: Any) -> None:
@@ -237,8 +256,8 @@ class SimWorld:
             out = t
             t += g  # >= now: what at() would clamp to
         else:
-            a, b = self._inter if self._one_per_host or self.host[src] != self.host[dst] \
-                else self._intra
+            a, b = self.inter if self._one_per_host or self.host[src] != self.host[dst] \
+                else self.intra
             t0 = self.nic_free[src]
             if t0 < t:
                 t0 = t
@@ -247,23 +266,33 @@ class SimWorld:
             self.messages += 1
             t = out + a + g
         if ex is None:
-            self.push(t, next(self.seq), self._deliver, (dst, sid), msg)
+            self.push(t, next(self.seq), self.deliver, (dst, sid), msg)
             return out
         # push(), inlined: a message is a third of the events
         bucket = self.pending.get(t)
         if bucket is None:
-            self.pending[t] = [(next(self.seq), _deliver_to, ex, msg)]
+            self.pending[t] = [(next(self.seq), ex.receiver, msg, ex)]
             heapq.heappush(self.times, t)
         else:
-            bucket.append((next(self.seq), _deliver_to, ex, msg))
+            bucket.append((next(self.seq), ex.receiver, msg, ex))
         return out
 
-    def _deliver(self, endpoint: tuple[int, int], msg: tuple[Any, ...]) -> None:
+    def deliver(self, endpoint: tuple[int, int], msg: tuple[Any, ...]) -> None:
+        """A delivery event for a message sent while nobody ran its schedule at ``endpoint``
+        (rank, schedule id): given to whoever does now, else dropped."""
         ex = self.endpoints.get(endpoint)
         if ex is None:
             self.dropped += 1  # nobody runs that schedule (any more): as a closed endpoint
             return
         ex.deliver(msg)
+
+    def endpoint_list(self, sid: int) -> list[SimExecutor | None]:
+        """The endpoints of schedule id ``sid`` by rank (None: nobody runs it there); the
+        list stays the same object, updated in place by :meth:`attach`."""
+        eps = self._by_sid.get(sid)
+        if eps is None:
+            eps = self._by_sid[sid] = [None] * self.world_size
+        return eps
 
     def attach(self, ex: SimExecutor) -> None:
         """Make ``ex`` the endpoint of its rank and schedule id: messages to it, including
@@ -271,9 +300,10 @@ class SimWorld:
         key = (ex.rank, ex.sched_id)
         old = self.endpoints.get(key)
         self.endpoints[key] = ex
+        self.endpoint_list(ex.sched_id)[ex.rank] = ex
         if old is not None:
             for bucket in self.pending.values():
-                bucket[:] = [(q, fn, ex, b) if fn is _deliver_to and a is old else (q, fn, a, b)
+                bucket[:] = [(q, ex.receiver, a, ex) if fn is old.receiver else (q, fn, a, b)
                              for q, fn, a, b in bucket]
 
 
@@ -288,11 +318,11 @@ class SimExecutor:
     """
 
     # P executors: slots keep each one small and its attributes one load away
-    __slots__ = ("_complete_event", "_consts", "_data", "_draining", "_final", "_fired",
-                 "_held", "_hooks", "_kernels", "_kind", "_lazy", "_left", "_msg", "_msgs", "_n",
-                 "_nbytes", "_payloads", "_peer", "_pend", "_posted", "_ready", "_recv_sources",
-                 "_silent", "_start_sources", "_succ", "_tag", "_thr", "_unfired", "_views",
-                 "armed", "completed", "execution", "on_complete", "persistent", "rank",
+    __slots__ = ("_data", "_draining", "_final", "_fired", "_held", "_hooks", "_kernels",
+                 "_kind", "_lazy", "_left", "_loop", "_msg", "_msgs", "_n", "_nbytes",
+                 "_payloads", "_peer", "_pend", "_posted", "_ready", "_recv_sources", "_silent",
+                 "_start_sources", "_succ", "_tag", "_thr", "_unfired", "_views", "armed",
+                 "completed", "execution", "on_complete", "persistent", "rank", "receiver",
                  "sched_id", "schedule", "started", "world")
 
     def __init__(self, world: SimWorld, schedule: Schedule, *, sched_id: int,
@@ -350,7 +380,6 @@ class SimExecutor:
         #: per op, how many more completions it waits for (its threshold at each arming)
         self._left = [0] * self._n
         self._fired = bytearray(self._n)
-        self._complete_event = self._loop  # bound once: pushed per op completion
         #: deferred completions (module doc): a heap of (time, event seq, op), and per op how
         #: many of them count towards it
         self._lazy: list[tuple[float, int, int]] = []
@@ -358,7 +387,9 @@ class SimExecutor:
         self._ready: deque[int] = deque()
         self._draining = False
         self._posted: dict[tuple[int, int], int] = {}
-        self._held: dict[int, dict[tuple[int, int], deque[tuple[Any, ...]]]] = {}
+        #: messages that came before their receive was posted: execution -> (source, tag) ->
+        #: messages in arrival order (lists: almost always one, and a deque costs a block)
+        self._held: dict[int, dict[tuple[int, int], list[tuple[Any, ...]]]] = {}
         self._msgs: dict[int, Message] = {}
         self._payloads: dict[int, Payload] = {}
         table = (tuple(self._kind), tuple(tuple(x) for x in self._succ), tuple(self._thr),
@@ -369,16 +400,8 @@ class SimExecutor:
          self._tag) = table[:7]
         if table[7] is not None:
             self._nbytes = table[7]
-        # what the drain loop reads per op, unpacked in one step per drain
-        # (every one of them is mutated in place only, never rebound)
-        ready = self._ready
-        self._consts = (self._fired, self._left, self._succ, self._kind, self._final,
-                        self._silent, self._nbytes, self._hooks, world.cpu_free, world.gamma,
-                        world.reduce_spb, self.rank, self._data, self._complete_event,
-                        world.push, world.seq, self._lazy, self._pend, ready, ready.popleft,
-                        ready.append, world.post, self.sched_id, self._peer, self._tag,
-                        self._msg, self._held, self._posted, world.pending, world.pending.get,
-                        world.times, heapq.heappush)
+        #: a delivery event's function, ``receiver(message, self)`` (:meth:`deliver`)
+        self._loop, self.receiver = self._make_handlers()
         world.attach(self)
         if persistent:
             self._arm()
@@ -444,46 +467,15 @@ class SimExecutor:
     def deliver(self, msg: tuple[Any, ...]) -> None:
         """A message arrives (``(src, execution, tag, kind, nbytes, data, header, extra
         receive cost, delay of this delivery after the arrival)``)."""
-        src, e, tag, kind, _nbytes, _data, _header, extra, delay = msg
-        cur = self.execution
-        if e < cur or (e == cur and not self.armed and self.completed == e):
-            if kind == _ACT:
-                self.world.dropped += 1
-                return
-            raise SimulationError(f"rank {self.rank}: data message from rank {src} tag {tag} "
-                                  f"for execution {e}, which completed here")
-        if e == cur and self.armed:
-            i = self._posted.pop((src, tag), -1)
-            if i >= 0:
-                if self._data:
-                    self._recv_arrived(i, msg, self.world.now - delay)
-                    return
-                # _recv_arrived without data, inlined (one of every op's few events)
-                w = self.world
-                now = w.now
-                arrived = now - delay
-                cpu_free = w.cpu_free
-                t = cpu_free[self.rank]
-                if t < arrived:
-                    t = arrived
-                t += w.gamma + extra
-                cpu_free[self.rank] = t
-                if self._silent[i]:
-                    return
-                succ = self._succ[i]
-                if succ:
-                    fired = self._fired
-                    for s in succ:
-                        if not fired[s]:
-                            break
-                    else:
-                        return
-                if t <= now + 1e-15:
-                    self._loop(i, e)
-                else:
-                    self._defer(i, t, e)
-                return
-        self._held.setdefault(e, {}).setdefault((src, tag), deque()).append(msg)
+        self.receiver(msg, self)
+
+    def _refuse(self, msg: tuple[Any, ...]) -> None:
+        # a message for an execution that completed here
+        if msg[3] == _ACT:
+            self.world.dropped += 1
+            return
+        raise SimulationError(f"rank {self.rank}: data message from rank {msg[0]} tag "
+                              f"{msg[2]} for execution {msg[1]}, which completed here")
 
     def _recv_arrived(self, i: int, msg: tuple[Any, ...], arrived: float) -> None:
         w = self.world
@@ -514,115 +506,235 @@ class SimExecutor:
         if t <= w.now + 1e-15:
             self._complete(i)
         else:
-            w.push(t, next(w.seq), self._complete_event, i, e)
+            w.push(t, next(w.seq), self._loop, i, e)
 
     # -- the engine --------------------------------------------------------------------------
     def _drain(self) -> None:
         if not self._draining:
             self._loop(-1, self.execution)
 
-    def _loop(self, i: int, e: int) -> None:
-        """Op ``i`` of execution ``e`` completed now (``i < 0``: none did; a completion of an
-        execution no longer current is ignored); fire the ops that are ready until none is.
-        ``_fire`` and ``_complete`` inlined for sends, compute ops and no-ops: this is the
-        per-op work of a simulation, and the event an op's completion schedules."""
-        if e != self.execution or not self.armed:
-            return
-        if self._draining:
-            if i >= 0:
-                self._complete(i)
-            return
-        self._draining = True
-        try:
-            (fired, left, succ, kind, final, silent, nbytes, hooks, cpu_free, g, spb, rank,
-             data, event, push, seq, lazy, pend, ready, popleft, append, post, sid, peer, tag,
-             msgk, held, posted, pending, pget, times, tpush) = self._consts
-            w = self.world
-            now = w.now
-            if lazy and lazy[0] < (now, w.now_seq):
-                self._settle()
-            while True:
-                if i >= 0:  # op i completed now
-                    if i == final:
-                        self._finish()
-                        e = self.execution
-                    else:
-                        for s in succ[i]:
-                            c = left[s] - 1
-                            left[s] = c
-                            if not c:
-                                append(s)
-                            elif lazy and c > 0 and pend[s] >= c:
-                                self._unlazy()
-                if not ready:
-                    return
-                i = popleft()
-                if fired[i]:
-                    i = -1
-                    continue
-                fired[i] = 1
-                k = kind[i]
-                if k == _SEND:
-                    if data:
-                        self._send(i, e)
+    def _make_handlers(self) -> tuple[Callable[[int, int], None],
+                                      Callable[[tuple[Any, ...], Any], None]]:
+        """The executor's drain loop and message receiver, closures over what they read per
+        op (no attribute look-ups or unpacking per call; each of those is mutated in place
+        only, never rebound)."""
+        ex = self
+        world = self.world
+        ready = self._ready
+        fired, left, succ, kind = self._fired, self._left, self._succ, self._kind
+        final, silent, nbytes, hooks = self._final, self._silent, self._nbytes, self._hooks
+        g, spb, rank, data = world.gamma, world.reduce_spb, self.rank, self._data
+        push, seq, lazy, pend = world.push, world.seq, self._lazy, self._pend
+        popleft, append, sid = ready.popleft, ready.append, self.sched_id
+        peer, tag, msgk, held, posted = self._peer, self._tag, self._msg, self._held, self._posted
+        pending, pget, times, tpush = world.pending, world.pending.get, world.times, heapq.heappush
+        cpu_free, nic_free, eps = world.cpu_free, world.nic_free, world.endpoint_list(sid)
+        inter, intra, host = world.inter, world.intra, world.host
+        myhost = host[rank]
+
+        def loop(i: int, e: int) -> None:
+            """Op ``i`` of execution ``e`` completed now (``i < 0``: none did; a completion of an
+            execution no longer current is ignored); fire the ops that are ready until none is.
+            ``_fire`` and ``_complete`` inlined for sends, compute ops and no-ops: this is the
+            per-op work of a simulation, and the event an op's completion schedules."""
+            if e != ex.execution or not ex.armed:
+                return
+            if ex._draining:
+                if i >= 0:
+                    ex._complete(i)
+                return
+            ex._draining = True
+            try:
+                w = world
+                now = w.now
+                if lazy and (lazy[0][0] < now or (lazy[0][0] == now and lazy[0][1] < w.now_seq)):
+                    ex._settle()
+                while True:
+                    if i >= 0:  # op i completed now
+                        if i == final:
+                            ex._finish()
+                            e = ex.execution
+                        else:
+                            for s in succ[i]:
+                                c = left[s] - 1
+                                left[s] = c
+                                if not c:
+                                    append(s)
+                                elif lazy and c > 0 and pend[s] >= c:
+                                    ex._unlazy()
+                    if not ready:
+                        return
+                    i = popleft()
+                    if fired[i]:
                         i = -1
                         continue
-                    t = post(rank, peer[i], sid, e, tag[i], msgk[i], nbytes[i], None, None)
-                    if silent[i]:
-                        i = -1
-                    elif t > now:
-                        # _defer, inlined
-                        q = next(seq)
-                        if i != final:
-                            for s in succ[i]:
-                                if 0 < left[s] <= pend[s] + 1:
-                                    break
-                            else:
-                                heapq.heappush(lazy, (t, q, i))
+                    fired[i] = 1
+                    k = kind[i]
+                    if k == _SEND:
+                        if data:
+                            ex._send(i, e)
+                            i = -1
+                            continue
+                        # SimWorld.post, inlined: a send is a third of the ops
+                        dst = peer[i]
+                        t = cpu_free[rank]
+                        if t < now:
+                            t = now
+                        t += g
+                        cpu_free[rank] = t
+                        msg = (rank, e, tag[i], msgk[i], nbytes[i], None, None, 0.0, g)
+                        if dst == rank:
+                            tq = t + g
+                        else:
+                            a, b = inter if host[dst] != myhost else intra
+                            tq = nic_free[rank]
+                            if tq < t:
+                                tq = t
+                            t = tq + nbytes[i] * b
+                            nic_free[rank] = t
+                            w.messages += 1
+                            tq = t + a + g
+                        to = eps[dst]
+                        if to is None:
+                            push(tq, next(seq), w.deliver, (dst, sid), msg)
+                        elif (bucket := pget(tq)) is None:
+                            pending[tq] = [(next(seq), to.receiver, msg, to)]
+                            tpush(times, tq)
+                        else:
+                            bucket.append((next(seq), to.receiver, msg, to))
+                        if silent[i]:
+                            i = -1
+                        elif t > now:
+                            # _defer, inlined
+                            q = next(seq)
+                            if i != final:
                                 for s in succ[i]:
-                                    pend[s] += 1
+                                    if 0 < left[s] <= pend[s] + 1:
+                                        break
+                                else:
+                                    heapq.heappush(lazy, (t, q, i))
+                                    for s in succ[i]:
+                                        pend[s] += 1
+                                    i = -1
+                                    continue
+                                if lazy:
+                                    ex._defer_late(i, t, q, e)
+                                    i = -1
+                                    continue
+                            push(t, q, loop, i, e)
+                            i = -1
+                    elif k == _RECV:
+                        key = (peer[i], tag[i])
+                        hq = held.get(e) if held else None
+                        mq = hq.get(key) if hq is not None else None
+                        if not mq:
+                            posted[key] = i
+                            i = -1
+                        elif data:
+                            ex._fire_recv(i, e)
+                            i = -1
+                        else:
+                            # _fire_recv and _recv_arrived without data, inlined: a message that
+                            # came before its receive was posted
+                            msg = mq.pop(0)
+                            if not mq:
+                                del hq[key]  # type: ignore[union-attr]
+                            t = cpu_free[rank]
+                            if t < now:
+                                t = now
+                            t += g + msg[7]
+                            cpu_free[rank] = t
+                            if silent[i]:
                                 i = -1
                                 continue
-                        push(t, q, event, i, e)
-                        i = -1
-                elif k == _RECV:
-                    key = (peer[i], tag[i])
-                    hq = held.get(e) if held else None
-                    if hq is not None and hq.get(key):
-                        self._fire_recv(i, e)
-                    else:
-                        posted[key] = i
-                    i = -1
-                elif k != _NOP:
-                    t = cpu_free[rank]
-                    if t < now:
-                        t = now
-                    t += g + nbytes[i] * spb
-                    cpu_free[rank] = t
-                    if data:
-                        self._run_kernel(i)
-                    else:
-                        h = hooks[i]
-                        if h is not None:
-                            h(rank, e, i)
-                    if t > now:
-                        # push(), inlined: a compute op's completion is a third of the events
-                        bucket = pget(t)
-                        if bucket is None:
-                            pending[t] = [(next(seq), event, i, e)]
-                            tpush(times, t)
+                            for s in succ[i]:
+                                if not fired[s]:
+                                    break
+                            else:
+                                if succ[i]:
+                                    i = -1
+                                    continue
+                            if t > now + 1e-15:
+                                if lazy:
+                                    ex._defer(i, t, e)
+                                else:
+                                    push(t, next(seq), loop, i, e)
+                                i = -1
+                    elif k != _NOP:
+                        t = cpu_free[rank]
+                        if t < now:
+                            t = now
+                        t += g + nbytes[i] * spb
+                        cpu_free[rank] = t
+                        if data:
+                            ex._run_kernel(i)
                         else:
-                            bucket.append((next(seq), event, i, e))
-                        i = -1
-        finally:
-            self._draining = False
+                            h = hooks[i]
+                            if h is not None:
+                                h(rank, e, i)
+                        if t > now:
+                            # push(), inlined: a compute op's completion is a third of the events
+                            bucket = pget(t)
+                            if bucket is None:
+                                pending[t] = [(next(seq), loop, i, e)]
+                                tpush(times, t)
+                            else:
+                                bucket.append((next(seq), loop, i, e))
+                            i = -1
+            finally:
+                ex._draining = False
+
+        def recv(msg: tuple[Any, ...], _to: Any) -> None:
+            """:meth:`deliver` (a delivery event's function: ``recv(message, executor)``)."""
+            src, e, tg, _kind, _nbytes, _data, _header, extra, delay = msg
+            cur = ex.execution
+            if e < cur or (e == cur and not ex.armed and ex.completed == e):
+                ex._refuse(msg)
+                return
+            if e == cur and ex.armed:
+                i = posted.pop((src, tg), -1)
+                if i >= 0:
+                    now = world.now
+                    if data:
+                        ex._recv_arrived(i, msg, now - delay)
+                        return
+                    # _recv_arrived without data, inlined (one of every op's few events)
+                    arrived = now - delay
+                    t = cpu_free[rank]
+                    if t < arrived:
+                        t = arrived
+                    t += g + extra
+                    cpu_free[rank] = t
+                    if silent[i]:
+                        return
+                    sc = succ[i]
+                    if sc:
+                        for s in sc:
+                            if not fired[s]:
+                                break
+                        else:
+                            return
+                    if t <= now + 1e-15:
+                        loop(i, e)
+                    else:
+                        ex._defer(i, t, e)
+                    return
+            hq = held.get(e)
+            if hq is None:
+                held[e] = {(src, tg): [msg]}
+            elif (mq := hq.get((src, tg))) is None:
+                hq[(src, tg)] = [msg]
+            else:
+                mq.append(msg)
+
+        return loop, recv
 
     def _fire_recv(self, i: int, e: int) -> None:
         key = (self._peer[i], self._tag[i])
         held = self._held.get(e)
         q = None if held is None else held.get(key)
         if q:
-            msg = q.popleft()
+            msg = q.pop(0)
             if not q:
                 del held[key]  # type: ignore[union-attr]
             self._recv_arrived(i, msg, self.world.now)
@@ -656,7 +768,7 @@ class SimExecutor:
         if t <= w.now:
             self._complete(i)
         else:
-            w.push(t, next(w.seq), self._complete_event, i, e)
+            w.push(t, next(w.seq), self._loop, i, e)
 
     def _run_kernel(self, i: int) -> None:
         op = self.schedule.ops[i]
@@ -689,8 +801,7 @@ class SimExecutor:
     def _defer(self, i: int, t: float, e: int) -> None:
         """Op ``i`` completes at ``t`` (> now): an event, or, when that completion cannot make
         a successor ready whatever else completes first, a deferred completion (module doc)."""
-        w = self.world
-        q = next(w.seq)
+        q = next(self.world.seq)
         if i != self._final:
             left, pend = self._left, self._pend
             succ = self._succ[i]
@@ -702,7 +813,45 @@ class SimExecutor:
                 for s in succ:
                     pend[s] += 1
                 return
-        w.push(t, q, self._complete_event, i, e)
+            if self._lazy:
+                self._defer_late(i, t, q, e)
+                return
+        self.world.push(t, q, self._loop, i, e)
+
+    def _defer_late(self, i: int, t: float, q: int, e: int) -> None:
+        """Op ``i`` (not the final op) completes at ``(t, q)``, deferred completions are
+        pending, and some successor waits for nothing else than this one and deferred ones:
+        the latest of those makes it ready. When that is a deferred one later than ``(t, q)``
+        (typically a send still being pushed out while the receive beside it has its message),
+        it becomes an event, with its number, and this one is deferred instead; otherwise this
+        one is an event. Costs a pass over the (few) deferred completions."""
+        lazy, left, pend, succ = self._lazy, self._left, self._pend, self._succ
+        mine = (t, q, i)
+        late: list[tuple[float, int, int]] = []
+        for s in succ[i]:
+            c = left[s]
+            if c <= 0 or c > pend[s] + 1:
+                continue
+            last = None
+            if c == pend[s] + 1:
+                for x in lazy:
+                    if s in succ[x[2]] and (last is None or x > last):
+                        last = x
+            if last is None or last < mine:
+                self.world.push(t, q, self._loop, i, e)
+                return
+            if last not in late:
+                late.append(last)
+        push, loop = self.world.push, self._loop
+        for x in late:
+            lazy.remove(x)
+            for s in succ[x[2]]:
+                pend[s] -= 1
+            push(x[0], x[1], loop, x[2], e)
+        heapq.heapify(lazy)
+        heapq.heappush(lazy, mine)
+        for s in succ[i]:
+            pend[s] += 1
 
     def _settle(self) -> None:
         """Count the deferred completions that lie before the current event (none of them
@@ -721,7 +870,7 @@ class SimExecutor:
     def _unlazy(self) -> None:
         """A deferred completion may now make a successor ready: make them all events, with
         the scheduling numbers they were given (so the event order is the same)."""
-        push, e, event = self.world.push, self.execution, self._complete_event
+        push, e, event = self.world.push, self.execution, self._loop
         for t, q, i in self._lazy:
             push(t, q, event, i, e)
         self._drop_lazy()
@@ -749,10 +898,6 @@ class SimExecutor:
         self.execution = e + 1
         if self.persistent:
             self._arm()
-
-
-#: a delivery event's function: ``_deliver_to(executor, message)``
-_deliver_to = SimExecutor.deliver
 
 
 class _Compiled:

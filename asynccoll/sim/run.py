@@ -157,6 +157,10 @@ def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Pr
     if comp.shape != (steps, P):
         raise ValueError(f"compute must give (steps, P) = {(steps, P)} seconds, got shape "
                          f"{comp.shape}")
+    # Python floats, not NumPy scalars: every virtual time derives from these, and NumPy
+    # scalar arithmetic would cost ~10x a float's in each of the engine's per-op updates
+    # (the values, hence the results, are the same IEEE doubles)
+    secs: list[list[float]] = comp.tolist()
     count = -(-nbytes // 4)
     like = np.zeros(count, np.float32)
     world = SimWorld(P, profile)
@@ -210,12 +214,12 @@ def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Pr
             if bar is not None:
                 bar.enter(r, next_step)
             else:
-                world.at(world.now + comp[s + 1, r], do_call, r)
+                world.at(world.now + secs[s + 1][r], do_call, r)
         elif flushing[0] and isinstance(h, SimPartial):
             h.flush(r, flushed)
 
     def next_step(r: int) -> None:
-        world.at(world.now + comp[step[r], r], do_call, r)
+        world.at(world.now + secs[step[r]][r], do_call, r)
 
     def flushed(res: PartialResult, r: int) -> None:
         flushes[r] = res
@@ -223,7 +227,7 @@ def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Pr
     flushing = [flush]
     wall = time.perf_counter()
     for r in range(P):
-        world.at(comp[0, r], do_call, r)
+        world.at(secs[0][r], do_call, r)
     world.run()
     if min(step) < steps and isinstance(h, SimPartial) and not flushing[0]:
         # calls wait for ranks that have finished (an initiator, a quorum): as at the end of

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from asynccoll.collectives.dense import barrier
@@ -103,3 +104,15 @@ def test_messages_under_way_follow_a_replaced_endpoint() -> None:
     w.run()
     assert sorted(done) == ["1", "new 0"]
     assert w.dropped == 0
+
+
+@pytest.mark.timeout(10)
+def test_times_are_python_floats_whatever_at_is_given() -> None:
+    # a NumPy scalar time would make every time derived from it one too (same values, ~10x
+    # the cost per operation): at() converts
+    w, seen = _world()
+    w.at(np.float64(0.25), lambda: seen.append(type(w.now)))
+    w.at(np.float32(0.5), lambda: seen.append(type(w.now)))
+    w.run()
+    assert seen == [float, float]
+    assert w.now == 0.5
