@@ -102,8 +102,11 @@ def _close_at_exit() -> None:
     if getattr(sys, "last_value", None) is not None or \
             getattr(sys, "last_exc", None) is not None:
         return
+    # Only this process's own, on a progress thread still running: a process forked after
+    # connect() inherits the communicators but not the thread (their loop runs nowhere).
+    pid = os.getpid()
     comms = [c for c in list(_OPEN) if not c._closed and c._parent is None
-             and c._engine.mode == "thread" and not c._engine.closed]
+             and c._pid == pid and c._engine.thread_alive and not c._engine.closed]
     if not comms:
         return
     futs = []
@@ -188,6 +191,7 @@ class Communicator:
         self._group_key = "world"
         self._shrunk: Communicator | None = None
         self._parent: Communicator | None = None
+        self._pid = os.getpid()
         _OPEN.add(self)
         #: seconds this rank adds to its clock to read rank 0's (:meth:`sync_clocks`)
         self.clock_offset = 0.0
@@ -280,12 +284,15 @@ class Communicator:
         """
         if self._closed:
             return
+        # one deadline for the groups and this communicator: ``timeout`` bounds the whole wait
+        # (each group waited the whole of it in turn)
+        deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
         for child in self._children:
-            await child.close(timeout)
+            await child.close(max(0.0, deadline - time.monotonic()))
         self._closed = True
         if self._dump_signal is not None:
             self._dump_signal.restore()
-        wait = self.close_timeout if timeout is None else timeout
+        wait = max(0.0, deadline - time.monotonic())
         try:
             if not self._engine.closed:
                 await self._engine.run(self._close_on_loop(wait))

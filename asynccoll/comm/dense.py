@@ -150,6 +150,10 @@ class DenseOps:
         self._internal: dict[tuple[Any, ...], _Dense] = {}  # the runtime's own collectives
         self._shm: dict[tuple[Any, ...], _Shm] = {}
         self._order: dict[tuple[Any, ...], asyncio.Lock] = {}  # allreduce's call order
+        self._shm_locks: dict[tuple[Any, ...], asyncio.Lock] = {}  # one setup per shm key
+        #: schedule ids taken for the runtime's own collectives before their first use
+        #: (:meth:`_reserve`)
+        self._reserved: dict[tuple[Any, ...], int] = {}
         self._host_lock = asyncio.Lock()  # one learning of the hosts, however many callers
         self._arenas: dict[int, _Arena] = {}  # by address: arrays made by shared_empty
         self._host: tuple[bool, int] | None = None  # (every rank on this host, job token)
@@ -187,6 +191,7 @@ class DenseOps:
         if not same:
             raise ValueError("shared arrays need every rank on one host (ASYNCCOLL_HOST_ID "
                              "or the host name and boot id differ)")
+        self._reserve(_AGREE_KEY, ("barrier",), ("shm_ok",))
         sid = self._next_id()
         # the in-place allreduce's schedule ids, one per op and algorithm, taken now in a
         # fixed order
@@ -363,7 +368,15 @@ class DenseOps:
         key = (buf.size, buf.dtype.str, op, algo, hier)
         sh = self._shm.get(key)
         if sh is None:
-            sh = await self._shm_setup(key, buf, op, token, timeout, hier, algo)
+            # Calls that reach one shared-memory key by different ``algorithm`` names (None
+            # and "shm") hold different call-order locks: one setup, the others queue on it.
+            lock = self._shm_locks.get(key)
+            if lock is None:
+                lock = self._shm_locks[key] = asyncio.Lock()
+            async with lock:
+                sh = self._shm.get(key)
+                if sh is None:
+                    sh = await self._shm_setup(key, buf, op, token, timeout, hier, algo)
         async with sh.lock:
             ex, segs = sh.next()
             ex.bind({"data": buf, **segs})
@@ -387,8 +400,9 @@ class DenseOps:
             sched = build_shm_allreduce(self.rank, self.size, buf.size, buf.dtype, op,
                                         algorithm)
             local = list(range(self.size))
-        await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
+        self._reserve(_AGREE_KEY, ("barrier",), ("shm_ok",))  # before the first await
         sids = [self._next_id(), self._next_id()]
+        await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
         mapped = await self._map_segments(sids, buf.nbytes, token, timeout, local)
         sides = []
         for sid, segs in zip(sids, mapped, strict=True):
@@ -421,8 +435,10 @@ class DenseOps:
         except OSError as exc:  # told to the others below, so that every rank gives up
             err = exc
         try:
+            # the runtime's own collectives of a fixed definition: not agreed (an agreement
+            # here would interleave with those of calls made meanwhile differently per rank)
             await self.call(("barrier",), lambda: dense.barrier(self.rank, self.size), None,
-                            timeout)
+                            timeout, agree=False)
             try:
                 if err is None:
                     for i, sid in enumerate(sids):
@@ -433,7 +449,8 @@ class DenseOps:
                 err = exc
             flag = np.array([1 if err else 0], np.int64)
             await self.call(("shm_ok",), lambda: dense.allreduce(
-                self.rank, self.size, 1, np.int64, "max", "recursive_doubling"), flag, timeout)
+                self.rank, self.size, 1, np.int64, "max", "recursive_doubling"), flag, timeout,
+                agree=False)
         except PeerLostError as exc:
             # A rank lost during the setup cannot unlink the segments it created: its peers
             # know their names (same user, same job), so they do, and nothing is left.
@@ -487,6 +504,19 @@ class DenseOps:
         except asyncio.TimeoutError:
             raise ex.timeout_error(timeout) from None
 
+    def _reserve(self, *keys: tuple[Any, ...]) -> None:
+        """Take now the schedule ids of the runtime's own collectives ``keys`` that have none
+        yet (the agreement, the barrier and the flag of a shared-memory setup). A setup takes
+        every id it needs before its first await, in a fixed order, so that another call made
+        meanwhile (a small allreduce beside a large one's first use) takes its id after them
+        on every rank; taken at their first use instead, mid-setup, they fell on one side of
+        that call on one rank and on the other side on another (timeouts, false
+        disagreements)."""
+        for key in keys:
+            cache = self._internal if key == _AGREE_KEY else self.entries
+            if key not in cache and key not in self._reserved:
+                self._reserved[key] = self._next_id()
+
     async def call(self, key: tuple[Any, ...], build: Callable[[], Schedule], data: Any,
                    timeout: float | None, *, agree: bool = True) -> None:
         """Run the collective of ``key`` (its schedule from ``build()`` at first use) on
@@ -538,7 +568,9 @@ class DenseOps:
                 cache: dict[tuple[Any, ...], _Dense]) -> _Dense:
         """The cache entry of ``key``: its schedule from ``build()``, an id, an executor."""
         sched = build()  # before taking an id: a bad argument must not shift the ids
-        sid = self._next_id()
+        sid = self._reserved.pop(key, None)
+        if sid is None:
+            sid = self._next_id()
         scratch = scratch_buffers(sched, None if data is None or isinstance(data, np.ndarray)
                                   else data)
         bufs = dict(scratch)

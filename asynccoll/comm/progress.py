@@ -81,6 +81,12 @@ class ProgressEngine:
         self._closed = False
 
     @property
+    def thread_alive(self) -> bool:
+        """Whether this engine's progress thread runs (False inline, after it stopped, and in
+        a process forked from the one that started it)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def mode(self) -> str:
         """``"thread"`` or ``"inline"``."""
         return "inline" if self._thread is None else "thread"
