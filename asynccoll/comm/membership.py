@@ -136,11 +136,19 @@ class Membership:
         self._listen(STATUS_SCHED, self._asks, self._on_ask, src, seq)
 
     def _on_ask(self, src: int, seq: int, fut: asyncio.Future[Message]) -> None:
-        if fut.cancelled() or fut.exception() is not None or self._closing():
+        if fut.cancelled() or fut.exception() is not None:
             return
         self._post_ask(src, seq + 1)
         try:
-            answer = json.dumps(self.live.statuses()).encode()
+            statuses = self.live.statuses()
+            if self._closing():
+                # A closing rank answers too (it used to fall silent, and a peer's stall
+                # warning called it "not responding (stopped, blocked or gone)"): it will make
+                # no further call, and waits for the others' goodbyes.
+                statuses.append({"name": "close()", "state": "closing", "sid": -1,
+                                 "text": "closing: it makes no further call and waits for "
+                                         "the other ranks to close"})
+            answer = json.dumps(statuses).encode()
         except Exception as exc:  # an answer must never break the runtime
             answer = json.dumps([{"error": repr(exc)}]).encode()
         self.transport.post_frame(src, int(Kind.ACTIVATION), STATUS_REPLY, seq, 0,

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from _helpers import free_port
 
-from asynccoll import ExecutionError
+from asynccoll import CollectiveTimeoutError, ExecutionError
 from asynccoll.testing import local_world
 
 ROOT = str(Path(__file__).parents[2])
@@ -427,3 +427,20 @@ def test_a_communicator_with_a_group_left_open_closes_within_close_timeout(
         _, kind, rank, secs = _line(got[r][2], "err")
         assert (kind, rank) == ("PeerLostError", "0"), got[r]
         assert float(secs) < CT + 2, (r, got[r][2])
+
+
+@pytest.mark.timeout(30)
+async def test_a_closing_rank_is_named_as_closing_in_a_peers_timeout() -> None:
+    """Found in review: a rank that closes (and waits for the others' goodbyes) did not answer
+    status probes, so a peer's timeout called it "not responding (stopped, blocked or gone)".
+    It answers now, and the peer's error says it is closing."""
+    async with local_world(2, "tcp", timeout=10) as comms:
+        closing = asyncio.ensure_future(comms[0].close(timeout=5))
+        await asyncio.sleep(0.2)  # rank 0 waits for rank 1's goodbye
+        with pytest.raises(CollectiveTimeoutError) as info:
+            await comms[1].barrier(timeout=1.0)
+        text = str(info.value)
+        assert "closing" in text, text
+        assert "not responding" not in text, text
+        await comms[1].close(timeout=5)
+        await asyncio.wait_for(closing, 10)
