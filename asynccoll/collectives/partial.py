@@ -78,7 +78,7 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -562,14 +562,26 @@ def build_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, 
         assert data_in, (rank, fused)
         assert all(s.ops[i].peer == fused for i in data_in), (rank, fused)
         add_triggers(s, activated, data_in)
-    if not packed:
+    return commit_partial(s, done, snap, {"kind": kind, "op": op, "quorum": k,
+                                          "count": count, "dtype": wire, "packed": packed},
+                          PARTIAL_KERNELS)
+
+
+def commit_partial(s: Schedule, done: list[int], snap: int, meta: dict[str, Any],
+                   kernels: Iterable[str]) -> Schedule:
+    """The tail every partial allreduce builder shares: the meta vector's own allreduce after
+    the snapshot ``snap`` unless it rides packed in the data, the final op after ``done``, the
+    ``partial`` description ``meta`` (``packed``, the meta length from ``s``'s "meta" slot),
+    and the commit with ``kernels`` (what :meth:`Schedule.commit` takes)."""
+    if not meta["packed"]:
+        m = s.slots["meta"].count
+        assert m is not None
         done.append(build_allreduce(s, m, np.int64, "sum", None, slot="meta",
                                     scratch_prefix="meta_", tag_base=next_tag(s),
                                     after=[snap]))
     s.final = s.nop(deps=done, label="final")
-    s.meta["partial"] = {"kind": kind, "op": op, "quorum": k, "count": count, "dtype": wire,
-                         "packed": packed}
-    return s.commit(PARTIAL_KERNELS)
+    s.meta["partial"] = meta
+    return s.commit(kernels)
 
 
 def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],

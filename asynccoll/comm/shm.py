@@ -82,13 +82,14 @@ import numpy as np
 from ..buffers import dtype_to_wire
 from ..collectives._plan import block_bounds, check_op
 from ..collectives.activation import add_triggers
-from ..collectives.dense import REDUCE_OPS, build_allreduce, next_tag
+from ..collectives.dense import REDUCE_OPS, build_allreduce
 from ..collectives.partial import (
     PARTIAL_KERNELS,
     STATE_LEN,
     TAG_DATA,
     append_activation_front,
     check_kind,
+    commit_partial,
     meta_len,
     packs_meta,
     signature,
@@ -382,14 +383,9 @@ def build_shm_partial_allreduce(rank: int, world_size: int, count: int, dtype: A
     written = [i for i in range(first, len(s.ops))
                if s.ops[i].kind == "recv" and s.ops[i].tag == TAG_DATA + _READY]
     add_triggers(s, activated, written)
-    if not packed:
-        done.append(build_allreduce(s, m, np.int64, "sum", None, slot="meta",
-                                    scratch_prefix="meta_", tag_base=next_tag(s),
-                                    after=[snap]))
-    s.final = s.nop(deps=done, label="final")
-    s.meta["partial"] = {"kind": kind, "op": op, "quorum": k, "count": count, "dtype": wire,
-                         "packed": packed, "shm": algo}
-    return s.commit([*PARTIAL_KERNELS, SHM_ATTACH])
+    return commit_partial(s, done, snap, {"kind": kind, "op": op, "quorum": k, "count": count,
+                                          "dtype": wire, "packed": packed, "shm": algo},
+                          [*PARTIAL_KERNELS, SHM_ATTACH])
 
 
 class PartialSegments:

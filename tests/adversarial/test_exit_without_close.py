@@ -41,27 +41,11 @@ print("ended", flush=True)
 
 @pytest.mark.timeout(120)
 def test_ending_without_close_exits_cleanly(tmp_path: Path) -> None:
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
-    P = 3
     for job in range(5):  # the crash came in about 4 jobs of 10
-        port = free_port()
-        procs = [subprocess.Popen(
-            [sys.executable, str(script)],
-            env={**os.environ, "PYTHONPATH": ROOT, "ASYNCCOLL_RANK": str(r),
-                 "ASYNCCOLL_WORLD_SIZE": str(P), "ASYNCCOLL_STORE": f"127.0.0.1:{port}",
-                 "ASYNCCOLL_TRANSPORT": "tcp", "ASYNCCOLL_SECRET": "exit-without-close-secret"},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(P)]
-        try:
-            outs = [p.communicate(timeout=60) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        for r, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
-            assert p.returncode == 0, (job, r, p.returncode, err.decode(errors="replace")[-800:])
-            assert out.decode().strip().endswith("ended"), (job, r, out)
+        got = _run_job(tmp_path, "rank.py", RANK)
+        for r, (rc, out, err) in enumerate(got):
+            assert rc == 0, (job, r, rc, err)
+            assert out.strip().endswith("ended"), (job, r, out)
 
 
 SERVE = '''
@@ -92,13 +76,15 @@ asyncio.run(main())
 '''
 
 
-def _serve_job(tmp_path: Path, mode: str) -> list[tuple[int, str, str]]:
-    script = tmp_path / "serve.py"
-    script.write_text(SERVE)
+def _run_job(tmp_path: Path, name: str, text: str, *args: str) -> list[tuple[int, str, str]]:
+    """Run ``text`` as a job of 3 rank processes over tcp; per rank (exit code, stdout, the
+    end of stderr)."""
+    script = tmp_path / name
+    script.write_text(text)
     P = 3
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, str(script), mode],
+        [sys.executable, str(script), *args],
         env={**os.environ, "PYTHONPATH": ROOT, "ASYNCCOLL_RANK": str(r),
              "ASYNCCOLL_WORLD_SIZE": str(P), "ASYNCCOLL_STORE": f"127.0.0.1:{port}",
              "ASYNCCOLL_TRANSPORT": "tcp", "ASYNCCOLL_SECRET": "exit-without-close-secret"},
@@ -112,6 +98,10 @@ def _serve_job(tmp_path: Path, mode: str) -> list[tuple[int, str, str]]:
                 p.wait()
     return [(p.returncode, out.decode(), err.decode(errors="replace")[-800:])
             for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+def _serve_job(tmp_path: Path, mode: str) -> list[tuple[int, str, str]]:
+    return _run_job(tmp_path, "serve.py", SERVE, mode)
 
 
 @pytest.mark.timeout(120)
