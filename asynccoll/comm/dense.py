@@ -26,6 +26,7 @@ from ..collectives.dense import REDUCE_OPS, scratch_buffers
 from ..errors import ExecutionError, PeerLostError
 from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
+from .cma import CMA_OWN_KERNELS, build_cma_allreduce, cma_enabled, read_remote, write_remote
 from .shm import (
     SHM_ALGORITHMS,
     SHM_DIR,
@@ -149,6 +150,10 @@ class DenseOps:
         self.entries: dict[tuple[Any, ...], _Dense] = {}
         self._internal: dict[tuple[Any, ...], _Dense] = {}  # the runtime's own collectives
         self._shm: dict[tuple[Any, ...], _Shm] = {}
+        self._cma: dict[tuple[Any, ...], _Dense] = {}  # the single-copy allreduces (.cma)
+        #: every rank's process id when every rank may read every other one's memory
+        #: (:meth:`_cma_probe`, at the first large allreduce on one host); [] when not
+        self._cma_pids: list[int] | None = None
         self._order: dict[tuple[Any, ...], asyncio.Lock] = {}  # allreduce's call order
         self._shm_locks: dict[tuple[Any, ...], asyncio.Lock] = {}  # one setup per shm key
         #: schedule ids taken for the runtime's own collectives before their first use
@@ -172,6 +177,10 @@ class DenseOps:
         for sh in self._shm.values():
             sh.close(self._live)
         self._shm.clear()
+        for d in self._cma.values():
+            d.ex.close()
+            self._live.discard(d.ex)
+        self._cma.clear()
         for arena in self._arenas.values():
             arena.close(self._live)
         self._arenas.clear()
@@ -365,6 +374,11 @@ class DenseOps:
             raise ValueError("algorithm='shm' needs every rank on one host (ASYNCCOLL_HOST_ID "
                              "or the host name and boot id differ)")
         algo = None if hier else choose_shm(buf.nbytes, self.size, algorithm)
+        if algo == "two_shot" and algorithm is None and self._cma_pids != []:
+            # two-shot by size and not forced: single-copy where the ranks may read each
+            # other's memory (module doc of .cma), else the segments
+            if await self._cma_allreduce(buf, op, timeout):
+                return
         key = (buf.size, buf.dtype.str, op, algo, hier)
         sh = self._shm.get(key)
         if sh is None:
@@ -386,6 +400,87 @@ class DenseOps:
                 sh.close(self._live)
                 self._shm.pop(key, None)
                 raise
+
+    async def _cma_allreduce(self, buf: Any, op: str, timeout: float | None) -> bool:
+        """Allreduce ``buf`` with the single-copy schedule of :mod:`.cma`; False (on every
+        rank alike) when some rank may not read its peers' memory or has it turned off
+        (``ASYNCCOLL_CMA=0``), after which the two-shot over segments serves every call."""
+        key = (buf.size, buf.dtype.str, op)
+        entry = self._cma.get(key)
+        if entry is None:
+            lock = self._shm_locks.get(("cma", *key))
+            if lock is None:
+                lock = self._shm_locks[("cma", *key)] = asyncio.Lock()
+            async with lock:
+                entry = self._cma.get(key)
+                if entry is None:
+                    sid = self._next_id()  # taken before the first await, as every setup's
+                    if self._cma_pids is None:
+                        self._reserve(("cma_probe",), ("shm_ok",))
+                        self._cma_pids = await self._cma_probe(timeout)
+                    if not self._cma_pids:
+                        return False
+                    sched = build_cma_allreduce(self.rank, self.size, buf.size, buf.dtype, op,
+                                                self._cma_pids)
+                    await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
+                    scratch = scratch_buffers(sched)
+                    sink = None if self._writer is None else self._writer.add_schedule(
+                        sched, sid, collective="allreduce")
+                    ex = self._live.add(Executor(
+                        sched, self.transport, {"data": buf, **scratch}, sched_id=sid,
+                        trace_sink=sink,
+                        kernels=self._kernels.extended(CMA_OWN_KERNELS, replace=True)),
+                        self._writer)
+                    entry = self._cma[key] = _Dense(ex, scratch, None)
+        async with entry.lock:
+            entry.ex.bind({"data": buf, **entry.scratch})
+            try:
+                await self._execute(entry.ex, timeout, "allreduce (cross-memory attach)")
+            except BaseException:  # mid-way: start afresh at the next call
+                entry.ex.close()
+                self._live.discard(entry.ex)
+                self._cma.pop(key, None)
+                raise
+        return True
+
+    async def _cma_probe(self, timeout: float | None) -> list[int]:
+        """Every rank's process id when every rank has the single-copy path on and could read
+        a marker out of every peer's memory and write it back, else [] (one allgather and one
+        flag, the same answer on every rank). The marker is random, so a process id that
+        names another process here (another pid namespace) reads wrong and counts as
+        refused."""
+        marker = np.array([int.from_bytes(os.urandom(7), "little")], np.int64)
+        every = np.zeros(4 * self.size, np.int64)
+        every[4 * self.rank:4 * self.rank + 4] = [
+            int(cma_enabled()), os.getpid(), marker.__array_interface__["data"][0], marker[0]]
+        await self.call(("cma_probe",), lambda: dense.allgather(self.rank, self.size, 4,
+                                                                  np.int64),
+                        every, timeout, agree=False)
+        rows = every.reshape(self.size, 4)
+        ok = bool(rows[:, 0].all())
+        cell = np.zeros(1, np.int64)
+        for q in range(self.size):
+            if not ok:
+                break
+            if q == self.rank:
+                continue
+            pid, where = int(rows[q, 1]), int(rows[q, 2])
+            try:
+                read_remote(pid, where, cell.__array_interface__["data"][0], 8)
+                ok = int(cell[0]) == int(rows[q, 3])
+                if ok:  # the same value back: the allreduce writes too
+                    write_remote(pid, where, cell.__array_interface__["data"][0], 8)
+            except (OSError, RuntimeError):
+                ok = False
+        flag = np.array([0 if ok else 1], np.int64)  # ``marker`` lives until every rank read it
+        await self.call(("shm_ok",), lambda: dense.allreduce(
+            self.rank, self.size, 1, np.int64, "max", "recursive_doubling"), flag, timeout,
+            agree=False)
+        if flag[0]:
+            log.info("single-copy allreduce (process_vm_readv/writev) unavailable between these "
+                     "ranks; large allreduces copy through shared segments")
+            return []
+        return [int(p) for p in rows[:, 1]]
 
     async def _shm_setup(self, key: tuple[Any, ...], buf: Any, op: str, token: int,
                          timeout: float | None, hier: bool, algorithm: str | None) -> _Shm:

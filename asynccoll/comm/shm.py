@@ -19,6 +19,10 @@ wake-up, no spinning). Then:
   never goes through its segment on the way in: at P = 4 that is a quarter less copied in,
   and the copies are NumPy's (memory bound, 16 MiB at about 1.3 ms here), so bytes are time.
 
+Where the ranks may read and write each other's memory, the communicator's default takes
+:mod:`.cma` (no segments, no copy in) at two-shot's sizes instead; two-shot here serves the
+rest, and ``algorithm="shm_two_shot"``.
+
 So one-shot trades P - 1 reads of the vector (cheap while it stays in the caches) for a
 wake-up round (tens of microseconds per hop on a loaded machine, and the slowest peer's
 scheduling delay). :func:`choose_shm` picks by size (the same answer on every rank). At small

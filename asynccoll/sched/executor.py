@@ -25,7 +25,13 @@ from typing import Any
 import numpy as np
 
 from ..buffers import as_bytes, dtype_to_wire, is_cupy
-from ..errors import CollectiveTimeoutError, ExecutionError, ScheduleError, TransportClosedError
+from ..errors import (
+    CollectiveTimeoutError,
+    ExecutionError,
+    PeerLostError,
+    ScheduleError,
+    TransportClosedError,
+)
 from ..transport.base import Transport
 from ..transport.frames import Format, Kind, Message
 from ..transport.matching import ignore_outcome
@@ -531,6 +537,9 @@ class Executor:
             return
         try:
             result = kernel(out, ins, op.params, msgs)
+        except PeerLostError as exc:  # a kernel that reads a peer's memory saw it gone
+            self._fail(exc)
+            return
         except Exception as exc:
             self._fail(ExecutionError(f"rank {self.schedule.rank} op {i} {op.describe()} "
                                       f"failed: {exc!r}"), exc)
@@ -543,6 +552,9 @@ class Executor:
         if fut.cancelled() or e != self.execution or not self._armed:
             return
         exc = fut.exception()
+        if isinstance(exc, PeerLostError):
+            self._fail(exc)
+            return
         if exc is not None:
             op = self.schedule.ops[i]
             self._fail(ExecutionError(f"rank {self.schedule.rank} op {i} {op.describe()} "
