@@ -239,6 +239,12 @@ class DenseOps:
             if isinstance(buf, np.ndarray) and (algorithm is None or algorithm in SHM_NAMES) \
             else None
         if arena is not None and arena.count == buf.size and arena.dtype == buf.dtype:
+            # At two-shot's sizes the single-copy path beats even an array in shared memory
+            # (two wake-up rounds where the in-place two-shot takes three; docs/benchmarks.md)
+            if algorithm is None and self._cma_pids != [] \
+                    and choose_shm(buf.nbytes, self.size) == "two_shot" \
+                    and await self._cma_allreduce(buf, op, timeout):
+                return
             await self._arena_allreduce(arena, buf, op, shm_algorithm(algorithm), timeout)
             return
         if (algorithm is not None and algorithm in SHM_NAMES) or (
