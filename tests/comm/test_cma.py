@@ -107,17 +107,14 @@ def test_schedule_arguments_are_checked_and_blocks_cover_the_vector() -> None:
         for r in range(P):
             s = build_cma_allreduce(r, P, count, np.float32, "sum", list(range(100, 100 + P)))
             reduced = [op for op in s.ops if op.kernel == "cma_reduce"]
-            pushed = [op for op in s.ops if op.kernel == "cma_push"]
             others = [q for q in range(P) if q != r]
             if not reduced:  # an empty block: nothing to reduce or write, still two rounds
-                assert not pushed
                 assert sum(op.kind == "send" for op in s.ops) == 2 * (P - 1)
                 continue
             (red,) = reduced
             assert red.params["peers"] == others
             assert red.params["pids"] == [100 + q for q in others]
-            assert sorted(op.params["peer"] for op in pushed) == others
-            assert all(op.inputs[0] == red.output for op in pushed)
+            assert sum(op.kind == "send" for op in s.ops) == 2 * (P - 1)  # two rounds
             covered.append((red.output.offset, red.output.count))
         assert sum(n for _, n in covered) == count
         assert sorted(covered) == [(o, n) for o, n in sorted(covered)]
