@@ -38,6 +38,13 @@ by the caller's own array (a peer's address only says where to read and write in
 peer that lies can only corrupt itself, and a bad address fails the call with ``EFAULT``), and
 a peer's death mid-call is a ``PeerLostError``, from the read or write (its process is gone) or
 from the connections, whichever comes first.
+
+**A call abandoned mid-way** (a timeout, a cancellation, an error) is where writing into a
+peer's memory needs care: the peers may still read this rank's array, or write their blocks
+into it, until they notice. The communicator keeps such an array alive until it closes, so
+no late access lands in memory reused for something else; its contents are undefined, as after
+any failed in-place collective. A peer cannot complete on it: a rank that gave up before its
+reduce never said "written" (tested); one that gave up after it had nothing left to give.
 """
 
 from __future__ import annotations

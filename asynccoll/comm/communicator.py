@@ -543,6 +543,8 @@ class Communicator:
             buf = _flat_copy(x)
         else:
             check_array(out, "out")
+            if isinstance(out, np.ndarray) and not out.flags.writeable:
+                raise ValueError("out must be writable (got a read-only array)")
             if out.shape != x.shape or out.dtype != x.dtype:
                 raise ValueError(f"out must have x's shape {x.shape} and dtype {x.dtype}, got "
                                  f"{out.shape} and {out.dtype}")

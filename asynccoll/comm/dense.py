@@ -154,6 +154,7 @@ class DenseOps:
         #: every rank's process id when every rank may read every other one's memory
         #: (:meth:`_cma_probe`, at the first large allreduce on one host); [] when not
         self._cma_pids: list[int] | None = None
+        self._cma_held: list[Any] = []  # arrays of failed single-copy calls, kept until close
         self._order: dict[tuple[Any, ...], asyncio.Lock] = {}  # allreduce's call order
         self._shm_locks: dict[tuple[Any, ...], asyncio.Lock] = {}  # one setup per shm key
         #: schedule ids taken for the runtime's own collectives before their first use
@@ -181,6 +182,7 @@ class DenseOps:
             d.ex.close()
             self._live.discard(d.ex)
         self._cma.clear()
+        self._cma_held.clear()
         for arena in self._arenas.values():
             arena.close(self._live)
         self._arenas.clear()
@@ -443,6 +445,11 @@ class DenseOps:
             try:
                 await self._execute(entry.ex, timeout, "allreduce (cross-memory attach)")
             except BaseException:  # mid-way: start afresh at the next call
+                # Peers may still read this array, or write their blocks into it, until they
+                # notice: keep it alive until close so that no late access lands in memory
+                # reused for something else (its contents are undefined, as after any
+                # failed in-place collective).
+                self._cma_held.append(buf)
                 entry.ex.close()
                 self._live.discard(entry.ex)
                 self._cma.pop(key, None)

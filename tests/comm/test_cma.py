@@ -120,3 +120,35 @@ def test_schedule_arguments_are_checked_and_blocks_cover_the_vector() -> None:
         assert sorted(covered) == [(o, n) for o, n in sorted(covered)]
         ends = [o + n for o, n in sorted(covered)]
         assert [o for o, _ in sorted(covered)] == [0, *ends[:-1]]  # contiguous, no overlap
+
+
+async def _abandon_main(rank: int, P: int, port: int) -> dict[str, Any]:
+    comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
+                                   transport="tcp", timeout=60)
+    got: dict[str, Any] = {}
+    async with comm:
+        n = -(-SHM_ONE_SHOT_READ // (4 * P))
+        x = np.ones(n, np.float32)
+        await comm.allreduce(x, out=x, timeout=30)  # set up; every rank on the single-copy path
+        got["cma"] = len(comm._dense._cma)
+        y = np.ones(n, np.float32)
+        if rank == 1:
+            await asyncio.sleep(1.5)  # rank 0 gives up meanwhile
+        try:
+            await comm.allreduce(y, out=y, timeout=0.5 if rank == 0 else 3)
+            got["second"] = "completed"
+        except asynccoll.CollectiveTimeoutError:
+            got["second"] = "timeout"
+        # the abandoned array is kept alive: a peer may still read or write it
+        got["held"] = any(np.shares_memory(h, y) for h in comm._dense._cma_held)
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_an_abandoned_call_keeps_its_array_and_no_peer_succeeds_on_it() -> None:
+    out = spawn_world(async_child, 2, (_abandon_main, free_port()), 90)
+    assert [r["cma"] for r in out] == [1, 1], out
+    assert out[0]["second"] == "timeout", out
+    assert out[0]["held"], out
+    # rank 0 never reduced its block: rank 1 cannot complete with rank 0's array half-used
+    assert out[1]["second"] == "timeout", out

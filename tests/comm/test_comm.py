@@ -99,6 +99,10 @@ async def test_allreduce_out_in_place_and_into_another_array(n: int) -> None:
             await c.allreduce(xs[0], out=np.empty(n, np.float32))
         with pytest.raises(ValueError, match="out must be C-contiguous"):
             await c.allreduce(xs[0], out=np.empty(2 * n)[::2])
+        frozen = xs[0].copy()
+        frozen.flags.writeable = False  # in place into read-only memory: refused up front
+        with pytest.raises(ValueError, match="out must be writable"):
+            await c.allreduce(frozen, out=frozen)
 
 
 @pytest.mark.timeout(30)
