@@ -29,9 +29,10 @@ theirs, and compute ops run the real kernels, so values equal a real run's. With
 the simulator moves no data: it prices each op by the bytes its slots declare and calls only
 the ``hooks`` given for some kernels (the partial allreduce's snapshot, for its accounting),
 which is what makes P = 1024 cheap. The event loop is Python: about 2.6-2.8 µs of CPU per
-event at P = 256 and 2.8-3.6 µs at P = 1024 on the development machine, a shared 2-core EPYC
-whose timings vary by ±15 % from run to run (2026-11-24; docs/sim.md, "Cost of a
-simulation", has the figures).
+event at P = 256 and 2.8-3.7 µs at P = 1024 on the development machine, a shared 2-core EPYC
+whose timings vary by ±15 % from run to run (2026-11-24, 60-64 s for the solo run of issue 17
+and 68-82 s for majority under a load of 1-3; docs/sim.md, "Cost of a simulation", has the
+figures).
 
 **What keeps it cheap** (and the results exactly those of one event per op completion, in the
 same order): the P executors share one copy of the op tables (kinds, successors, thresholds,
@@ -65,7 +66,13 @@ beside it already has its message), that one becomes the event and the new one i
   allocates a block of 64 slots; it is almost always one message);
 * each op counts down the completions it still waits for (``_left``, reset from the
   thresholds at arming), and deferred completions are a heap, so settling the ones an event
-  passed costs one comparison when there are none;
+  passed costs one comparison when there are none; the drain loop settles them inline, and
+  the message receiver defers a completion inline (both were method calls, each made on
+  about a quarter of the events);
+* arming posts the source receives (a dozen per execution at P = 1024, mostly activation
+  receives that never get a message) by copying two prepared tables (the fired flags, the
+  posted receives) when no message waits for the new execution, instead of taking each
+  through the drain loop: that is all the loop would do with them, in the same order;
 * :func:`~asynccoll.sim.run.simulate` turns the cyclic garbage collector off while it runs
   (its passes over the schedules' objects cost about 5 %), and the partial allreduce's
   timing mode keeps one meta vector per execution instead of two per rank (50 MB at
@@ -321,7 +328,8 @@ class SimExecutor:
     __slots__ = ("_data", "_draining", "_final", "_fired", "_held", "_hooks", "_kernels",
                  "_kind", "_lazy", "_left", "_loop", "_msg", "_msgs", "_n", "_nbytes",
                  "_payloads", "_peer", "_pend", "_posted", "_ready", "_recv_sources", "_silent",
-                 "_start_sources", "_succ", "_tag", "_thr", "_unfired", "_views", "armed",
+                 "_source_fired", "_source_posts", "_start_sources", "_succ", "_tag", "_thr",
+                 "_unfired", "_views", "armed",
                  "completed", "execution", "on_complete", "persistent", "rank", "receiver",
                  "sched_id", "schedule", "started", "world")
 
@@ -377,6 +385,13 @@ class SimExecutor:
         self.armed = False
         self.started = False
         self._unfired = bytes(self._n)
+        #: what arming does to the source receives when no message waits for the execution
+        #: (:meth:`_arm`): each is fired and posted under its (peer, tag)
+        fired_sources = bytearray(self._n)
+        for i in self._recv_sources:
+            fired_sources[i] = 1
+        self._source_fired = bytes(fired_sources)
+        self._source_posts = {(self._peer[i], self._tag[i]): i for i in self._recv_sources}
         #: per op, how many more completions it waits for (its threshold at each arming)
         self._left = [0] * self._n
         self._fired = bytearray(self._n)
@@ -452,7 +467,6 @@ class SimExecutor:
     def _arm(self) -> None:
         # in place: the drain loop holds these lists across a re-arm
         self._left[:] = self._thr
-        self._fired[:] = self._unfired
         if self._lazy:
             self._drop_lazy()
         self._posted.clear()
@@ -460,8 +474,17 @@ class SimExecutor:
         self._payloads.clear()
         self.armed = True
         self.started = False
-        self._ready.extend(self._recv_sources)
-        self._drain()
+        if self._ready or self._held.get(self.execution):
+            # messages came first for this execution: the drain loop matches them in order
+            self._fired[:] = self._unfired
+            self._ready.extend(self._recv_sources)
+            self._drain()
+        else:
+            # nothing is ready and no message waits: firing the source receives, in op order
+            # (the drain loop's), only posts them, which is what these two copies do at once
+            # (an execution's dozen of posts, through the loop, cost ~2 % of a P = 1024 run)
+            self._fired[:] = self._source_fired
+            self._posted.update(self._source_posts)
 
     # -- messages ----------------------------------------------------------------------------
     def deliver(self, msg: tuple[Any, ...]) -> None:
@@ -525,6 +548,7 @@ class SimExecutor:
         final, silent, nbytes, hooks = self._final, self._silent, self._nbytes, self._hooks
         g, spb, rank, data = world.gamma, world.reduce_spb, self.rank, self._data
         push, seq, lazy, pend = world.push, world.seq, self._lazy, self._pend
+        heappop, heappush = heapq.heappop, heapq.heappush
         popleft, append, sid = ready.popleft, ready.append, self.sched_id
         peer, tag, msgk, held, posted = self._peer, self._tag, self._msg, self._held, self._posted
         pending, pget, times, tpush = world.pending, world.pending.get, world.times, heapq.heappush
@@ -547,8 +571,18 @@ class SimExecutor:
             try:
                 w = world
                 now = w.now
-                if lazy and (lazy[0][0] < now or (lazy[0][0] == now and lazy[0][1] < w.now_seq)):
-                    ex._settle()
+                if lazy:
+                    # _settle, inlined: count the deferred completions before this event
+                    cur = w.now_seq
+                    x = lazy[0]
+                    while x[0] < now or (x[0] == now and x[1] < cur):
+                        heappop(lazy)
+                        for s in succ[x[2]]:
+                            left[s] -= 1
+                            pend[s] -= 1
+                        if not lazy:
+                            break
+                        x = lazy[0]
                 while True:
                     if i >= 0:  # op i completed now
                         if i == final:
@@ -612,7 +646,7 @@ class SimExecutor:
                                     if 0 < left[s] <= pend[s] + 1:
                                         break
                                 else:
-                                    heapq.heappush(lazy, (t, q, i))
+                                    heappush(lazy, (t, q, i))
                                     for s in succ[i]:
                                         pend[s] += 1
                                     i = -1
@@ -716,8 +750,23 @@ class SimExecutor:
                             return
                     if t <= now + 1e-15:
                         loop(i, e)
-                    else:
-                        ex._defer(i, t, e)
+                        return
+                    # _defer, inlined: the CPU was busy when the message came (common: the
+                    # data and the meta allreduce share it)
+                    q = next(seq)
+                    if i != final:
+                        for s in sc:
+                            if 0 < left[s] <= pend[s] + 1:
+                                break
+                        else:
+                            heappush(lazy, (t, q, i))
+                            for s in sc:
+                                pend[s] += 1
+                            return
+                        if lazy:
+                            ex._defer_late(i, t, q, e)
+                            return
+                    push(t, q, loop, i, e)
                     return
             hq = held.get(e)
             if hq is None:
