@@ -41,10 +41,15 @@ from the connections, whichever comes first.
 
 **A call abandoned mid-way** (a timeout, a cancellation, an error) is where writing into a
 peer's memory needs care: the peers may still read this rank's array, or write their blocks
-into it, until they notice. The communicator keeps such an array alive until it closes, so
-no late access lands in memory reused for something else; its contents are undefined, as after
-any failed in-place collective. A peer cannot complete on it: a rank that gave up before its
-reduce never said "written" (tested); one that gave up after it had nothing left to give.
+into it, until they notice (a peer's reduce, once started, reads and writes its whole block
+whatever happens meanwhile). Such an array is kept alive for the life of the process
+(:func:`hold`), closing the communicator included: a live peer mid-reduce still writes into it
+after this rank closed, and freed memory would be reused by the next allocation (seen: the
+peer's block written over an unrelated new array, the peer completing with the new array's
+values in its result). Its contents are undefined, as after any failed in-place collective. A
+peer cannot complete on it when this rank gave up before its reduce (it never said "written";
+tested); when it gave up after, a peer may still complete, on what the array holds when that
+peer reads it: do not change it (or retry a call on it) until the peers have failed or done.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ from ..errors import PeerLostError
 from ..sched import BUILTIN_KERNELS, BufRef, KernelRegistry, Schedule, SlotSpec
 
 __all__ = ["CMA_KERNELS", "CMA_OWN_KERNELS", "CMA_PIECE", "build_cma_allreduce", "cma_enabled",
-           "read_remote", "write_remote"]
+           "hold", "read_remote", "write_remote"]
 
 #: bytes of each piece of the reduce (read from a peer into scratch, then added): small enough
 #: that the P - 1 pieces stay in the caches, large enough that the per-piece cost (a system
@@ -97,6 +102,17 @@ def cma_enabled() -> bool:
     finds out)."""
     return (_readv is not None and _writev is not None
             and os.environ.get("ASYNCCOLL_CMA", "1").strip() != "0")
+
+
+#: what :func:`hold` keeps: never released (module doc, "A call abandoned mid-way")
+_HELD: list[Any] = []
+
+
+def hold(a: Any) -> None:
+    """Keep ``a`` (an array peers may still read or write: a failed call's, a probe's marker)
+    alive until the process exits. Not until the communicator closes: a peer's reduce under way
+    goes on writing into it after that, and the memory, freed, would be some new object's."""
+    _HELD.append(a)
 
 
 def read_remote(pid: int, remote: int, local: int, nbytes: int) -> None:

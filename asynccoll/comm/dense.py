@@ -26,7 +26,7 @@ from ..collectives.dense import REDUCE_OPS, scratch_buffers
 from ..errors import ExecutionError, PeerLostError
 from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
-from .cma import CMA_OWN_KERNELS, build_cma_allreduce, cma_enabled, read_remote, write_remote
+from .cma import CMA_OWN_KERNELS, build_cma_allreduce, cma_enabled, hold, read_remote, write_remote
 from .shm import (
     SHM_ALGORITHMS,
     SHM_DIR,
@@ -93,6 +93,12 @@ class _Arena:
         self.arrays = []
         for seg in self.segs:
             seg.close()
+
+
+def _shm_setup_keys(key: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
+    """The reservation keys of every schedule id the segment setup of shared-memory key
+    ``key`` takes: the agreement, its barrier and flag, then its two executors."""
+    return (_AGREE_KEY, ("barrier",), ("shm_ok",), ("shm", 0, *key), ("shm", 1, *key))
 
 
 class _Shm:
@@ -243,8 +249,8 @@ class DenseOps:
         if arena is not None and arena.count == buf.size and arena.dtype == buf.dtype:
             # At two-shot's sizes the single-copy path beats even an array in shared memory
             # (two wake-up rounds where the in-place two-shot takes three; docs/benchmarks.md)
-            if algorithm is None and self._cma_pids != [] \
-                    and choose_shm(buf.nbytes, self.size) == "two_shot" \
+            # (asked even once the probe said no: see _cma_allreduce on the schedule ids)
+            if algorithm is None and choose_shm(buf.nbytes, self.size) == "two_shot" \
                     and await self._cma_allreduce(buf, op, timeout):
                 return
             await self._arena_allreduce(arena, buf, op, shm_algorithm(algorithm), timeout)
@@ -382,12 +388,20 @@ class DenseOps:
             raise ValueError("algorithm='shm' needs every rank on one host (ASYNCCOLL_HOST_ID "
                              "or the host name and boot id differ)")
         algo = None if hier else choose_shm(buf.nbytes, self.size, algorithm)
-        if algo == "two_shot" and algorithm is None and self._cma_pids != []:
+        key = (buf.size, buf.dtype.str, op, algo, hier)
+        if key not in self._shm:
+            # Every id a segment setup of this key takes, now, before the single-copy path's
+            # probe (an await): taken after it, they came after another call's on a rank
+            # where that call started meanwhile and before it on another (ids out of step,
+            # the setup's barrier timed out).
+            self._reserve(*_shm_setup_keys(key))
+        if algo == "two_shot" and algorithm is None:
             # two-shot by size and not forced: single-copy where the ranks may read each
-            # other's memory (module doc of .cma), else the segments
+            # other's memory (module doc of .cma), else the segments. Asked even once the
+            # probe said no (it then answers False at once): whether a rank knows the probe's
+            # answer yet depends on timing, and the ids it takes must not (_cma_allreduce).
             if await self._cma_allreduce(buf, op, timeout):
                 return
-        key = (buf.size, buf.dtype.str, op, algo, hier)
         sh = self._shm.get(key)
         if sh is None:
             # Calls that reach one shared-memory key by different ``algorithm`` names (None
@@ -416,18 +430,35 @@ class DenseOps:
         key = (buf.size, buf.dtype.str, op)
         entry = self._cma.get(key)
         if entry is None:
+            # Every id this setup may need is taken now, before the first await, whatever the
+            # probe will say or has said: a rank whose call comes while the probe still runs
+            # and one whose call comes after it must take the same ids in the same order (an
+            # id taken only by the first, or the agreement's taken after another call's setup
+            # on one rank and before it on another, left the ranks' ids out of step: every
+            # later setup timed out). Once the probe said no, the key's id stays reserved,
+            # unused, alike on every rank. (The segments' fallback still takes its own ids in
+            # _shm_setup, after the probe's await: tests/adversarial/test_cma_review.py.)
+            self._reserve(("cma", *key), _AGREE_KEY, ("cma_probe",), ("shm_ok",))
             lock = self._shm_locks.get(("cma", *key))
             if lock is None:
                 lock = self._shm_locks[("cma", *key)] = asyncio.Lock()
             async with lock:
                 entry = self._cma.get(key)
                 if entry is None:
-                    sid = self._next_id()  # taken before the first await, as every setup's
                     if self._cma_pids is None:
-                        self._reserve(("cma_probe",), ("shm_ok",))
-                        self._cma_pids = await self._cma_probe(timeout)
+                        # One probe, however many calls of other sizes wait for it: a call
+                        # that came while it ran on one rank only (its peers called after it
+                        # was done) probed a second time there, alone, and hung.
+                        probe = self._shm_locks.get(("cma_probe",))
+                        if probe is None:
+                            probe = self._shm_locks[("cma_probe",)] = asyncio.Lock()
+                        async with probe:
+                            if self._cma_pids is None:
+                                self._cma_pids = await self._cma_probe(timeout)
                     if not self._cma_pids:
                         return False
+                    # (none left when a setup of this key before it failed after taking it)
+                    sid = self._reserved.pop(("cma", *key), None) or self._next_id()
                     sched = build_cma_allreduce(self.rank, self.size, buf.size, buf.dtype, op,
                                                 self._cma_pids)
                     await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
@@ -446,10 +477,11 @@ class DenseOps:
                 await self._execute(entry.ex, timeout, "allreduce (cross-memory attach)")
             except BaseException:  # mid-way: start afresh at the next call
                 # Peers may still read this array, or write their blocks into it, until they
-                # notice: keep it alive until close so that no late access lands in memory
-                # reused for something else (its contents are undefined, as after any
+                # notice: keep it alive (beyond close: hold) so that no late access lands in
+                # memory reused for something else (its contents are undefined, as after any
                 # failed in-place collective).
                 self._cma_held.append(buf)
+                hold(buf)  # and after close: a peer's reduce under way still writes into it
                 entry.ex.close()
                 self._live.discard(entry.ex)
                 self._cma.pop(key, None)
@@ -466,9 +498,17 @@ class DenseOps:
         every = np.zeros(4 * self.size, np.int64)
         every[4 * self.rank:4 * self.rank + 4] = [
             int(cma_enabled()), os.getpid(), marker.__array_interface__["data"][0], marker[0]]
-        await self.call(("cma_probe",), lambda: dense.allgather(self.rank, self.size, 4,
-                                                                  np.int64),
-                        every, timeout, agree=False)
+        try:
+            await self.call(("cma_probe",), lambda: dense.allgather(self.rank, self.size, 4,
+                                                                      np.int64),
+                            every, timeout, agree=False)
+        except BaseException:
+            # Given up (a timeout, a cancellation) once the peers may have this rank's row:
+            # they still read ``marker`` and write it back. Kept alive, as a failed call's
+            # array is, so that the write never lands in memory reused meanwhile.
+            self._cma_held.append(marker)
+            hold(marker)
+            raise
         rows = every.reshape(self.size, 4)
         ok = bool(rows[:, 0].all())
         cell = np.zeros(1, np.int64)
@@ -486,9 +526,14 @@ class DenseOps:
             except (OSError, RuntimeError):
                 ok = False
         flag = np.array([0 if ok else 1], np.int64)  # ``marker`` lives until every rank read it
-        await self.call(("shm_ok",), lambda: dense.allreduce(
-            self.rank, self.size, 1, np.int64, "max", "recursive_doubling"), flag, timeout,
-            agree=False)
+        try:
+            await self.call(("shm_ok",), lambda: dense.allreduce(
+                self.rank, self.size, 1, np.int64, "max", "recursive_doubling"), flag, timeout,
+                agree=False)
+        except BaseException:
+            self._cma_held.append(marker)  # as above: a slower peer may still write it
+            hold(marker)
+            raise
         if flag[0]:
             log.info("single-copy allreduce (process_vm_readv/writev) unavailable between these "
                      "ranks; large allreduces copy through shared segments")
@@ -508,8 +553,8 @@ class DenseOps:
             sched = build_shm_allreduce(self.rank, self.size, buf.size, buf.dtype, op,
                                         algorithm)
             local = list(range(self.size))
-        self._reserve(_AGREE_KEY, ("barrier",), ("shm_ok",))  # before the first await
-        sids = [self._next_id(), self._next_id()]
+        self._reserve(*_shm_setup_keys(key))  # before the first await (the caller has, too)
+        sids = [self._reserved.pop(k) for k in _shm_setup_keys(key)[3:]]
         await self.agree_on("allreduce", sched.meta["collectives"][0], timeout)
         mapped = await self._map_segments(sids, buf.nbytes, token, timeout, local)
         sides = []
