@@ -7,6 +7,7 @@ and spawned children inherit the parent's ``sys.path``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -195,3 +196,36 @@ def run_killed_job(tmp_path: Path, script: str, P: int, args: list[str], kill: s
     for r in survivors:
         assert procs[r].returncode == 0, f"rank {r}:\n{errs[r][-4000:]}"
     return {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in survivors}
+
+
+@functools.cache
+def cma_allowed() -> bool:
+    """Whether a process may read and write another one's memory here as the ranks of a job
+    do (``process_vm_readv``/``writev`` between processes neither of which descends from the
+    other: a child reads and writes its parent, which Yama's ``ptrace_scope`` 1 refuses as
+    it refuses siblings). The single-copy allreduce's tests that need it skip where the kernel
+    or the container refuses it (the runtime then takes the segments)."""
+    import ctypes
+
+    cell = ctypes.c_int64(0x5A5A5A5A)
+    code = (
+        "import ctypes, os, sys\n"
+        "from asynccoll.comm.cma import read_remote, write_remote\n"
+        "v = ctypes.c_int64(0)\n"
+        "pid, at = int(sys.argv[1]), int(sys.argv[2])\n"
+        "read_remote(pid, at, ctypes.addressof(v), 8)\n"
+        "v.value += 1\n"
+        "write_remote(pid, at, ctypes.addressof(v), 8)\n")
+    try:
+        subprocess.run([sys.executable, "-c", code, str(os.getpid()), str(ctypes.addressof(cell))],
+                       check=True, capture_output=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    except (subprocess.SubprocessError, OSError):
+        return False
+    return cell.value == 0x5A5A5A5B
+
+
+#: mark for tests of the single-copy allreduce: ``tests/conftest.py`` skips them where
+#: :func:`cma_allowed` says no (asked once, at the first such test: not at import, which every
+#: spawned rank of every test does)
+needs_cma = pytest.mark.cma

@@ -37,3 +37,14 @@ async def inproc2() -> AsyncIterator[list[InprocTransport]]:
 def world() -> Callable[..., AbstractAsyncContextManager[list[InprocTransport]]]:
     """``async with world(P, delay=..., seed=...) as transports``: a fresh in-process world."""
     return inproc_world
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip the single-copy allreduce's tests (marker ``cma``) where processes may not read
+    each other's memory (``_helpers.cma_allowed``)."""
+    if item.get_closest_marker("cma") is not None:
+        from _helpers import cma_allowed
+
+        if not cma_allowed():
+            pytest.skip("process_vm_readv/writev between processes refused here (the runtime "
+                        "takes the shared-memory segments instead)")

@@ -13,11 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from _helpers import SECRET, free_port
-
-from asynccoll.comm.cma import read_remote
+from _helpers import SECRET, free_port, needs_cma
 
 ROOT = str(Path(__file__).parents[2])
 
@@ -78,17 +75,6 @@ asyncio.run(main())
 """
 
 
-def _cma_allowed() -> bool:
-    """Whether a child of this process may be read by a sibling (the test's setting)."""
-    src = np.arange(4, dtype=np.int64)
-    dst = np.zeros_like(src)
-    try:
-        read_remote(os.getpid(), src.ctypes.data, dst.ctypes.data, src.nbytes)
-    except (OSError, RuntimeError):
-        return False
-    return bool((src == dst).all())
-
-
 def _launch(tmp_path: Path, how: str) -> list[subprocess.Popen[str]]:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
@@ -118,7 +104,7 @@ def _finish(procs: list[subprocess.Popen[str]]) -> list[str]:
     return outs
 
 
-@pytest.mark.skipif(not _cma_allowed(), reason="process_vm_readv refused here")
+@needs_cma
 @pytest.mark.timeout(120)
 def test_sigkill_while_peers_read_its_memory_is_reported_within_2_s(tmp_path: Path) -> None:
     procs = _launch(tmp_path, "kill")
@@ -134,7 +120,7 @@ def test_sigkill_while_peers_read_its_memory_is_reported_within_2_s(tmp_path: Pa
         assert got["t"] - killed < 2.0, (r, got["t"] - killed)
 
 
-@pytest.mark.skipif(not _cma_allowed(), reason="process_vm_readv refused here")
+@needs_cma
 @pytest.mark.timeout(120)
 def test_a_bad_address_fails_the_call_clearly_and_nothing_crashes(tmp_path: Path) -> None:
     procs = _launch(tmp_path, "lie")

@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _helpers import SECRET, async_child, free_port, spawn_world
+from _helpers import SECRET, async_child, free_port, needs_cma, spawn_world
 
 import asynccoll
-from asynccoll.comm.cma import read_remote
 from asynccoll.comm.shm import SHM_DIR, SHM_ONE_SHOT_READ
 
 pytestmark = [pytest.mark.multiprocess]
@@ -30,17 +29,6 @@ pytestmark = [pytest.mark.multiprocess]
 TIMEOUT = 6  # seconds each call may take here (a hang shows as a timeout)
 
 
-def _cma_allowed() -> bool:
-    src = np.arange(4, dtype=np.int64)
-    dst = np.zeros_like(src)
-    try:
-        read_remote(os.getpid(), src.ctypes.data, dst.ctypes.data, src.nbytes)
-    except (OSError, RuntimeError):
-        return False
-    return bool((src == dst).all())
-
-
-needs_cma = pytest.mark.skipif(not _cma_allowed(), reason="process_vm_readv refused here")
 
 
 def _ours() -> set[str]:

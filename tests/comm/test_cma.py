@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _helpers import async_child, free_port, spawn_world
+from _helpers import async_child, free_port, needs_cma, spawn_world
 
 import asynccoll
 from asynccoll.comm.cma import build_cma_allreduce, read_remote
@@ -69,6 +69,7 @@ async def _rank_main(rank: int, P: int, port: int, cma: str) -> dict[str, Any]:
     return seen
 
 
+@needs_cma
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("P", [2, 3, 4, 5])
 def test_single_copy_equals_two_shot_bit_for_bit(P: int) -> None:
@@ -144,6 +145,7 @@ async def _abandon_main(rank: int, P: int, port: int) -> dict[str, Any]:
     return got
 
 
+@needs_cma
 @pytest.mark.timeout(120)
 def test_an_abandoned_call_keeps_its_array_and_no_peer_succeeds_on_it() -> None:
     out = spawn_world(async_child, 2, (_abandon_main, free_port()), 90)
