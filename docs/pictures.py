@@ -114,6 +114,7 @@ PICTURES: dict[str, Callable[[Path], None]] = {
     "inspect-allreduce-p8.png": _schedule("allreduce", "--algorithm", "recursive_doubling"),
     "inspect-solo-trace.png": _trace,
     "bench-allreduce.png": _bench("allreduce"),
+    "bench-allreduce-cma.png": _bench("allreduce", "allreduce_p4_cma_run4"),
     "bench-skew.png": _bench("skew"),
     "bench-hyperplane.png": _bench("hyperplane"),
     "bench-sparse.png": _bench("sparse"),
