@@ -101,8 +101,8 @@ async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: l
                 x[...] = rank + 1  # in place overwrites x: refill it, outside the timed part
                 await comm.barrier(timeout=120)
                 t0 = time.perf_counter()
-                if partial is not None:
-                    y = (await h(x, timeout=300)).value
+                if partial is not None:  # in place too (out=x; --copy: a fresh result)
+                    y = (await h(x, timeout=300, out=None if copy else x)).value
                 else:
                     y = await comm.allreduce(x, algorithm=algorithm, timeout=300,
                                              out=None if copy else x)
@@ -173,7 +173,7 @@ async def _interleaved_rank(rank: int, P: int, port: int, sizes: list[int], quic
                     await comm.barrier(timeout=120)
                     t0 = time.perf_counter()
                     if v in hs:
-                        await hs[v](x, timeout=300)
+                        await hs[v](x, timeout=300, out=x)
                     else:
                         await comm.allreduce(x, algorithm=None if v == "network" else v,
                                              timeout=300, out=x)

@@ -125,14 +125,28 @@ class TensorPartialAllreduce(PartialAllreduce):
         self.like_kind = like_kind
 
     async def __call__(self, x: Any, timeout: float | None = None, *,
-                       combine: Combine | None = None) -> PartialResult:
+                       combine: Combine | None = None, out: Any = None) -> PartialResult:
         a, kind = from_tensor(x, "x")
-        return wrap_result(await super().__call__(a, timeout, combine=combine), kind,
-                           divide=self.average)
+        if out is None:
+            return wrap_result(await super().__call__(a, timeout, combine=combine), kind,
+                               divide=self.average)
+        o, _ = from_tensor(out, "out")  # a tensor's memory: the result lands in it
+        return self._into(await super().__call__(a, timeout, combine=combine, out=o), out, o)
 
-    def blocking(self, x: Any, timeout: float | None = None) -> PartialResult:
+    def blocking(self, x: Any, timeout: float | None = None, *,
+                 out: Any = None) -> PartialResult:
         a, kind = from_tensor(x, "x")
-        return wrap_result(super().blocking(a, timeout), kind, divide=self.average)
+        if out is None:
+            return wrap_result(super().blocking(a, timeout), kind, divide=self.average)
+        o, _ = from_tensor(out, "out")
+        return self._into(super().blocking(a, timeout, out=o), out, o)
+
+    def _into(self, res: PartialResult, out: Any, o: Any) -> PartialResult:
+        """``res``, its value in ``o`` (the array view of the caller's ``out``), as a result
+        whose value is ``out`` itself, divided by its count in place when averaging."""
+        if self.average and res.count:
+            o /= res.count
+        return dataclasses.replace(res, value=out)
 
     async def flush(self, timeout: float | None = None) -> PartialResult:
         return wrap_result(await super().flush(timeout), self.like_kind, divide=self.average)

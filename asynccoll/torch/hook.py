@@ -148,7 +148,9 @@ class PartialHookState:
 
             cf.add_done_callback(done_sync)
             return fut
-        cf = self.comm.submit(self._handle(index, buf)(buf))
+        # the result into the bucket itself (out=, read after the call took buf's data), as
+        # the default hook's in-place allreduce: no fresh tensor per bucket and step
+        cf = self.comm.submit(self._handle(index, buf)(buf, out=buf))
 
         def done(f: concurrent.futures.Future[Any]) -> None:
             _complete(fut, f, lambda r: self._result(index, step, r))

@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ..buffers import empty_like
 from ..collectives.partial import check_deadline
 from ..comm.communicator import Communicator
 from ..results import PartialResult
@@ -134,6 +135,9 @@ class EagerSGD:
                 deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window)
         n = self.params.size
         self._sync_buf = np.empty(n + 2, self.params.dtype)
+        # Each step's result lands here (the call's out=): no fresh array per step, whose page
+        # faults cost more than the collective at 16 MiB (docs/benchmarks.md)
+        self._rbuf = None if self._h is None else empty_like(self.params)
         # Where a list of gradients is fused (the collective copies it, so it can be reused).
         self._gbuf = np.empty(n, self.params.dtype) if isinstance(self.params, np.ndarray) \
             and not isinstance(params, np.ndarray) else None
@@ -193,7 +197,7 @@ class EagerSGD:
             P = self.world_size
             return StepInfo(self.steps - 1, True, frozenset(range(P)), P, 0, self.lr,
                             fresh=frozenset(range(P)))
-        res = await self._h(g, self.timeout, combine=self._combine())
+        res = await self._h(g, self.timeout, combine=self._combine(), out=self._rbuf)
         self._stale_run = 0 if res.included else self._stale_run + 1
         self.applied += res.count
         lr = self._step_lr(res)
