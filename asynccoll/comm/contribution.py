@@ -204,7 +204,10 @@ class DenseContribution(Contribution):
         if is_cupy(self._acc) and not is_cupy(x):
             raise TypeError("x must be a CuPy array like the handle's")
         if combine is None:
-            reduce_into(self.op, self._acc, x)
+            if count == 0:  # the send buffer holds the identity: x itself, one pass not two
+                self._acc[...] = x
+            else:
+                reduce_into(self.op, self._acc, x)
             return count + 1
         return int(combine(self._acc, x, count, late))
 
