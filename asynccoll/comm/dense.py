@@ -26,7 +26,15 @@ from ..collectives.dense import REDUCE_OPS, scratch_buffers
 from ..errors import ExecutionError, PeerLostError
 from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
-from .cma import CMA_OWN_KERNELS, build_cma_allreduce, cma_enabled, hold, read_remote, write_remote
+from .cma import (
+    CMA_OWN_KERNELS,
+    build_cma_allreduce,
+    cma_enabled,
+    cma_size,
+    hold,
+    read_remote,
+    write_remote,
+)
 from .shm import (
     SHM_ALGORITHMS,
     SHM_DIR,
@@ -251,6 +259,7 @@ class DenseOps:
             # (two wake-up rounds where the in-place two-shot takes three; docs/benchmarks.md)
             # (asked even once the probe said no: see _cma_allreduce on the schedule ids)
             if algorithm is None and choose_shm(buf.nbytes, self.size) == "two_shot" \
+                    and cma_size(buf.nbytes, self.size) \
                     and await self._cma_allreduce(buf, op, timeout):
                 return
             await self._arena_allreduce(arena, buf, op, shm_algorithm(algorithm), timeout)
@@ -395,7 +404,7 @@ class DenseOps:
             # where that call started meanwhile and before it on another (ids out of step,
             # the setup's barrier timed out).
             self._reserve(*_shm_setup_keys(key))
-        if algo == "two_shot" and algorithm is None:
+        if algo == "two_shot" and algorithm is None and cma_size(buf.nbytes, self.size):
             # two-shot by size and not forced: single-copy where the ranks may read each
             # other's memory (module doc of .cma), else the segments. Asked even once the
             # probe said no (it then answers False at once): whether a rank knows the probe's

@@ -5,7 +5,8 @@ job's, a cancelled call or probe, a rank that gave up and closed while a slow pe
 reduces, and the probe refused or learned late by some ranks.
 
 Real processes over loopback tcp. Two-shot by size (so single-copy where the ranks may read
-each other's memory) needs P times the message to reach SHM_ONE_SHOT_READ (16 MiB).
+each other's memory) needs P times the message to reach SHM_ONE_SHOT_READ (16 MiB) and
+blocks of at least CMA_MIN_BLOCK (2 MiB).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 from _helpers import SECRET, async_child, free_port, needs_cma, spawn_world
 
 import asynccoll
+from asynccoll.comm.cma import CMA_MIN_BLOCK
 from asynccoll.comm.shm import SHM_DIR, SHM_ONE_SHOT_READ
 
 pytestmark = [pytest.mark.multiprocess]
@@ -36,9 +38,11 @@ def _ours() -> set[str]:
 
 
 def _two_shot_count(P: int, dtype: Any, extra: int = 0) -> int:
-    """Elements of ``dtype`` that make a two-shot allreduce at P (plus ``extra``)."""
+    """Elements of ``dtype`` that make a single-copy allreduce at P (plus ``extra``): two-shot
+    by size, and blocks of at least CMA_MIN_BLOCK."""
     item = np.dtype(dtype).itemsize
-    return int(-(-SHM_ONE_SHOT_READ // (P * item)) + extra)
+    nbytes = max(-(-SHM_ONE_SHOT_READ // P), CMA_MIN_BLOCK * P)
+    return int(-(-nbytes // item) + extra)
 
 
 def _data(n: int, rank: int, dtype: Any, step: int = 0) -> np.ndarray[Any, Any]:

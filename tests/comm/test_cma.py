@@ -16,7 +16,7 @@ import pytest
 from _helpers import async_child, free_port, needs_cma, spawn_world
 
 import asynccoll
-from asynccoll.comm.cma import build_cma_allreduce, read_remote
+from asynccoll.comm.cma import CMA_MIN_BLOCK, build_cma_allreduce, cma_size, read_remote
 from asynccoll.comm.shm import SHM_DIR, SHM_ONE_SHOT_READ
 
 pytestmark = [pytest.mark.multiprocess]
@@ -39,8 +39,9 @@ async def _rank_main(rank: int, P: int, port: int, cma: str) -> dict[str, Any]:
                                    transport="tcp", timeout=60)
     seen: dict[str, Any] = {"equal": []}
     async with comm:
-        # two-shot by size: P times the message at least SHM_ONE_SHOT_READ
-        base = -(-SHM_ONE_SHOT_READ // (8 * P)) * 8
+        # two-shot by size (P times the message at least SHM_ONE_SHOT_READ) and blocks of at
+        # least CMA_MIN_BLOCK
+        base = -(-max(SHM_ONE_SHOT_READ // P, CMA_MIN_BLOCK * P) // 8) * 8
         for nbytes, dtype, op in ((base, np.float32, "sum"), (base + 4 * 1003, np.float32, "sum"),
                                   (base + 8 * 7, np.int64, "max"),
                                   (base * 2 + 8, np.float64, "min")):
@@ -128,7 +129,7 @@ async def _abandon_main(rank: int, P: int, port: int) -> dict[str, Any]:
                                    transport="tcp", timeout=60)
     got: dict[str, Any] = {}
     async with comm:
-        n = -(-SHM_ONE_SHOT_READ // (4 * P))
+        n = -(-max(SHM_ONE_SHOT_READ // P, CMA_MIN_BLOCK * P) // 4)
         x = np.ones(n, np.float32)
         await comm.allreduce(x, out=x, timeout=30)  # set up; every rank on the single-copy path
         got["cma"] = len(comm._dense._cma)
@@ -154,3 +155,12 @@ def test_an_abandoned_call_keeps_its_array_and_no_peer_succeeds_on_it() -> None:
     assert out[0]["held"], out
     # rank 0 never reduced its block: rank 1 cannot complete with rank 0's array half-used
     assert out[1]["second"] == "timeout", out
+
+
+def test_small_blocks_stay_on_the_segments() -> None:
+    """The default takes the single-copy path only from CMA_MIN_BLOCK per block (measured:
+    two-shot through segments was faster below; asynccoll.comm.cma)."""
+    assert cma_size(CMA_MIN_BLOCK * 4, 4)
+    assert not cma_size(CMA_MIN_BLOCK * 4 - 1, 4)
+    assert not cma_size(4 << 20, 4)  # 1 MiB blocks
+    assert cma_size(16 << 20, 8)  # 2 MiB blocks
