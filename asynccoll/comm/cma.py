@@ -70,10 +70,12 @@ from ..sched import BUILTIN_KERNELS, BufRef, KernelRegistry, Schedule, SlotSpec
 __all__ = ["CMA_KERNELS", "CMA_MIN_BLOCK", "CMA_OWN_KERNELS", "CMA_PIECE", "build_cma_allreduce",
            "cma_enabled", "cma_size", "hold", "read_remote", "write_remote"]
 
-#: bytes of each piece of the reduce (read from a peer into scratch, then added): small enough
-#: that the P - 1 pieces stay in the caches, large enough that the per-piece cost (a system
-#: call and a ufunc, a few microseconds) stays small against its copy
-CMA_PIECE = 512 << 10
+#: bytes of each piece of the reduce (read from each peer into scratch and added, then written
+#: into every peer): measured at P = 4, 16 MiB (alternated, 2026-11-24): 1 MiB pieces 8.2-10.2
+#: ms per call, 512 KiB 9.3-10.4, 256 KiB 10.1-10.9, 2 MiB 8.5-10.5, 4 MiB 10.3-11.9: large
+#: enough that the per-piece system calls and ufunc calls stay small, small enough that the
+#: piece and its scratch stay in the caches (1 MiB of L2 per core here, 32 MiB of L3)
+CMA_PIECE = 1 << 20
 
 #: the default allreduce takes this path from this many bytes per rank's block (the message
 #: over P) up, at two-shot's sizes. Below it two-shot through segments was faster: P = 4 at
