@@ -444,11 +444,13 @@ async def _closed_main(rank: int, P: int, port: int) -> dict[str, Any]:
     n = _two_shot_count(P, np.float32)
     x = np.ones(n, np.float32)
     await comm.allreduce(x, out=x, timeout=TIMEOUT)  # set up
-    if rank == 1:  # a slow (live) peer: 80 ms per piece read or written, about 1.3 s a block
-        real = cma._peer
+    if rank == 1:  # a slow (live) peer: about 1.3 s to read and write its block, whatever
+        real = cma._peer  # the piece size (one read and one write per piece)
+        pieces = -(-(n // P) * 4 // cma.CMA_PIECE)
+        pause = 1.3 / (2 * pieces)
 
         def slow(*args: Any) -> None:
-            time.sleep(0.08)
+            time.sleep(pause)
             real(*args)
         cma._peer = slow  # type: ignore[assignment]
     y = np.full(n, 3.0, np.float32)
