@@ -48,10 +48,13 @@ def is_cupy(a: Any) -> bool:
     return type(a).__module__.startswith("cupy")
 
 
-def check_array(a: Any, name: str = "array") -> None:
+def check_array(a: Any, name: str = "array", *, writable: bool = False) -> None:
     """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``a`` is a contiguous array
-    (NumPy arrays also in native byte order: the wire carries native values)."""
+    (NumPy arrays also in native byte order: the wire carries native values; and writable
+    when ``writable``: an array a result is written into)."""
     if isinstance(a, np.ndarray):
+        if writable and not a.flags.writeable:
+            raise ValueError(f"{name} must be writable (got a read-only array)")
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous (got strides {a.strides})")
         if not a.dtype.isnative:

@@ -542,9 +542,7 @@ class Communicator:
         if out is None:
             buf = _flat_copy(x)
         else:
-            check_array(out, "out")
-            if isinstance(out, np.ndarray) and not out.flags.writeable:
-                raise ValueError("out must be writable (got a read-only array)")
+            check_array(out, "out", writable=True)
             if out.shape != x.shape or out.dtype != x.dtype:
                 raise ValueError(f"out must have x's shape {x.shape} and dtype {x.dtype}, got "
                                  f"{out.shape} and {out.dtype}")

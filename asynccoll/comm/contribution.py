@@ -218,15 +218,13 @@ class DenseContribution(Contribution):
             np.copyto(self._meta, np.rint(tail.real), casting="unsafe")
 
     def check_out(self, out: Any) -> Any:
-        check_array(out, "out")
+        check_array(out, "out", writable=True)
         if tuple(out.shape) != self.shape or out.dtype != self.dtype:
             raise ValueError(f"out must have shape {self.shape} and dtype {self.dtype} like the "
                              f"handle, got shape {tuple(out.shape)} and dtype {out.dtype}")
         if is_cupy(out) != is_cupy(self._data):
             raise TypeError("out must be a " + ("CuPy" if is_cupy(self._data) else "NumPy")
                             + " array like the handle's")
-        if isinstance(out, np.ndarray) and not out.flags.writeable:
-            raise ValueError("out must be writable (got a read-only array)")
         return out.reshape(-1)
 
     def recycle(self, value: Any) -> None:

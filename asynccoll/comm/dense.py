@@ -255,11 +255,9 @@ class DenseOps:
             if isinstance(buf, np.ndarray) and (algorithm is None or algorithm in SHM_NAMES) \
             else None
         if arena is not None and arena.count == buf.size and arena.dtype == buf.dtype:
-            # At two-shot's sizes the single-copy path beats even an array in shared memory
-            # (two wake-up rounds where the in-place two-shot takes three; docs/benchmarks.md)
-            # (asked even once the probe said no: see _cma_allreduce on the schedule ids)
-            if algorithm is None and choose_shm(buf.nbytes, self.size) == "two_shot" \
-                    and cma_size(buf.nbytes, self.size) \
+            # Where the single-copy path serves, it beats even an array in shared memory (two
+            # wake-up rounds where the in-place two-shot takes three; docs/benchmarks.md)
+            if self._cma_sized(buf.nbytes, algorithm) \
                     and await self._cma_allreduce(buf, op, timeout):
                 return
             await self._arena_allreduce(arena, buf, op, shm_algorithm(algorithm), timeout)
@@ -404,21 +402,14 @@ class DenseOps:
             # where that call started meanwhile and before it on another (ids out of step,
             # the setup's barrier timed out).
             self._reserve(*_shm_setup_keys(key))
-        if algo == "two_shot" and algorithm is None and cma_size(buf.nbytes, self.size):
-            # two-shot by size and not forced: single-copy where the ranks may read each
-            # other's memory (module doc of .cma), else the segments. Asked even once the
-            # probe said no (it then answers False at once): whether a rank knows the probe's
-            # answer yet depends on timing, and the ids it takes must not (_cma_allreduce).
-            if await self._cma_allreduce(buf, op, timeout):
-                return
+        if not hier and self._cma_sized(buf.nbytes, algorithm) \
+                and await self._cma_allreduce(buf, op, timeout):
+            return
         sh = self._shm.get(key)
         if sh is None:
             # Calls that reach one shared-memory key by different ``algorithm`` names (None
             # and "shm") hold different call-order locks: one setup, the others queue on it.
-            lock = self._shm_locks.get(key)
-            if lock is None:
-                lock = self._shm_locks[key] = asyncio.Lock()
-            async with lock:
+            async with self._lock(key):
                 sh = self._shm.get(key)
                 if sh is None:
                     sh = await self._shm_setup(key, buf, op, token, timeout, hier, algo)
@@ -431,6 +422,22 @@ class DenseOps:
                 sh.close(self._live)
                 self._shm.pop(key, None)
                 raise
+
+    def _cma_sized(self, nbytes: int, algorithm: str | None) -> bool:
+        """Whether an allreduce of ``nbytes`` through shared memory (``algorithm``: the
+        forced shared-memory algorithm, or None) asks the single-copy path first: two-shot by
+        size, not forced, blocks large enough (:func:`~.cma.cma_size`). Asked even once the
+        probe said no (it then answers False at once): whether a rank knows the probe's
+        answer yet depends on timing, and the ids it takes must not (:meth:`_cma_allreduce`)."""
+        return (algorithm is None and choose_shm(nbytes, self.size) == "two_shot"
+                and cma_size(nbytes, self.size))
+
+    def _lock(self, key: tuple[Any, ...]) -> asyncio.Lock:
+        """The setup lock of ``key`` (made at its first use)."""
+        lock = self._shm_locks.get(key)
+        if lock is None:
+            lock = self._shm_locks[key] = asyncio.Lock()
+        return lock
 
     async def _cma_allreduce(self, buf: Any, op: str, timeout: float | None) -> bool:
         """Allreduce ``buf`` with the single-copy schedule of :mod:`.cma`; False (on every
@@ -445,23 +452,17 @@ class DenseOps:
             # id taken only by the first, or the agreement's taken after another call's setup
             # on one rank and before it on another, left the ranks' ids out of step: every
             # later setup timed out). Once the probe said no, the key's id stays reserved,
-            # unused, alike on every rank. (The segments' fallback still takes its own ids in
-            # _shm_setup, after the probe's await: tests/adversarial/test_cma_review.py.)
+            # unused, alike on every rank. (The segments' fallback reserved its ids before
+            # this, in _shm_allreduce.)
             self._reserve(("cma", *key), _AGREE_KEY, ("cma_probe",), ("shm_ok",))
-            lock = self._shm_locks.get(("cma", *key))
-            if lock is None:
-                lock = self._shm_locks[("cma", *key)] = asyncio.Lock()
-            async with lock:
+            async with self._lock(("cma", *key)):
                 entry = self._cma.get(key)
                 if entry is None:
                     if self._cma_pids is None:
                         # One probe, however many calls of other sizes wait for it: a call
                         # that came while it ran on one rank only (its peers called after it
                         # was done) probed a second time there, alone, and hung.
-                        probe = self._shm_locks.get(("cma_probe",))
-                        if probe is None:
-                            probe = self._shm_locks[("cma_probe",)] = asyncio.Lock()
-                        async with probe:
+                        async with self._lock(("cma_probe",)):
                             if self._cma_pids is None:
                                 self._cma_pids = await self._cma_probe(timeout)
                     if not self._cma_pids:
@@ -506,41 +507,36 @@ class DenseOps:
         marker = np.array([int.from_bytes(os.urandom(7), "little")], np.int64)
         every = np.zeros(4 * self.size, np.int64)
         every[4 * self.rank:4 * self.rank + 4] = [
-            int(cma_enabled()), os.getpid(), marker.__array_interface__["data"][0], marker[0]]
+            int(cma_enabled()), os.getpid(), marker.ctypes.data, marker[0]]
         try:
             await self.call(("cma_probe",), lambda: dense.allgather(self.rank, self.size, 4,
                                                                       np.int64),
                             every, timeout, agree=False)
+            rows = every.reshape(self.size, 4)
+            ok = bool(rows[:, 0].all())
+            cell = np.zeros(1, np.int64)
+            for q in range(self.size):
+                if not ok:
+                    break
+                if q == self.rank:
+                    continue
+                pid, where = int(rows[q, 1]), int(rows[q, 2])
+                try:
+                    read_remote(pid, where, cell.ctypes.data, 8)
+                    ok = int(cell[0]) == int(rows[q, 3])
+                    if ok:  # the same value back: the allreduce writes too
+                        write_remote(pid, where, cell.ctypes.data, 8)
+                except (OSError, RuntimeError):
+                    ok = False
+            flag = np.array([0 if ok else 1], np.int64)  # ``marker`` lives until all read it
+            await self.call(("shm_ok",), lambda: dense.allreduce(
+                self.rank, self.size, 1, np.int64, "max", "recursive_doubling"), flag, timeout,
+                agree=False)
         except BaseException:
             # Given up (a timeout, a cancellation) once the peers may have this rank's row:
             # they still read ``marker`` and write it back. Kept alive, as a failed call's
             # array is, so that the write never lands in memory reused meanwhile.
             self._cma_held.append(marker)
-            hold(marker)
-            raise
-        rows = every.reshape(self.size, 4)
-        ok = bool(rows[:, 0].all())
-        cell = np.zeros(1, np.int64)
-        for q in range(self.size):
-            if not ok:
-                break
-            if q == self.rank:
-                continue
-            pid, where = int(rows[q, 1]), int(rows[q, 2])
-            try:
-                read_remote(pid, where, cell.__array_interface__["data"][0], 8)
-                ok = int(cell[0]) == int(rows[q, 3])
-                if ok:  # the same value back: the allreduce writes too
-                    write_remote(pid, where, cell.__array_interface__["data"][0], 8)
-            except (OSError, RuntimeError):
-                ok = False
-        flag = np.array([0 if ok else 1], np.int64)  # ``marker`` lives until every rank read it
-        try:
-            await self.call(("shm_ok",), lambda: dense.allreduce(
-                self.rank, self.size, 1, np.int64, "max", "recursive_doubling"), flag, timeout,
-                agree=False)
-        except BaseException:
-            self._cma_held.append(marker)  # as above: a slower peer may still write it
             hold(marker)
             raise
         if flag[0]:
