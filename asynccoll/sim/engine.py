@@ -20,7 +20,22 @@ time):
 Time: firing an op costs the rank's CPU (``gamma``, plus bytes over ``reduce_bps`` for compute
 ops; no-ops are free), serialised per rank; a send leaves after the rank's interface has
 pushed the bytes before it and arrives ``alpha`` later (see :mod:`.cost`). Completions at the
-current time are handled inline, as the executor's drain loop does; later ones are events.
+current time are handled inline, as the executor's drain loop does; later ones are events,
+except those handled as their op fires (next paragraph).
+
+**Completions handled as they fire.** When everything a receive or a compute op can make
+ready is a send, a receive, or a compute op that does not read the clock, its completion is
+handled when it fires (the receive: when its message is taken), not at its completion time:
+the ops it makes ready fire at once, and their CPU work queues on the rank behind its own, so
+none starts before it completes. That is the runtime's drain loop: a compute op runs inline
+and the send it enables goes out before the event loop reads what arrived meanwhile (the
+rank's CPU then serves this chain before a message that came in during it, where one event
+per completion served them in time order). A send's completion (its bytes pushed out) is
+handled when it is posted likewise, when all it can make ready are sends and compute ops that
+do not read the clock; their work starts no sooner than that time (a per-op floor, reset at
+arming). Ops that read the clock (hooked kernels, the ``clocked`` ones), no-ops and the
+final op are never fired ahead of their time. What is left is about one event per message
+(the solo run of issue 17 at P = 1024: 8.4 M events instead of 20.5 M).
 
 **Data or timing only.** With ``kernels`` (a kernel registry, e.g.
 :data:`asynccoll.collectives.KERNELS`) and bound ``buffers``, sends carry copies of their
@@ -28,26 +43,25 @@ buffers' bytes (or a compute op's :class:`~asynccoll.sched.Payload`), receives w
 theirs, and compute ops run the real kernels, so values equal a real run's. Without buffers
 the simulator moves no data: it prices each op by the bytes its slots declare and calls only
 the ``hooks`` given for some kernels (the partial allreduce's snapshot, for its accounting),
-which is what makes P = 1024 cheap. The event loop is Python: about 2.6-2.8 µs of CPU per
-event at P = 256 and 2.8-3.7 µs at P = 1024 on the development machine, a shared 2-core EPYC
-whose timings vary by ±15 % from run to run (2026-11-24, 60-64 s for the solo run of issue 17
-and 68-82 s for majority under a load of 1-3; docs/sim.md, "Cost of a simulation", has the
-figures).
+which is what makes P = 1024 cheap. The event loop is Python: about 1.9 µs of CPU per op
+fired at P = 1024 on the development machine, a shared 2-core EPYC whose timings vary by
+±15 % from run to run (docs/sim.md, "Cost of a simulation", has the figures).
 
-**What keeps it cheap** (and the results exactly those of one event per op completion, in the
-same order): the P executors share one copy of the op tables (kinds, successors, thresholds,
-tags: a builder's ranks differ in peers only), which keeps them in cache; the drain loop fires
-sends, compute ops and no-ops inline; and a completion that cannot make any successor ready,
-whatever completes before it (the typical send: its successor also waits for the matching
-receive), is **deferred** instead of scheduled: it takes its event number as if scheduled, is
-counted when the executor next handles an event after it, and becomes a real event, with that
-number, the moment another completion brings one of its successors within reach of its
-threshold. About a quarter of the events go that way. When a completion would bring a
-successor to its threshold and the only other completions it waits for are deferred ones,
-the latest of those (by time and number) is the one that makes it ready: when that is a
-deferred one later than the new completion (a send still being pushed out while the receive
-beside it already has its message), that one becomes the event and the new one is deferred
-(:meth:`SimExecutor._defer_late`; a tenth of the events at P = 1024). Further, per event:
+**What else keeps it cheap** (each without changing any result): the P executors share one copy
+of the op tables (kinds, successors, thresholds, tags: a builder's ranks differ in peers only),
+which keeps them in cache; the drain loop fires sends, compute ops and no-ops inline; and a
+completion that cannot make any successor ready, whatever completes before it (the typical
+send: its successor also waits for the matching receive), is **deferred** instead of scheduled:
+it takes its event number as if scheduled, is counted when the executor next handles an event
+after it, and becomes a real event, with that number, the moment another completion brings one
+of its successors within reach of its threshold (before completions were handled as they fire,
+a quarter of the events went that way; now it is the sends that are not handled so, e.g. those
+a no-op waits for). When a completion would bring a successor to its threshold and the only
+other completions it waits for are deferred ones, the latest of those (by time and number) is
+the one that makes it ready: when that is a deferred one later than the new completion (a send
+still being pushed out while the receive beside it already has its message), that one becomes
+the event and the new one is deferred (:meth:`SimExecutor._defer_late`).
+Further, per event:
 
 * the clock is a heap of distinct **times** with a list of events per time (in event-number
   order), not a heap of events: recursive doubling's partners are symmetric, so about a fifth
@@ -85,7 +99,7 @@ import bisect
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -320,24 +334,25 @@ class SimExecutor:
     ``buffers`` (slot -> NumPy array) and ``kernels`` run it with data; without buffers it
     runs timing only, calling ``hooks[kernel](rank, execution, op)`` when a compute op of a
     hooked kernel fires. ``on_complete(e)`` runs when execution ``e`` completes, before a
-    persistent executor re-arms. Raises ``ValueError`` for an uncommitted schedule, a missing
-    buffer or kernel.
+    persistent executor re-arms. ``clocked`` names the kernels that read the clock (as hooks
+    may): their ops are fired at their own time, never ahead of it (module doc). Raises
+    ``ValueError`` for an uncommitted schedule, a missing buffer or kernel.
     """
 
     # P executors: slots keep each one small and its attributes one load away
-    __slots__ = ("_data", "_draining", "_final", "_fired", "_held", "_hooks", "_kernels",
-                 "_kind", "_lazy", "_left", "_loop", "_msg", "_msgs", "_n", "_nbytes",
-                 "_payloads", "_peer", "_pend", "_posted", "_ready", "_recv_sources", "_silent",
-                 "_source_fired", "_source_posts", "_start_sources", "_succ", "_tag", "_thr",
-                 "_unfired", "_views", "armed",
-                 "completed", "execution", "on_complete", "persistent", "rank", "receiver",
-                 "sched_id", "schedule", "started", "world")
+    __slots__ = ("_data", "_draining", "_early", "_final", "_fired", "_floor", "_held", "_hooks",
+                 "_kernels", "_kind", "_lazy", "_left", "_loop", "_msg", "_msgs", "_n", "_nbytes",
+                 "_no_floor", "_payloads", "_peer", "_pend", "_posted", "_ready", "_recv_sources",
+                 "_silent", "_source_fired", "_source_posts", "_start_sources", "_succ", "_tag",
+                 "_thr", "_unfired", "_views", "armed", "completed", "execution", "on_complete",
+                 "persistent", "rank", "receiver", "sched_id", "schedule", "started", "world")
 
     def __init__(self, world: SimWorld, schedule: Schedule, *, sched_id: int,
                  persistent: bool = False, buffers: Mapping[str, Any] | None = None,
                  kernels: Mapping[str, Kernel] | None = None,
                  hooks: Mapping[str, Hook] | None = None,
-                 on_complete: Callable[[int], None] | None = None) -> None:
+                 on_complete: Callable[[int], None] | None = None,
+                 clocked: Iterable[str] = ()) -> None:
         if not schedule.committed:
             raise ValueError(f"schedule {schedule.name!r} must be committed")
         if schedule.world_size != world.world_size:
@@ -380,6 +395,9 @@ class SimExecutor:
                 if op.kind == "compute" and hooks and op.kernel in hooks:
                     hook_of[i] = hooks[op.kernel]
         self._hooks: Sequence[Hook | None] = hook_of
+        self._early = _early_table(schedule, c, [
+            op.kind == "compute" and (hook_of[i] is not None or op.kernel in clocked)
+            for i, op in enumerate(ops)])
         self.execution = 0
         self.completed = -1
         self.armed = False
@@ -399,6 +417,10 @@ class SimExecutor:
         #: many of them count towards it
         self._lazy: list[tuple[float, int, int]] = []
         self._pend = [0] * self._n
+        #: per op, the time before which its work cannot start (a send handled when it was
+        #: posted made it ready: module doc), reset at arming
+        self._no_floor = [0.0] * self._n
+        self._floor = [0.0] * self._n
         self._ready: deque[int] = deque()
         self._draining = False
         self._posted: dict[tuple[int, int], int] = {}
@@ -409,12 +431,12 @@ class SimExecutor:
         self._payloads: dict[int, Payload] = {}
         table = (tuple(self._kind), tuple(tuple(x) for x in self._succ), tuple(self._thr),
                  bytes(self._silent), tuple(self._hooks), tuple(self._msg), tuple(self._tag),
-                 None if self._data else tuple(self._nbytes))
+                 self._early, None if self._data else tuple(self._nbytes))
         table = world.tables.setdefault(table, table)
         (self._kind, self._succ, self._thr, self._silent, self._hooks, self._msg,
-         self._tag) = table[:7]
-        if table[7] is not None:
-            self._nbytes = table[7]
+         self._tag, self._early) = table[:8]
+        if table[8] is not None:
+            self._nbytes = table[8]
         #: a delivery event's function, ``receiver(message, self)`` (:meth:`deliver`)
         self._loop, self.receiver = self._make_handlers()
         world.attach(self)
@@ -467,6 +489,7 @@ class SimExecutor:
     def _arm(self) -> None:
         # in place: the drain loop holds these lists across a re-arm
         self._left[:] = self._thr
+        self._floor[:] = self._no_floor
         if self._lazy:
             self._drop_lazy()
         self._posted.clear()
@@ -526,7 +549,7 @@ class SimExecutor:
                     break
             else:
                 return  # nobody waits for it any more: e.g. arrivals past a reached quorum
-        if t <= w.now + 1e-15:
+        if t <= w.now + 1e-15 or self._early[i]:
             self._complete(i)
         else:
             w.push(t, next(w.seq), self._loop, i, e)
@@ -546,6 +569,7 @@ class SimExecutor:
         ready = self._ready
         fired, left, succ, kind = self._fired, self._left, self._succ, self._kind
         final, silent, nbytes, hooks = self._final, self._silent, self._nbytes, self._hooks
+        early, floor = self._early, self._floor
         g, spb, rank, data = world.gamma, world.reduce_spb, self.rank, self._data
         push, seq, lazy, pend = world.push, world.seq, self._lazy, self._pend
         heappop, heappush = heapq.heappop, heapq.heappush
@@ -614,6 +638,8 @@ class SimExecutor:
                         t = cpu_free[rank]
                         if t < now:
                             t = now
+                        if t < floor[i]:
+                            t = floor[i]
                         t += g
                         cpu_free[rank] = t
                         msg = (rank, e, tag[i], msgk[i], nbytes[i], None, None, 0.0, g)
@@ -638,6 +664,11 @@ class SimExecutor:
                             bucket.append((next(seq), to.receiver, msg, to))
                         if silent[i]:
                             i = -1
+                        elif t > now and early[i]:
+                            # handled now: what it makes ready starts no sooner than t
+                            for s in succ[i]:
+                                if floor[s] < t:
+                                    floor[s] = t
                         elif t > now:
                             # _defer, inlined
                             q = next(seq)
@@ -688,7 +719,7 @@ class SimExecutor:
                                 if succ[i]:
                                     i = -1
                                     continue
-                            if t > now + 1e-15:
+                            if t > now + 1e-15 and not early[i]:
                                 if lazy:
                                     ex._defer(i, t, e)
                                 else:
@@ -698,6 +729,8 @@ class SimExecutor:
                         t = cpu_free[rank]
                         if t < now:
                             t = now
+                        if t < floor[i]:
+                            t = floor[i]
                         t += g + nbytes[i] * spb
                         cpu_free[rank] = t
                         if data:
@@ -706,7 +739,7 @@ class SimExecutor:
                             h = hooks[i]
                             if h is not None:
                                 h(rank, e, i)
-                        if t > now:
+                        if t > now and not early[i]:
                             # push(), inlined: a compute op's completion is a third of the events
                             bucket = pget(t)
                             if bucket is None:
@@ -748,7 +781,7 @@ class SimExecutor:
                                 break
                         else:
                             return
-                    if t <= now + 1e-15:
+                    if t <= now + 1e-15 or early[i]:
                         loop(i, e)
                         return
                     # _defer, inlined: the CPU was busy when the message came (common: the
@@ -810,11 +843,17 @@ class SimExecutor:
                 if arr is not None:
                     data = arr.copy().view(np.uint8).reshape(-1)
                     header = (dtype_to_wire(arr.dtype), (arr.size,), int(Format.DENSE))
+        if w.cpu_free[self.rank] < self._floor[i]:
+            w.cpu_free[self.rank] = self._floor[i]
         t = w.post(self.rank, self._peer[i], self.sched_id, e, self._tag[i], self._msg[i],
                    nbytes, data, header)
         if self._silent[i]:
             return
-        if t <= w.now:
+        if t <= w.now or self._early[i]:
+            floor = self._floor
+            for s in self._succ[i]:
+                if floor[s] < t:
+                    floor[s] = t
             self._complete(i)
         else:
             w.push(t, next(w.seq), self._loop, i, e)
@@ -967,6 +1006,22 @@ class _Compiled:
         self.msg = [_ACT if op.msg == "activation" else _DATA for op in ops]
         self.nbytes = [_ref_bytes(s, op.buf) if op.kind in ("send", "recv") else
                        _ref_bytes(s, op.output) if op.kind == "compute" else 0 for op in ops]
+
+
+def _early_table(s: Schedule, c: _Compiled, clocked: Sequence[bool]) -> bytes:
+    """Per op, 1 where a completion is handled when the op fires (module doc, "Completions
+    handled as they fire"): a compute op or a receive, not the final op, whose successors are
+    all sends, receives or compute ops that do not read the clock (``clocked``: hooked, or a
+    kernel named so), so that every op fired ahead of its time is work the rank's CPU does
+    after this one's, and nothing fired ahead of its time completes an execution."""
+    kind, succ = c.kind, c.succ
+    out = bytearray(len(s.ops))
+    for i, k in enumerate(kind):
+        if k == _NOP or i == c.final or not succ[i]:
+            continue
+        out[i] = all(x != c.final and (kind[x] == _SEND or (kind[x] == _RECV and k != _SEND) or (
+            kind[x] == _COMPUTE and not clocked[x])) for x in succ[i])
+    return bytes(out)
 
 
 def _compiled(s: Schedule) -> _Compiled:

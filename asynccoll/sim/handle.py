@@ -226,9 +226,11 @@ class SimPartial:
                   kernels: dict[str, Any] | None) -> SimExecutor:
         r = sched.rank
         hooks = None if bufs is not None else {"partial_snapshot": self._hook_snapshot}
+        # the snapshot kernel notes when an execution started (data mode): never fired ahead
         return SimExecutor(self.world, sched, sched_id=self.sched_id, persistent=True,
                            buffers=bufs, kernels=kernels, hooks=hooks,
-                           on_complete=functools.partial(self._on_complete, r))
+                           on_complete=functools.partial(self._on_complete, r),
+                           clocked=("partial_snapshot",))
 
     def staleness(self) -> np.ndarray:
         """Per call whose data went into an execution: that execution minus the round of the

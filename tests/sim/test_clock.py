@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from asynccoll.collectives.dense import barrier
+from asynccoll.sched import Schedule, SlotSpec
 from asynccoll.sim import LinkClass, Profile, SimExecutor, SimWorld
 
 FAST = Profile("test", LinkClass(1e-6, 1e-12), LinkClass(1e-6, 1e-12), gamma=1e-7,
@@ -116,3 +117,55 @@ def test_times_are_python_floats_whatever_at_is_given() -> None:
     w.run()
     assert seen == [float, float]
     assert w.now == 0.5
+
+
+@pytest.mark.timeout(10)
+def test_a_compute_op_s_successors_take_the_cpu_before_what_arrived_while_it_ran() -> None:
+    # as the runtime's drain loop: a compute op runs inline, and the send it enables is fired
+    # before the event loop reads what came in meanwhile. Rank 0 computes for 1 s, then sends;
+    # rank 1's message reaches rank 0 while it computes.
+    g, a = 1e-3, 1e-2
+    prof = Profile("t", LinkClass(a, 0.0), LinkClass(a, 0.0), gamma=g, reduce_bps=4000.0)
+    w = SimWorld(2, prof)
+    s0 = Schedule(0, 2, slots={"x": SlotSpec(1000, "float32")})
+    s0.recv(1, None, tag=1)
+    c = s0.compute("sum", ["x", "x"], "x")
+    s0.send(1, None, tag=2, deps=[c])
+    s1 = Schedule(1, 2)
+    s1.send(0, None, tag=1)
+    s1.recv(0, None, tag=2)
+    done: dict[int, float] = {}
+    ex0 = SimExecutor(w, s0.commit(), sched_id=1, on_complete=lambda e: done.setdefault(0, w.now))
+    ex1 = SimExecutor(w, s1.commit(), sched_id=1, on_complete=lambda e: done.setdefault(1, w.now))
+    ex0.start()
+    ex1.start()
+    w.run()
+    work = g + 4000 / 4000.0  # the compute op: gamma plus its bytes at reduce_bps
+    # rank 0's send leaves right after the compute op (one gamma), ahead of the receive
+    assert done[1] == pytest.approx(work + g + a + g)
+    # the receive (its message came at 2g + a) is done after the send
+    assert done[0] == pytest.approx(work + g + g)
+    assert w.events < 8
+
+
+@pytest.mark.timeout(10)
+def test_work_a_send_makes_ready_starts_once_its_bytes_are_out() -> None:
+    # the send's completion is handled when it is posted; the compute op after it still
+    # starts only when the interface has pushed the send's bytes (the op's floor)
+    g, a, b = 1e-3, 1e-2, 1e-4
+    prof = Profile("t", LinkClass(a, b), LinkClass(a, b), gamma=g, reduce_bps=4000.0)
+    w = SimWorld(2, prof)
+    s0 = Schedule(0, 2, slots={"x": SlotSpec(1000, "float32")})
+    snd = s0.send(1, "x", tag=1)
+    s0.compute("sum", ["x", "x"], "x", deps=[snd])
+    s1 = Schedule(1, 2, slots={"x": SlotSpec(1000, "float32")})
+    s1.recv(0, "x", tag=1)
+    done: dict[int, float] = {}
+    ex0 = SimExecutor(w, s0.commit(), sched_id=1, on_complete=lambda e: done.setdefault(0, w.now))
+    ex1 = SimExecutor(w, s1.commit(), sched_id=1, on_complete=lambda e: done.setdefault(1, w.now))
+    ex0.start()
+    ex1.start()
+    w.run()
+    out = g + 4000 * b  # the send's CPU, then its bytes through the interface
+    assert done[1] == pytest.approx(out + a + g)
+    assert done[0] == pytest.approx(out + g + 4000 / 4000.0)
