@@ -270,7 +270,7 @@ class SimWorld:
             t = now
         t += g
         self.cpu_free[src] = t
-        msg = (src, execution, tag, kind, nbytes, data, header, 0.0, g)
+        msg = (src, execution, tag * self.world_size + src, kind, nbytes, data, header, 0.0, g)
         # straight to the executor (attach() keeps that right if the endpoint changes hands)
         ex = self.endpoints.get((dst, sid))
         if src == dst:
@@ -341,11 +341,12 @@ class SimExecutor:
 
     # P executors: slots keep each one small and its attributes one load away
     __slots__ = ("_data", "_draining", "_early", "_final", "_fired", "_floor", "_held", "_hooks",
-                 "_kernels", "_kind", "_lazy", "_left", "_loop", "_msg", "_msgs", "_n", "_nbytes",
-                 "_no_floor", "_payloads", "_peer", "_pend", "_posted", "_ready", "_recv_sources",
-                 "_silent", "_source_fired", "_source_posts", "_start_sources", "_succ", "_tag",
-                 "_thr", "_unfired", "_views", "armed", "completed", "execution", "on_complete",
-                 "persistent", "rank", "receiver", "sched_id", "schedule", "started", "world")
+                 "_kernels", "_key", "_kind", "_lazy", "_left", "_loop", "_msg", "_msgs", "_n",
+                 "_nbytes", "_no_floor", "_payloads", "_peer", "_pend", "_posted", "_ready",
+                 "_recv_sources", "_silent", "_source_fired", "_source_posts", "_start_sources",
+                 "_succ", "_tag", "_thr", "_unfired", "_views", "armed", "completed", "execution",
+                 "on_complete", "persistent", "rank", "receiver", "sched_id", "schedule", "started",
+                 "world")
 
     def __init__(self, world: SimWorld, schedule: Schedule, *, sched_id: int,
                  persistent: bool = False, buffers: Mapping[str, Any] | None = None,
@@ -404,12 +405,11 @@ class SimExecutor:
         self.started = False
         self._unfired = bytes(self._n)
         #: what arming does to the source receives when no message waits for the execution
-        #: (:meth:`_arm`): each is fired and posted under its (peer, tag)
+        #: (:meth:`_arm`): each is fired and posted under its key
         fired_sources = bytearray(self._n)
         for i in self._recv_sources:
             fired_sources[i] = 1
         self._source_fired = bytes(fired_sources)
-        self._source_posts = {(self._peer[i], self._tag[i]): i for i in self._recv_sources}
         #: per op, how many more completions it waits for (its threshold at each arming)
         self._left = [0] * self._n
         self._fired = bytearray(self._n)
@@ -423,10 +423,10 @@ class SimExecutor:
         self._floor = [0.0] * self._n
         self._ready: deque[int] = deque()
         self._draining = False
-        self._posted: dict[tuple[int, int], int] = {}
+        self._posted: dict[int, int] = {}
         #: messages that came before their receive was posted: execution -> (source, tag) ->
         #: messages in arrival order (lists: almost always one, and a deque costs a block)
-        self._held: dict[int, dict[tuple[int, int], list[tuple[Any, ...]]]] = {}
+        self._held: dict[int, dict[int, list[tuple[Any, ...]]]] = {}
         self._msgs: dict[int, Message] = {}
         self._payloads: dict[int, Payload] = {}
         table = (tuple(self._kind), tuple(tuple(x) for x in self._succ), tuple(self._thr),
@@ -437,6 +437,12 @@ class SimExecutor:
          self._tag, self._early) = table[:8]
         if table[8] is not None:
             self._nbytes = table[8]
+        #: per op, the key its message is matched by, tag * P + the sending rank (an int: no
+        #: tuple to build and hash per message): a receive's peer, a send's own rank
+        P = world.world_size
+        self._key = [self._tag[i] * P + (self.rank if k == _SEND else self._peer[i])
+                     if k in (_SEND, _RECV) else -1 for i, k in enumerate(self._kind)]
+        self._source_posts = {self._key[i]: i for i in self._recv_sources}
         #: a delivery event's function, ``receiver(message, self)`` (:meth:`deliver`)
         self._loop, self.receiver = self._make_handlers()
         world.attach(self)
@@ -521,7 +527,8 @@ class SimExecutor:
             self.world.dropped += 1
             return
         raise SimulationError(f"rank {self.rank}: data message from rank {msg[0]} tag "
-                              f"{msg[2]} for execution {msg[1]}, which completed here")
+                              f"{msg[2] // self.world.world_size} for execution {msg[1]}, "
+                              "which completed here")
 
     def _recv_arrived(self, i: int, msg: tuple[Any, ...], arrived: float) -> None:
         w = self.world
@@ -538,7 +545,7 @@ class SimExecutor:
                         f"{data.nbytes} bytes, expected {arr.nbytes}")
                 arr[...] = data.view(arr.dtype).reshape(arr.shape)
             if header is not None or data is not None:
-                self._msgs[i] = _message(msg, self.sched_id)
+                self._msgs[i] = _message(msg, self.sched_id, self.world.world_size)
         if self._silent[i]:
             return
         succ = self._succ[i]
@@ -574,7 +581,8 @@ class SimExecutor:
         push, seq, lazy, pend = world.push, world.seq, self._lazy, self._pend
         heappop, heappush = heapq.heappop, heapq.heappush
         popleft, append, sid = ready.popleft, ready.append, self.sched_id
-        peer, tag, msgk, held, posted = self._peer, self._tag, self._msg, self._held, self._posted
+        peer, key_of, msgk = self._peer, self._key, self._msg
+        held, posted = self._held, self._posted
         pending, pget, times, tpush = world.pending, world.pending.get, world.times, heapq.heappush
         cpu_free, nic_free, eps = world.cpu_free, world.nic_free, world.endpoint_list(sid)
         inter, intra, host = world.inter, world.intra, world.host
@@ -642,7 +650,7 @@ class SimExecutor:
                             t = floor[i]
                         t += g
                         cpu_free[rank] = t
-                        msg = (rank, e, tag[i], msgk[i], nbytes[i], None, None, 0.0, g)
+                        msg = (rank, e, key_of[i], msgk[i], nbytes[i], None, None, 0.0, g)
                         if dst == rank:
                             tq = t + g
                         else:
@@ -689,7 +697,7 @@ class SimExecutor:
                             push(t, q, loop, i, e)
                             i = -1
                     elif k == _RECV:
-                        key = (peer[i], tag[i])
+                        key = key_of[i]
                         hq = held.get(e) if held else None
                         mq = hq.get(key) if hq is not None else None
                         if not mq:
@@ -753,13 +761,13 @@ class SimExecutor:
 
         def recv(msg: tuple[Any, ...], _to: Any) -> None:
             """:meth:`deliver` (a delivery event's function: ``recv(message, executor)``)."""
-            src, e, tg, _kind, _nbytes, _data, _header, extra, delay = msg
+            _src, e, key, _kind, _nbytes, _data, _header, extra, delay = msg
             cur = ex.execution
             if e < cur or (e == cur and not ex.armed and ex.completed == e):
                 ex._refuse(msg)
                 return
             if e == cur and ex.armed:
-                i = posted.pop((src, tg), -1)
+                i = posted.pop(key, -1)
                 if i >= 0:
                     now = world.now
                     if data:
@@ -803,16 +811,16 @@ class SimExecutor:
                     return
             hq = held.get(e)
             if hq is None:
-                held[e] = {(src, tg): [msg]}
-            elif (mq := hq.get((src, tg))) is None:
-                hq[(src, tg)] = [msg]
+                held[e] = {key: [msg]}
+            elif (mq := hq.get(key)) is None:
+                hq[key] = [msg]
             else:
                 mq.append(msg)
 
         return loop, recv
 
     def _fire_recv(self, i: int, e: int) -> None:
-        key = (self._peer[i], self._tag[i])
+        key = self._key[i]
         held = self._held.get(e)
         q = None if held is None else held.get(key)
         if q:
@@ -1050,8 +1058,9 @@ def _ref_bytes(s: Schedule, ref: Any) -> int:
     return int(max(n, 0) * (np.dtype(spec.dtype).itemsize if spec.dtype else 4))
 
 
-def _message(msg: tuple[Any, ...], sid: int) -> Message:
-    src, e, tag, kind, _nbytes, data, header = msg[:7]
+def _message(msg: tuple[Any, ...], sid: int, world_size: int) -> Message:
+    src, e, key, kind, _nbytes, data, header = msg[:7]
+    tag = key // world_size
     dtype, shape, fmt = header if header is not None else ("", (), int(Format.RAW))
     payload = memoryview(b"") if data is None else memoryview(data).cast("B")
     return Message(Header(PROTOCOL_VERSION, kind, sid, e, tag, src, dtype, shape, fmt,
