@@ -24,18 +24,22 @@ current time are handled inline, as the executor's drain loop does; later ones a
 except those handled as their op fires (next paragraph).
 
 **Completions handled as they fire.** When everything a receive or a compute op can make
-ready is a send, a receive, or a compute op that does not read the clock, its completion is
-handled when it fires (the receive: when its message is taken), not at its completion time:
-the ops it makes ready fire at once, and their CPU work queues on the rank behind its own, so
-none starts before it completes. That is the runtime's drain loop: a compute op runs inline
-and the send it enables goes out before the event loop reads what arrived meanwhile (the
-rank's CPU then serves this chain before a message that came in during it, where one event
-per completion served them in time order). A send's completion (its bytes pushed out) is
-handled when it is posted likewise, when all it can make ready are sends and compute ops that
-do not read the clock; their work starts no sooner than that time (a per-op floor, reset at
-arming). Ops that read the clock (hooked kernels, the ``clocked`` ones), no-ops and the
-final op are never fired ahead of their time. What is left is about one event per message
-(the solo run of issue 17 at P = 1024: 8.4 M events instead of 20.5 M).
+ready is a send, a receive, or a compute op that does not read the clock, each waiting for all
+its dependencies and each one the final op waits for (through all-of dependencies), its
+completion is handled when it fires (the receive: when its message is taken), not at its
+completion time: the ops it makes ready fire at once, and their CPU work queues on the rank
+behind its own, so none starts before it completes. That is the runtime's drain loop: a compute
+op runs inline and the send it enables goes out before the event loop reads what arrived
+meanwhile (the rank's CPU then serves this chain before a message that came in during it, where
+one event per completion served them in time order). A send's completion (its bytes pushed out)
+is handled when it is posted likewise, when all it can make ready are such sends and compute
+ops; they start no sooner than that time (a per-op floor, reset at arming), and where the rank's
+CPU would sit idle until then, the op fires at that time (an event), leaving the CPU to other
+work meanwhile. Ops that read the clock (hooked kernels, the ``clocked`` ones), no-ops and the
+final op are never fired ahead of their time; a k-of-n op is never made ready by a completion
+not yet due (another dependency might have been first), and an execution never completes
+before the completions handled ahead of time are due. What is left is about one event per
+message (the solo run of issue 17 at P = 1024: 8.4 M events instead of 20.5 M).
 
 **Data or timing only.** With ``kernels`` (a kernel registry, e.g.
 :data:`asynccoll.collectives.KERNELS`) and bound ``buffers``, sends carry copies of their
@@ -634,6 +638,13 @@ class SimExecutor:
                     if fired[i]:
                         i = -1
                         continue
+                    if floor[i] > now and floor[i] > cpu_free[rank]:
+                        # a send handled when posted made it ready, and the CPU would sit idle
+                        # until the send's bytes are out: fire it then (an event), leaving the
+                        # CPU to other work meanwhile
+                        push(floor[i], next(seq), refire, i, e)
+                        i = -1
+                        continue
                     fired[i] = 1
                     k = kind[i]
                     if k == _SEND:
@@ -646,8 +657,6 @@ class SimExecutor:
                         t = cpu_free[rank]
                         if t < now:
                             t = now
-                        if t < floor[i]:
-                            t = floor[i]
                         t += g
                         cpu_free[rank] = t
                         msg = (rank, e, key_of[i], msgk[i], nbytes[i], None, None, 0.0, g)
@@ -737,8 +746,6 @@ class SimExecutor:
                         t = cpu_free[rank]
                         if t < now:
                             t = now
-                        if t < floor[i]:
-                            t = floor[i]
                         t += g + nbytes[i] * spb
                         cpu_free[rank] = t
                         if data:
@@ -817,6 +824,12 @@ class SimExecutor:
             else:
                 mq.append(msg)
 
+        def refire(i: int, e: int) -> None:
+            """Fire op ``i`` of execution ``e`` now (its floor, above)."""
+            if e == ex.execution and ex.armed and not fired[i]:
+                append(i)
+                loop(-1, e)
+
         return loop, recv
 
     def _fire_recv(self, i: int, e: int) -> None:
@@ -851,8 +864,6 @@ class SimExecutor:
                 if arr is not None:
                     data = arr.copy().view(np.uint8).reshape(-1)
                     header = (dtype_to_wire(arr.dtype), (arr.size,), int(Format.DENSE))
-        if w.cpu_free[self.rank] < self._floor[i]:
-            w.cpu_free[self.rank] = self._floor[i]
         t = w.post(self.rank, self._peer[i], self.sched_id, e, self._tag[i], self._msg[i],
                    nbytes, data, header)
         if self._silent[i]:
@@ -1018,17 +1029,33 @@ class _Compiled:
 
 def _early_table(s: Schedule, c: _Compiled, clocked: Sequence[bool]) -> bytes:
     """Per op, 1 where a completion is handled when the op fires (module doc, "Completions
-    handled as they fire"): a compute op or a receive, not the final op, whose successors are
-    all sends, receives or compute ops that do not read the clock (``clocked``: hooked, or a
-    kernel named so), so that every op fired ahead of its time is work the rank's CPU does
-    after this one's, and nothing fired ahead of its time completes an execution."""
-    kind, succ = c.kind, c.succ
-    out = bytearray(len(s.ops))
+    handled as they fire"): a send, a receive or a compute op, not the final op, whose
+    successors are all sends, receives (not after a send) or compute ops that do not read the
+    clock (``clocked``: hooked, or a kernel named so), each waiting for all its dependencies
+    and one the final op waits for through all-of dependencies only. So every op fired ahead
+    of its time is work the rank's CPU does after this one's, no k-of-n op is fired by a
+    completion that was not yet due (it might have been another dependency's to fire), and
+    no execution completes before the completions handled ahead of time are due."""
+    kind, succ, ops = c.kind, c.succ, s.ops
+    # the ops the final op waits for through all-of dependencies only
+    needed = {c.final}
+    stack = [c.final]
+    while stack:
+        y = stack.pop()
+        if ops[y].k == len(ops[y].deps):
+            for d in ops[y].deps:
+                if d not in needed:
+                    needed.add(d)
+                    stack.append(d)
+    out = bytearray(len(ops))
     for i, k in enumerate(kind):
         if k == _NOP or i == c.final or not succ[i]:
             continue
-        out[i] = all(x != c.final and (kind[x] == _SEND or (kind[x] == _RECV and k != _SEND) or (
-            kind[x] == _COMPUTE and not clocked[x])) for x in succ[i])
+        out[i] = all(
+            x != c.final and x in needed and ops[x].k == len(ops[x].deps)
+            and (kind[x] == _SEND or (kind[x] == _RECV and k != _SEND)
+                 or (kind[x] == _COMPUTE and not clocked[x]))
+            for x in succ[i])
     return bytes(out)
 
 

@@ -169,3 +169,96 @@ def test_work_a_send_makes_ready_starts_once_its_bytes_are_out() -> None:
     out = g + 4000 * b  # the send's CPU, then its bytes through the interface
     assert done[1] == pytest.approx(out + a + g)
     assert done[0] == pytest.approx(out + g + 4000 / 4000.0)
+
+
+def _run(w: SimWorld, *exs: SimExecutor) -> None:
+    for ex in exs:
+        ex.start()
+    w.run()
+
+
+@pytest.mark.timeout(10)
+def test_the_cpu_is_free_for_other_work_while_a_send_s_bytes_go_out() -> None:
+    # rank 0: a big send (bytes out at about 0.4 s) and a small compute op after it, and an
+    # unrelated receive (its message at about 0.011 s) followed by a hooked op: the receive is
+    # served at once, not after the compute op that waits for the send
+    g, a, b = 1e-3, 1e-2, 1e-6
+    prof = Profile("t", LinkClass(a, b), LinkClass(a, b), gamma=g, reduce_bps=4e9)
+    n = 100_000
+    s0 = Schedule(0, 3, slots={"big": SlotSpec(n, "float32"), "y": SlotSpec(4, "float32")})
+    snd = s0.send(2, "big", tag=1)
+    c = s0.compute("sum", ["y", "y"], "y", deps=[snd])
+    r = s0.recv(1, None, tag=2)
+    h = s0.compute("copy", ["y"], "y", deps=[r])
+    s0.final = s0.nop(deps=[c, h])
+    s1 = Schedule(1, 3)
+    s1.send(0, None, tag=2)
+    s2 = Schedule(2, 3, slots={"big": SlotSpec(n, "float32")})
+    s2.recv(0, "big", tag=1)
+    w = SimWorld(3, prof)
+    seen: dict[str, float] = {}
+    ex0 = SimExecutor(w, s0.commit(), sched_id=1,
+                      hooks={"copy": lambda rank, e, op: seen.setdefault("ping", w.now)},
+                      on_complete=lambda e: seen.setdefault("done", w.now))
+    _run(w, ex0, SimExecutor(w, s1.commit(), sched_id=1),
+         SimExecutor(w, s2.commit(), sched_id=1))
+    assert seen["ping"] == pytest.approx(g + a + g)  # its send, the wire, its receive
+    assert seen["done"] == pytest.approx(g + 4 * n * b + g + 16 / 4e9)
+
+
+@pytest.mark.timeout(10)
+def test_a_k_of_n_op_is_fired_by_the_dependency_that_is_due_first() -> None:
+    # copy(tmp -> y) needs 1 of {a big send, a receive of 7s}: the receive is done long before
+    # the send's bytes are out, so it fires the copy, with its data
+    from asynccoll.collectives import KERNELS
+
+    g, a, b = 1e-3, 1e-2, 1e-6
+    prof = Profile("t", LinkClass(a, b), LinkClass(a, b), gamma=g, reduce_bps=4e9)
+    n = 100_000
+    s0 = Schedule(0, 3, slots={"big": SlotSpec(n, "float32"), "tmp": SlotSpec(4, "float32"),
+                               "y": SlotSpec(4, "float32")})
+    snd = s0.send(2, "big", tag=1)
+    r = s0.recv(1, "tmp", tag=2)
+    cp = s0.compute("copy", ["tmp"], "y", deps=[snd, r], k=1)
+    s0.final = s0.nop(deps=[cp])
+    s1 = Schedule(1, 3, slots={"tmp": SlotSpec(4, "float32")})
+    s1.send(0, "tmp", tag=2)
+    s2 = Schedule(2, 3, slots={"big": SlotSpec(n, "float32")})
+    s2.recv(0, "big", tag=1)
+    scheds = [s0.commit(), s1.commit(), s2.commit()]
+    bufs = [{k: np.zeros(v.count or 0, "float32") for k, v in s.slots.items()} for s in scheds]
+    bufs[1]["tmp"][:] = 7
+    w = SimWorld(3, prof)
+    done: dict[int, float] = {}
+    exs = [SimExecutor(w, s, sched_id=1, buffers=bb, kernels=KERNELS,
+                       on_complete=lambda e, r=r: done.setdefault(r, w.now))
+           for r, (s, bb) in enumerate(zip(scheds, bufs, strict=True))]
+    _run(w, *exs)
+    assert bufs[0]["y"].tolist() == [7.0] * 4
+    assert done[0] < 0.05  # not at the send's 0.4 s
+
+
+@pytest.mark.timeout(10)
+def test_no_op_fires_ahead_of_its_time_for_an_execution_that_ends_first() -> None:
+    # rank 0 computes until 0.15 s, then completes; a receive's message comes meanwhile and
+    # its completion (after the CPU is free) is past the end of the execution: its successor
+    # send must not go out for the finished execution (rank 1 would refuse it)
+    g, a, b = 1e-3, 0.01, 1e-6
+    prof = Profile("t", LinkClass(a, b), LinkClass(a, b), gamma=g, reduce_bps=4e5)
+    s0 = Schedule(0, 3, slots={"big": SlotSpec(15_000, "float32")})
+    x = s0.compute("sum", ["big", "big"], "big")
+    r = s0.recv(1, None, tag=2)
+    s0.send(1, None, tag=3, deps=[r])
+    s0.final = s0.nop(deps=[x])
+    s1 = Schedule(1, 3)
+    s1.send(0, None, tag=2)
+    s2 = Schedule(2, 3)
+    s2.nop()
+    w = SimWorld(3, prof)
+    done: dict[int, float] = {}
+    exs = [SimExecutor(w, s.commit(), sched_id=1,
+                       on_complete=lambda e, r=r: done.setdefault(r, w.now))
+           for r, s in enumerate((s0, s1, s2))]
+    _run(w, *exs)  # raised SimulationError (a data message for a completed execution)
+    assert done[0] == pytest.approx(g + 60_000 / 4e5)
+    assert w.messages == 1
