@@ -3,32 +3,37 @@ P = 4 and 8 on this machine, against their measurements.
 
     python bench/sim_validate.py [--quick] [--out FILE.json] [--plot FILE.png]
                                  [--profile PROFILE.json] [--measure]
-                                 [--skew-json F] [--allreduce-json F]
+                                 [--skew-json F] [--allreduce-json F] [--replay F]
 
 1. The profile: ``--profile`` (a calibrated JSON), or a fresh ``asynccoll sim calibrate`` (tcp,
    about 15 s). All P ranks share this host: ``profile.placed(P)``, so with P above the
-   machine's cores every CPU cost is scaled by P / cores and the intra-host link is priced
-   with the time-shared cores' figures (:mod:`asynccoll.sim.cost`).
+   machine's cores the ranks' CPU work queues for a pool of the machine's cores and a
+   message between them is its receiver's CPU work, priced with the pool's fitted figures
+   (:mod:`asynccoll.sim.cost`). A stored profile without them gets them fitted from its
+   time-shared world's periods (``figures``) here.
 2. The measurements: ``--measure`` runs ``bench/skew.py --quick --P 4,8`` (asynccoll's kinds) and
    ``bench/allreduce.py --quick --P 4,8 --impls asynccoll-tcp`` now (about a minute on two
    cores), else the JSON files given (default ``bench/results/skew.json`` and
-   ``bench/results/allreduce.json``, the last full runs).
+   ``bench/results/allreduce.json``, the last full runs); ``--replay F`` takes the
+   measurements and the profile of a JSON this script wrote and predicts them again.
 3. The predictions, the same experiments in the simulator: skew: rank r computes r ms, a
    barrier between iterations, a 4-byte float32 sum, the mean call latency over ranks and
    iterations, for ``sync``, ``solo``, ``majority``, ``two_choice`` and ``quorum`` (k = P/2);
    allreduce: a barrier before each call, the call's time is the slowest rank's, median over
-   calls, for 4 B, 4 KiB and 1 MiB (``asynccoll-tcp``). After every barrier the ranks leave
-   in waves (:meth:`Profile.exit_offsets`), added to their compute times.
+   calls, for 4 B, 4 KiB and 1 MiB (``asynccoll-tcp``).
 
-Each row has ``measured_us``, ``predicted_us`` and ``error`` (predicted / measured - 1), and
-``predicted_scaled_us`` / ``error_scaled``: the scaled model alone (no time-shared figures, no
-waves), for comparison; the target is |error| <= 25 %. The plot draws predicted against
-measured on log axes with the +-25 % band.
+Each row has ``measured_us``, ``predicted_us`` and ``error`` (predicted / measured - 1) of the
+pool, and for comparison ``predicted_shared_us`` / ``error_shared`` (the scaled model with the
+time-shared figures and the exit waves of :meth:`Profile.exit_offsets` added to the compute
+times after every barrier: the model before the pool) and ``predicted_scaled_us`` /
+``error_scaled`` (the scaled model alone, no time-shared figures, no waves); the target is
+|error| <= 25 %. The plot draws predicted against measured on log axes with the +-25 % band.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -76,12 +81,37 @@ def _compute(prof: Profile, base: np.ndarray, seed: int) -> np.ndarray:
                                     np.random.default_rng(seed + 1000))
 
 
+def _placed(prof: Profile, P: int, model: str) -> Profile:
+    """``prof`` with P ranks on this host by ``model``: ``pool``, ``shared`` (module doc) or
+    ``scaled`` (the scaled model without the time-shared figures)."""
+    if model == "scaled":
+        return prof.with_(shared=None, ranks_per_host=P)
+    return prof.placed(P, model)
+
+
+def with_pool(prof: Profile) -> Profile:
+    """``prof`` with the pool's figures, fitted from its time-shared world's periods when it
+    lacks them (a profile calibrated before the pool existed)."""
+    sh = prof.shared
+    if sh is None or sh.msg_cpu > 0:
+        return prof
+    from asynccoll.sim.calibrate import fit_pool
+
+    n = sh.world or 2 * prof.cores
+    f = prof.figures
+    big = [k for k in f if k.startswith(f"shared_p{n}_allreduce_")]
+    if f"shared_p{n}_barrier_us" not in f or not big:
+        return prof
+    large = int(big[0].split("_")[3].rstrip("B"))
+    m, b = fit_pool(prof, n, f[f"shared_p{n}_barrier_us"] * 1e-6, f[big[0]] * 1e-6, large)
+    return prof.with_(shared=dataclasses.replace(sh, msg_cpu=m, byte_cpu=b))
+
+
 def predict_skew(prof: Profile, P: int, impl: str, iters: int, skew_s: float,
-                 scaled: bool = False) -> float:
-    """Mean call latency of ``bench/skew.py`` (``scaled``: the model without the time-shared
-    cores' figures and waves, as before they were measured)."""
+                 model: str = "pool") -> float:
+    """Mean call latency of ``bench/skew.py`` under ``model`` (:func:`_placed`)."""
     pol = f"quorum:{max(1, P // 2)}" if impl == "quorum" else impl
-    pp = prof.with_(shared=None, ranks_per_host=P) if scaled else prof.placed(P)
+    pp = _placed(prof, P, model)
     base = LinearSkew(skew_s).sample(iters, P, np.random.default_rng(1))
     run = simulate(pol, P, iters, profile=pp, compute=_compute(pp, base, 1), barrier=True,
                    nbytes=4, seed=1)
@@ -89,10 +119,10 @@ def predict_skew(prof: Profile, P: int, impl: str, iters: int, skew_s: float,
 
 
 def predict_allreduce(prof: Profile, P: int, size: int, calls: int,
-                      scaled: bool = False) -> float:
+                      model: str = "pool") -> float:
     """``bench/allreduce.py``'s statistic: per call the slowest rank's time from its exit of
-    the barrier before the call, median over calls."""
-    pp = prof.with_(shared=None, ranks_per_host=P) if scaled else prof.placed(P)
+    the barrier before the call, median over calls, under ``model`` (:func:`_placed`)."""
+    pp = _placed(prof, P, model)
     run = simulate("sync", P, calls, profile=pp,
                    compute=_compute(pp, np.zeros((calls, P)), 0), barrier=True, nbytes=size)
     return float(np.median(run.latency.reshape(P, calls).max(axis=0)))
@@ -128,6 +158,39 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def _cases(a: argparse.Namespace) -> tuple[Profile | None, list[dict[str, Any]], int, float,
+                                            str]:
+    """The measured cases (bench_case, impl, P, size, measured_us and its min and max), the
+    profile if they come with one (``--replay``), the skew benchmark's iterations and skew,
+    and where the measurements come from."""
+    if a.replay:
+        with open(a.replay) as f:
+            d = json.load(f)
+        keep = ("bench_case", "impl", "P", "size", "measured_us", "measured_us_min",
+                "measured_us_max")
+        return (Profile.from_json(d["params"]["profile"]),
+                [{k: r[k] for k in keep if k in r} for r in d["rows"]],
+                16 if d["params"]["quick"] else 64, 1e-3,
+                f"replayed from {os.path.basename(a.replay)} ({d['params']['measured']}; its "
+                "profile)")
+    skew, ar, source = measured(a)
+    cases: list[dict[str, Any]] = []
+    for row in skew["rows"]:
+        if row["P"] in (4, 8) and row["impl"] in SKEW_IMPLS:
+            cases.append({"bench_case": "skew", "impl": row["impl"], "P": row["P"],
+                          "measured_us": float(row["latency_us_mean"]),
+                          "measured_us_min": row.get("latency_us_min"),
+                          "measured_us_max": row.get("latency_us_max")})
+    for row in ar["rows"]:
+        if row["impl"] == "asynccoll-tcp" and row["P"] in (4, 8) and row["size"] in SIZES:
+            cases.append({"bench_case": "allreduce", "impl": "asynccoll-tcp", "P": row["P"],
+                          "size": row["size"], "measured_us": float(row["time_us_median"]),
+                          "measured_us_min": row.get("time_us_min"),
+                          "measured_us_max": row.get("time_us_max")})
+    iters = 16 if a.quick else int(skew["params"].get("iters", 64))
+    return None, cases, iters, float(skew["params"].get("skew_s", 1e-3)), source
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -139,53 +202,47 @@ def main() -> None:
     ap.add_argument("--skew-json", default=os.path.join(HERE, "results", "skew.json"))
     ap.add_argument("--allreduce-json", default=os.path.join(HERE, "results",
                                                              "allreduce.json"))
+    ap.add_argument("--replay", default=None,
+                    help="a JSON this script wrote: its measurements and profile, predicted "
+                         "again by the current simulator (no measuring, no calibration)")
     a = ap.parse_args()
-    if a.profile:
+    stored, cases, iters, skew_s, source = _cases(a)
+    if stored is not None:
+        prof = stored
+    elif a.profile:
         prof = Profile.load(a.profile)
     else:
         from asynccoll.sim.calibrate import calibrate
 
         prof = calibrate(("tcp",), calls=30 if a.quick else 60)["tcp"]
-    skew, ar, source = measured(a)
+    prof = with_pool(prof)
     rows: list[dict[str, Any]] = []
-    iters = 16 if a.quick else int(skew["params"].get("iters", 64))
-    skew_s = float(skew["params"].get("skew_s", 1e-3))
-    for row in skew["rows"]:
-        if row["P"] not in (4, 8) or row["impl"] not in SKEW_IMPLS:
-            continue
-        pred = predict_skew(prof, row["P"], row["impl"], iters, skew_s) * 1e6
-        old = predict_skew(prof, row["P"], row["impl"], iters, skew_s, scaled=True) * 1e6
-        meas = float(row["latency_us_mean"])
-        rows.append({"bench_case": "skew", "impl": row["impl"], "P": row["P"],
-                     "measured_us": meas, "measured_us_min": row.get("latency_us_min"),
-                     "measured_us_max": row.get("latency_us_max"), "predicted_us": pred,
-                     "error": pred / meas - 1, "predicted_scaled_us": old,
-                     "error_scaled": old / meas - 1})
-    for row in ar["rows"]:
-        if row["impl"] != "asynccoll-tcp" or row["P"] not in (4, 8) or row["size"] not in SIZES:
-            continue
-        calls = 10 if a.quick else 30
-        pred = predict_allreduce(prof, row["P"], row["size"], calls) * 1e6
-        old = predict_allreduce(prof, row["P"], row["size"], calls, scaled=True) * 1e6
-        meas = float(row["time_us_median"])
-        rows.append({"bench_case": "allreduce", "impl": "asynccoll-tcp", "P": row["P"],
-                     "size": row["size"], "measured_us": meas,
-                     "measured_us_min": row.get("time_us_min"),
-                     "measured_us_max": row.get("time_us_max"), "predicted_us": pred,
-                     "error": pred / meas - 1, "predicted_scaled_us": old,
-                     "error_scaled": old / meas - 1})
+    for c in cases:
+        if c["bench_case"] == "skew":
+            pool, shared, old = (predict_skew(prof, c["P"], c["impl"], iters, skew_s, m) * 1e6
+                                 for m in ("pool", "shared", "scaled"))
+        else:
+            calls = 10 if a.quick or iters == 16 else 30
+            pool, shared, old = (predict_allreduce(prof, c["P"], c["size"], calls, m) * 1e6
+                                 for m in ("pool", "shared", "scaled"))
+        meas = c["measured_us"]
+        rows.append({**c, "predicted_us": pool, "error": pool / meas - 1,
+                     "predicted_shared_us": shared, "error_shared": shared / meas - 1,
+                     "predicted_scaled_us": old, "error_scaled": old / meas - 1})
     within = sum(abs(r["error"]) <= 0.25 for r in rows)
     for r in rows:
         print(f"{r['bench_case']:9s} {r['impl']:13s} P={r['P']} {r.get('size', ''):>8} "
               f"measured {r['measured_us']:9.0f} us  predicted {r['predicted_us']:9.0f} us  "
-              f"error {r['error']:+.0%}  (scaled model alone {r['error_scaled']:+.0%})",
-              file=sys.stderr)
+              f"error {r['error']:+.0%}  (shared {r['error_shared']:+.0%}, scaled alone "
+              f"{r['error_scaled']:+.0%})", file=sys.stderr)
     within_old = sum(abs(r["error_scaled"]) <= 0.25 for r in rows)
-    print(f"{within}/{len(rows)} within 25 % ({within_old} with the scaled model alone)",
-          file=sys.stderr)
-    write_json(a.out, "sim_validate", {"quick": a.quick, "measured": source,
+    within_shared = sum(abs(r["error_shared"]) <= 0.25 for r in rows)
+    print(f"{within}/{len(rows)} within 25 % ({within_shared} with the shared model, "
+          f"{within_old} with the scaled model alone)", file=sys.stderr)
+    write_json(a.out, "sim_validate", {"quick": a.quick or iters == 16, "measured": source,
                                         "profile": prof.to_json()}, rows,
                extra={"summary": {"within_25pct": within, "rows": len(rows),
+                                  "within_25pct_shared_model": within_shared,
                                   "within_25pct_scaled_model": within_old,
                                   "abs_error_median": float(np.median(
                                       [abs(r["error"]) for r in rows]))}})

@@ -18,7 +18,9 @@ What is measured (about 30 s per transport on a 2-core machine):
   ``beta`` the per-byte cost that does the same for the allreduce (:func:`fit_shared`; the
   simulator's own schedules and scaling, so only the link's two figures are fitted); and
   ``exit_gap`` the median spread of the ranks' exits from a barrier there (two waves of
-  ``cores`` ranks: one gap).
+  ``cores`` ranks: one gap); and the **pool's** figures from the same two periods
+  (:func:`fit_pool`): the CPU per message and per byte at the receiver that make the
+  simulated world, its cores a pool, take what the real one took.
 
 Both link classes get the measured figures (every rank of this machine shares one host, so the
 inter-host class is a stand-in until calibrated on two hosts). ``cores`` is the number of cores
@@ -29,6 +31,7 @@ with :meth:`~asynccoll.sim.cost.Profile.placed` (``bench/sim_validate.py`` does)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing as mp
 import os
 import queue
@@ -42,7 +45,8 @@ import numpy as np
 
 from .cost import LinkClass, Profile, SharedCores
 
-__all__ = ["available_transports", "calibrate", "fit_shared", "measure_gamma", "measure_reduce"]
+__all__ = ["available_transports", "calibrate", "fit_pool", "fit_shared", "measure_gamma",
+           "measure_reduce"]
 
 _SECRET = "asynccoll-sim-calibration-secret-0123456789"
 
@@ -255,6 +259,23 @@ def fit_shared(prof: Profile, world: int, barrier_s: float, large_s: float, larg
     return SharedCores(alpha, beta, exit_gap, world)
 
 
+def fit_pool(prof: Profile, world: int, barrier_s: float, large_s: float,
+             large: int) -> tuple[float, float]:
+    """The pool's figures (:mod:`.cost`): ``(msg_cpu, byte_cpu)``, the CPU seconds per message
+    and per byte at its receiver that make the simulated world of ``world`` ranks on one host
+    (``prof``'s cores as a pool, no intra-host delay) take ``barrier_s`` per barrier and
+    ``large_s`` per ``large``-byte allreduce, back to back; as :func:`fit_shared`, each by the
+    secant method on the simulator itself."""
+    def pooled(m: float, b: float) -> Profile:
+        return prof.with_(ranks_per_host=world, shared=None, pool=True, msg_cpu=m,
+                          intra=LinkClass(0.0, b))
+
+    msg = _solve(lambda m: _sim_barrier_period(pooled(m, 0.0)), barrier_s, 1e-6, 1e-3, 1e-7)
+    per_byte = _solve(lambda b: _sim_allreduce_period(pooled(msg, b), large), large_s,
+                      1e-12, 1e-9, 1e-13)
+    return msg, per_byte
+
+
 def _solve(f: Callable[[float], float], target: float, x0: float, x1: float,
            lo: float) -> float:
     """``x >= lo`` with ``f(x) = target`` for an increasing ``f`` (secant steps)."""
@@ -318,11 +339,15 @@ def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
             n = 2 * cores
             bar_s, big_s, gap = (float(np.median([w[i] for w in worlds])) for i in range(3))
             sh = fit_shared(prof, n, bar_s, big_s, large, gap)
+            msg_cpu, byte_cpu = fit_pool(prof, n, bar_s, big_s, large)
+            sh = dataclasses.replace(sh, msg_cpu=msg_cpu, byte_cpu=byte_cpu)
             figures.update({f"shared_p{n}_barrier_us": bar_s * 1e6,
                             f"shared_p{n}_allreduce_{large}B_us": big_s * 1e6,
                             f"shared_p{n}_exit_spread_us": gap * 1e6,
                             "shared_alpha_us": sh.alpha * 1e6,
-                            "shared_beta_GBps": 1e-9 / sh.beta})
+                            "shared_beta_GBps": 1e-9 / sh.beta,
+                            "pool_msg_cpu_us": msg_cpu * 1e6,
+                            "pool_byte_cpu_GBps": 1e-9 / byte_cpu})
             prof = prof.with_(shared=sh)
         out[tr] = prof
     return out

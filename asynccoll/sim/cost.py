@@ -12,12 +12,32 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
   bytes divided by ``reduce_bps``;
 * a **call** of a collective costs ``call_overhead`` to enter the runtime and leave it (the
   progress thread's hop), half on each side;
-* a rank's CPU work is **serialised** (one op at a time), and when more ranks share a host than
-  it has ``cores``, every CPU cost, the intra-host ``alpha`` and ``beta`` (between processes
-  of one host a message is CPU work: the kernel's and the runtime's, no wire) and the call
-  overhead are multiplied by ``ranks_per_host / cores``. Coarse: it assumes every rank works
-  at once. (A pool of cores per host, where waiting ranks cost nothing, predicted this
-  machine's benchmarks worse; see ``docs/sim.md``.)
+* a rank's CPU work is **serialised** (one op at a time);
+* when more ranks share a host than it has ``cores`` (``bench/sim_validate.py``'s case: P = 4
+  and 8 on this 2-core machine), two models, chosen by :meth:`Profile.placed`:
+
+  - **the pool** (``pool``, the default where calibrated): the host's ``cores`` are a pool, and
+    every piece of a rank's CPU work (an op, a message's receipt, the call overhead) runs on
+    one of them once the rank's earlier work is done: on the core free latest before it
+    could start, else on the first to free (:meth:`~asynccoll.sim.engine.SimWorld.charge`;
+    in the order the simulator books work, which is its event order but for the completions
+    it handles as they fire). A rank with nothing to do costs nothing, so staggered ranks find
+    idle cores and ranks that all work at once queue. A message between two ranks of such a
+    host is CPU work at its receiver: ``msg_cpu`` plus its bytes times the intra-host
+    ``beta``, after the intra-host ``alpha`` (0 as calibrated). ``msg_cpu`` and that ``beta``
+    are not the two-process figures: they are fitted, as the shared figures below, so that
+    the simulated world of ``2 * cores`` ranks takes what the real one took per barrier and
+    per large allreduce (:func:`asynccoll.sim.calibrate.fit_pool`): on this machine about
+    150 µs of CPU per message, twice the two-process ``alpha``, which is what a wake-up on a
+    time-shared core costs (our reading: the context switches and the caches they empty; a
+    pool priced with the two-process figures predicted every benchmark 40-50 % too fast).
+    The exit waves below come out of the pool by themselves.
+  - **the scale** (``"shared"``, and the only one for profiles without the pool's figures):
+    every CPU cost, the intra-host ``alpha`` and ``beta`` (between processes of one host a
+    message is CPU work: the kernel's and the runtime's, no wire) and the call overhead are
+    multiplied by ``ranks_per_host / cores``. Coarse: it assumes every rank works at once.
+    With the time-shared figures below it predicted the dense allreduce well and staggered
+    arrivals (``bench/skew.py``) too slow.
 * **time-shared cores** (``shared``, a :class:`SharedCores`): when the ranks outnumber the
   cores, every wake-up is a context switch (not an idle core's), and what a message costs is
   not the two-process figure times the scale: on this 2-core machine, quiet, a P = 4
@@ -76,9 +96,13 @@ class SharedCores:
     beta: float
     exit_gap: float
     world: int = 0
+    #: the pool's figures, fitted in the same world (module doc): CPU seconds per message and
+    #: per byte at the receiver; 0: not measured (older profiles: the scaled model only)
+    msg_cpu: float = 0.0
+    byte_cpu: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "exit_gap", "world"):
+        for name in ("alpha", "beta", "exit_gap", "world", "msg_cpu", "byte_cpu"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
@@ -101,6 +125,12 @@ class Profile:
     figures: dict[str, Any] = field(default_factory=dict)
     #: the time-shared cores' figures (module doc); None: the scaled ones alone
     shared: SharedCores | None = None
+    #: price an oversubscribed host with a pool of ``cores`` (module doc) instead of the scale
+    pool: bool = False
+    #: with the pool: CPU seconds a message between two ranks of one host costs its receiver
+    #: (the intra-host link's ``beta`` is then the receiver's CPU per byte, and ``alpha`` its
+    #: delay)
+    msg_cpu: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.gamma >= 0:
@@ -113,29 +143,44 @@ class Profile:
             raise ValueError(f"call_overhead must be >= 0, got {self.call_overhead!r}")
         if self.cores < 0:
             raise ValueError(f"cores must be >= 0 (0: one per rank), got {self.cores!r}")
+        if not self.msg_cpu >= 0:
+            raise ValueError(f"msg_cpu must be >= 0, got {self.msg_cpu!r}")
 
     @property
     def cpu_scale(self) -> float:
         """The factor CPU costs are multiplied by: ranks per host over cores when more ranks
         than cores share a host, else 1."""
-        if self.cores and self.ranks_per_host > self.cores:
+        if self.cores and self.ranks_per_host > self.cores and not self.pool:
             return self.ranks_per_host / self.cores
         return 1.0
+
+    @property
+    def pooled(self) -> bool:
+        """CPU work queues for a pool of ``cores`` per host (``pool`` set, oversubscribed)."""
+        return self.pool and self.oversubscribed
 
     @property
     def oversubscribed(self) -> bool:
         """More ranks per host than cores (``cores`` known)."""
         return bool(self.cores) and self.ranks_per_host > self.cores
 
-    def placed(self, ranks_per_host: int) -> Profile:
-        """This machine with ``ranks_per_host`` ranks on each host: a copy whose intra-host
-        link is the time-shared cores' (:attr:`shared`, module doc) when the ranks outnumber
-        the cores, the dedicated one otherwise. Place the calibrated
-        profile, not a placed one: an oversubscribed placement keeps only the shared figures
-        (``shared`` becomes None)."""
+    def placed(self, ranks_per_host: int, model: str = "pool") -> Profile:
+        """This machine with ``ranks_per_host`` ranks on each host. When the ranks outnumber
+        the cores and the time-shared figures (:attr:`shared`) were measured: ``model="pool"``
+        (the default, where :attr:`shared` has the pool's figures) queues CPU work for a pool of
+        ``cores`` per host and prices a message between two of its ranks as its receiver's CPU
+        (module doc); ``"shared"`` scales every cost by ranks per core and prices the intra-host
+        link with the fitted shared ``alpha`` and ``beta`` (and exit waves). Otherwise the
+        dedicated link. Place the calibrated profile, not a placed one: an oversubscribed
+        placement keeps only the figures of its model (``shared`` becomes None)."""
+        if model not in ("pool", "shared"):
+            raise ValueError(f"model must be 'pool' or 'shared', got {model!r}")
         p = self.with_(ranks_per_host=ranks_per_host)
         if p.oversubscribed and p.shared is not None:
             sh = p.shared
+            if model == "pool" and sh.msg_cpu > 0:
+                return p.with_(intra=LinkClass(0.0, sh.byte_cpu), shared=None, pool=True,
+                               msg_cpu=sh.msg_cpu)
             return p.with_(intra=LinkClass(sh.alpha, sh.beta), shared=None,
                            figures={**p.figures, "exit_gap_s": sh.exit_gap})
         return p
@@ -144,7 +189,7 @@ class Profile:
     def exit_gap(self) -> float:
         """Seconds between the waves of ranks leaving a collective: the shared figure, kept
         in ``figures`` by :meth:`placed`; 0 when the ranks do not outnumber the cores."""
-        if not self.oversubscribed:
+        if not self.oversubscribed or self.pooled:
             return 0.0
         if self.shared is not None:
             return self.shared.exit_gap
@@ -196,7 +241,9 @@ class Profile:
                        call_overhead=float(d.get("call_overhead", 0.0)),
                        source=str(d.get("source", "")),
                        figures=dict(d.get("figures", {})),
-                       shared=SharedCores(**d["shared"]) if d.get("shared") else None)
+                       shared=SharedCores(**d["shared"]) if d.get("shared") else None,
+                       pool=bool(d.get("pool", False)),
+                       msg_cpu=float(d.get("msg_cpu", 0.0)))
         except KeyError as exc:
             raise ValueError(f"profile lacks field {exc.args[0]!r}") from None
 

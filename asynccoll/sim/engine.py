@@ -158,6 +158,12 @@ class SimWorld:
         self.cpu_free = [0.0] * world_size
         self.nic_free = [0.0] * world_size
         rph = profile.ranks_per_host
+        #: the pool of cores (:mod:`.cost`): per host, when each core is next free
+        self.pooled = profile.pooled
+        self.cores_free = [[0.0] * max(profile.cores, 1)
+                           for _ in range((world_size + rph - 1) // rph)] if self.pooled else []
+        #: with the pool, what an intra-host message costs its receiver's CPU beyond gamma
+        self.msg_cpu = profile.msg_cpu if self.pooled else 0.0
         self.host = [r // rph for r in range(world_size)]
         self._one_per_host = rph == 1
         # more ranks than cores on a host: a message between two of them is CPU work too
@@ -253,11 +259,34 @@ class SimWorld:
     def cpu(self, rank: int, cost: float, at: float | None = None) -> float:
         """Occupy ``rank``'s CPU for ``cost`` seconds from ``at`` (default now), or when it
         frees; return when the work is done."""
-        t = self.cpu_free[rank]
         start = self.now if at is None else at
+        if self.pooled:
+            return self.charge(rank, start, cost)
+        t = self.cpu_free[rank]
         if t < start:
             t = start
         t += cost
+        self.cpu_free[rank] = t
+        return t
+
+    def charge(self, rank: int, ready: float, cost: float) -> float:
+        """The pool (:mod:`.cost`): ``rank``'s work of ``cost`` seconds, ready at ``ready``,
+        runs once the rank's earlier work is done, on the core of its host free latest before
+        then (leaving the earlier free ones to others) or, when none is, on the first to free.
+        Returns when it is done."""
+        t = self.cpu_free[rank]
+        if t < ready:
+            t = ready
+        cores = self.cores_free[self.host[rank]]
+        best = -1
+        for j, c in enumerate(cores):
+            if c <= t and (best < 0 or c > cores[best]):
+                best = j
+        if best < 0:
+            best = min(range(len(cores)), key=cores.__getitem__)
+            t = cores[best]
+        t += cost
+        cores[best] = t
         self.cpu_free[rank] = t
         return t
 
@@ -269,12 +298,18 @@ class SimWorld:
         (saving an event per message; a busy receiver schedules the completion later)."""
         g = self.gamma
         now = self.now
-        t = self.cpu_free[src]
-        if t < now:
-            t = now
-        t += g
-        self.cpu_free[src] = t
-        msg = (src, execution, tag * self.world_size + src, kind, nbytes, data, header, 0.0, g)
+        if self.pooled:
+            t = self.charge(src, now, g)
+        else:
+            t = self.cpu_free[src]
+            if t < now:
+                t = now
+            t += g
+            self.cpu_free[src] = t
+        x = 0.0  # the receiver's CPU beyond gamma: with the pool, an intra-host message's
+        if self.pooled and src != dst and self.host[src] == self.host[dst]:
+            x = self.msg_cpu + nbytes * self.intra[1]
+        msg = (src, execution, tag * self.world_size + src, kind, nbytes, data, header, x, g + x)
         # straight to the executor (attach() keeps that right if the endpoint changes hands)
         ex = self.endpoints.get((dst, sid))
         if src == dst:
@@ -283,13 +318,15 @@ class SimWorld:
         else:
             a, b = self.inter if self._one_per_host or self.host[src] != self.host[dst] \
                 else self.intra
+            if x:
+                b = 0.0  # the bytes are the receiver's CPU work (x)
             t0 = self.nic_free[src]
             if t0 < t:
                 t0 = t
             out = t0 + nbytes * b
             self.nic_free[src] = out
             self.messages += 1
-            t = out + a + g
+            t = out + a + g + x
         if ex is None:
             self.push(t, next(self.seq), self.deliver, (dst, sid), msg)
             return out
@@ -581,6 +618,7 @@ class SimExecutor:
         fired, left, succ, kind = self._fired, self._left, self._succ, self._kind
         final, silent, nbytes, hooks = self._final, self._silent, self._nbytes, self._hooks
         early, floor = self._early, self._floor
+        pooled, charge, mcpu = world.pooled, world.charge, world.msg_cpu
         g, spb, rank, data = world.gamma, world.reduce_spb, self.rank, self._data
         push, seq, lazy, pend = world.push, world.seq, self._lazy, self._pend
         heappop, heappush = heapq.heappop, heapq.heappush
@@ -654,23 +692,38 @@ class SimExecutor:
                             continue
                         # SimWorld.post, inlined: a send is a third of the ops
                         dst = peer[i]
-                        t = cpu_free[rank]
-                        if t < now:
-                            t = now
-                        t += g
-                        cpu_free[rank] = t
-                        msg = (rank, e, key_of[i], msgk[i], nbytes[i], None, None, 0.0, g)
+                        if pooled:
+                            t = charge(rank, now, g)
+                        else:
+                            t = cpu_free[rank]
+                            if t < now:
+                                t = now
+                            t += g
+                            cpu_free[rank] = t
                         if dst == rank:
+                            msg = (rank, e, key_of[i], msgk[i], nbytes[i], None, None, 0.0, g)
                             tq = t + g
                         else:
-                            a, b = inter if host[dst] != myhost else intra
+                            if host[dst] != myhost or not pooled:
+                                a, b = inter if host[dst] != myhost else intra
+                                msg = (rank, e, key_of[i], msgk[i], nbytes[i], None, None, 0.0,
+                                       g)
+                                d = g
+                            else:
+                                # the pool: the message is its receiver's CPU work
+                                a, b = intra
+                                d = mcpu + nbytes[i] * b
+                                b = 0.0
+                                msg = (rank, e, key_of[i], msgk[i], nbytes[i], None, None,
+                                       d, g + d)
+                                d += g
                             tq = nic_free[rank]
                             if tq < t:
                                 tq = t
                             t = tq + nbytes[i] * b
                             nic_free[rank] = t
                             w.messages += 1
-                            tq = t + a + g
+                            tq = t + a + d
                         to = eps[dst]
                         if to is None:
                             push(tq, next(seq), w.deliver, (dst, sid), msg)
@@ -721,11 +774,14 @@ class SimExecutor:
                             msg = mq.pop(0)
                             if not mq:
                                 del hq[key]  # type: ignore[union-attr]
-                            t = cpu_free[rank]
-                            if t < now:
-                                t = now
-                            t += g + msg[7]
-                            cpu_free[rank] = t
+                            if pooled:
+                                t = charge(rank, now, g + msg[7])
+                            else:
+                                t = cpu_free[rank]
+                                if t < now:
+                                    t = now
+                                t += g + msg[7]
+                                cpu_free[rank] = t
                             if silent[i]:
                                 i = -1
                                 continue
@@ -743,11 +799,14 @@ class SimExecutor:
                                     push(t, next(seq), loop, i, e)
                                 i = -1
                     elif k != _NOP:
-                        t = cpu_free[rank]
-                        if t < now:
-                            t = now
-                        t += g + nbytes[i] * spb
-                        cpu_free[rank] = t
+                        if pooled:
+                            t = charge(rank, now, g + nbytes[i] * spb)
+                        else:
+                            t = cpu_free[rank]
+                            if t < now:
+                                t = now
+                            t += g + nbytes[i] * spb
+                            cpu_free[rank] = t
                         if data:
                             ex._run_kernel(i)
                         else:
@@ -782,11 +841,14 @@ class SimExecutor:
                         return
                     # _recv_arrived without data, inlined (one of every op's few events)
                     arrived = now - delay
-                    t = cpu_free[rank]
-                    if t < arrived:
-                        t = arrived
-                    t += g + extra
-                    cpu_free[rank] = t
+                    if pooled:
+                        t = charge(rank, arrived, g + extra)
+                    else:
+                        t = cpu_free[rank]
+                        if t < arrived:
+                            t = arrived
+                        t += g + extra
+                        cpu_free[rank] = t
                     if silent[i]:
                         return
                     sc = succ[i]

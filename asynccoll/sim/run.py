@@ -191,14 +191,16 @@ def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Pr
         t_call[r, s] = world.now
         x = (values(r, s) if values is not None else ones) if data else None
         if half:
-            world.at(world.now + half, h.call, r, x, returned)
+            world.at(world.cpu(r, half) if world.pooled else world.now + half, h.call, r, x,
+                     returned)
         else:
             h.call(r, x, returned)
 
     def returned(res: PartialResult, r: int) -> None:
         step[r]
         if half:
-            world.at(world.now + half, came_back, res, r)
+            world.at(world.cpu(r, half) if world.pooled else world.now + half, came_back, res,
+                     r)
             return
         came_back(res, r)
 

@@ -1,12 +1,19 @@
-"""The time-shared cores' part of the cost model: placement, exit waves, and the fit that
-``asynccoll sim calibrate`` makes of them."""
+"""The time-shared cores' part of the cost model: placement, exit waves, the pool of cores, and
+the fits that ``asynccoll sim calibrate`` makes of them."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from asynccoll.sim.calibrate import _sim_allreduce_period, _sim_barrier_period, fit_shared
+from asynccoll.sched import Schedule, SlotSpec
+from asynccoll.sim import SimExecutor, SimWorld
+from asynccoll.sim.calibrate import (
+    _sim_allreduce_period,
+    _sim_barrier_period,
+    fit_pool,
+    fit_shared,
+)
 from asynccoll.sim.cost import LinkClass, Profile, SharedCores
 
 LINK = LinkClass(80e-6, 1 / 15e9)
@@ -64,3 +71,90 @@ def test_fit_shared_recovers_the_link_the_periods_came_from() -> None:
 def test_shared_cores_rejects_negative_figures() -> None:
     with pytest.raises(ValueError, match="exit_gap"):
         SharedCores(1e-4, 1e-10, -1.0)
+
+
+POOL = SharedCores(alpha=200e-6, beta=1 / 4e9, exit_gap=300e-6, world=4, msg_cpu=150e-6,
+                   byte_cpu=1 / 6e9)
+
+
+def test_placed_takes_the_pool_where_it_was_fitted() -> None:
+    prof = PROF.with_(shared=POOL)
+    assert Profile.from_json(prof.to_json()) == prof
+    eight = prof.placed(8)
+    assert eight.pooled
+    assert eight.pool
+    assert eight.cpu_scale == 1.0
+    assert eight.intra == LinkClass(0.0, POOL.byte_cpu)
+    assert eight.msg_cpu == POOL.msg_cpu
+    assert eight.exit_gap == 0.0  # the waves come out of the pool
+    assert Profile.from_json(eight.to_json()) == eight
+    shared = prof.placed(8, "shared")
+    assert not shared.pooled
+    assert shared.cpu_scale == 4.0
+    assert shared.intra == LinkClass(POOL.alpha, POOL.beta)
+    # not oversubscribed: the dedicated link, no pool
+    assert not prof.placed(2).pooled
+    assert prof.placed(2).intra == LINK
+    with pytest.raises(ValueError, match="model"):
+        prof.placed(8, "fast")
+
+
+def _computes(prof: Profile, starts: list[float]) -> dict[int, float]:
+    """One host, one rank per start time: each computes 1 s (a compute op) from then."""
+    P = len(starts)
+    w = SimWorld(P, prof)
+    done: dict[int, float] = {}
+    for r, t0 in enumerate(starts):
+        s = Schedule(r, P, slots={"x": SlotSpec(250, "float32")})
+        s.compute("sum", ["x", "x"], "x")
+        ex = SimExecutor(w, s.commit(), sched_id=1,
+                         on_complete=lambda e, r=r: done.setdefault(r, w.now))
+        w.at(t0, ex.start)
+    w.run()
+    return done
+
+
+def test_a_pool_of_cores_serves_only_ranks_that_have_work() -> None:
+    # reduce_bps: 1000 B/s, so each rank's compute op (1000 B out) takes 1 s of a core
+    base = Profile("t", LINK, LINK, gamma=0.0, reduce_bps=1000.0, ranks_per_host=2, cores=1,
+                   pool=True)
+    # two ranks at once on one core: one waits for the other
+    assert sorted(_computes(base, [0.0, 0.0]).values()) == pytest.approx([1.0, 2.0])
+    # one after the other: nobody waits (the scaled model would charge each 2 s)
+    assert _computes(base, [0.0, 1.5]) == pytest.approx({0: 1.0, 1: 2.5})
+    assert _computes(base.with_(pool=False), [0.0, 1.5]) == pytest.approx({0: 2.0, 1: 3.5})
+    # two cores: both at once
+    two = base.with_(cores=2, ranks_per_host=2)
+    assert not two.pooled
+    assert _computes(two, [0.0, 0.0]) == pytest.approx({0: 1.0, 1: 1.0})
+
+
+def test_a_pooled_host_s_message_is_its_receiver_s_cpu() -> None:
+    g = 1e-3
+    prof = Profile("t", LinkClass(0.0, 1e-6), LinkClass(0.0, 1e-6), gamma=g, reduce_bps=1e9,
+                   ranks_per_host=2, cores=1, pool=True, msg_cpu=0.1)
+    w = SimWorld(2, prof)
+    s0 = Schedule(0, 2, slots={"x": SlotSpec(1000, "float32")})
+    s0.send(1, "x", tag=1)
+    s1 = Schedule(1, 2, slots={"x": SlotSpec(1000, "float32")})
+    s1.recv(0, "x", tag=1)
+    done: dict[int, float] = {}
+    exs = [SimExecutor(w, s.commit(), sched_id=1,
+                       on_complete=lambda e, r=r: done.setdefault(r, w.now))
+           for r, s in enumerate((s0, s1))]
+    for ex in exs:
+        ex.start()
+    w.run()
+    # the send's gamma, then the receiver's gamma + msg_cpu + 4000 B at 1 us/B, on the one core
+    assert done[1] == pytest.approx(g + g + 0.1 + 4000 * 1e-6)
+    assert done[0] == pytest.approx(g)  # no wire time: the bytes are the receiver's work
+
+
+def test_fit_pool_recovers_the_figures_the_periods_came_from() -> None:
+    prof = PROF.with_(shared=POOL)
+    placed = prof.placed(4)
+    bar = _sim_barrier_period(placed)
+    big = _sim_allreduce_period(placed, 4 << 20)
+    msg, per_byte = fit_pool(PROF.with_(shared=None), 4, bar, big, 4 << 20)
+    assert msg == pytest.approx(POOL.msg_cpu, rel=1e-3)
+    assert per_byte == pytest.approx(POOL.byte_cpu, rel=1e-3)
