@@ -251,7 +251,7 @@ def fit_shared(prof: Profile, world: int, barrier_s: float, large_s: float, larg
     bytes), then ``beta`` from the allreduce, each by the secant method (the periods grow
     with them, piecewise linearly)."""
     def placed(a: float, b: float) -> Profile:
-        return prof.with_(shared=SharedCores(a, b, exit_gap, world)).placed(world)
+        return prof.with_(shared=SharedCores(a, b, exit_gap, world)).placed(world, "shared")
 
     alpha = _solve(lambda a: _sim_barrier_period(placed(a, 0.0)), barrier_s, 1e-6, 1e-3, 1e-7)
     beta = _solve(lambda b: _sim_allreduce_period(placed(alpha, b), large), large_s,
