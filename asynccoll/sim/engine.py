@@ -39,7 +39,7 @@ work meanwhile. Ops that read the clock (hooked kernels, the ``clocked`` ones), 
 final op are never fired ahead of their time; a k-of-n op is never made ready by a completion
 not yet due (another dependency might have been first), and an execution never completes
 before the completions handled ahead of time are due. What is left is about one event per
-message (the solo run of issue 17 at P = 1024: 8.4 M events instead of 20.5 M).
+message (the solo run of issue 17 at P = 1024: 9.6 M events instead of 20.5 M).
 
 **Data or timing only.** With ``kernels`` (a kernel registry, e.g.
 :data:`asynccoll.collectives.KERNELS`) and bound ``buffers``, sends carry copies of their
