@@ -159,20 +159,26 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def _cases(a: argparse.Namespace) -> tuple[Profile | None, list[dict[str, Any]], int, float,
-                                            str]:
+                                            int, str]:
     """The measured cases (bench_case, impl, P, size, measured_us and its min and max), the
     profile if they come with one (``--replay``), the skew benchmark's iterations and skew,
-    and where the measurements come from."""
+    the allreduce's simulated calls, and where the measurements come from."""
     if a.replay:
         with open(a.replay) as f:
             d = json.load(f)
         keep = ("bench_case", "impl", "P", "size", "measured_us", "measured_us_min",
                 "measured_us_max")
-        return (Profile.from_json(d["params"]["profile"]),
+        pa = d["params"]
+        # files written before iters, skew_s and calls were recorded: --measure ran the skew
+        # benchmark with --quick (16 iterations); the allreduce was simulated for 30 calls
+        # unless --quick
+        measured_now = "--measure" in str(pa.get("measured", ""))
+        iters = int(pa.get("iters", 16 if pa["quick"] or measured_now else 64))
+        return (Profile.from_json(pa["profile"]),
                 [{k: r[k] for k in keep if k in r} for r in d["rows"]],
-                16 if d["params"]["quick"] else 64, 1e-3,
-                f"replayed from {os.path.basename(a.replay)} ({d['params']['measured']}; its "
-                "profile)")
+                iters, float(pa.get("skew_s", 1e-3)), int(pa.get("calls", 10 if pa["quick"]
+                                                                  else 30)),
+                f"replayed from {os.path.basename(a.replay)} ({pa['measured']}; its profile)")
     skew, ar, source = measured(a)
     cases: list[dict[str, Any]] = []
     for row in skew["rows"]:
@@ -188,7 +194,8 @@ def _cases(a: argparse.Namespace) -> tuple[Profile | None, list[dict[str, Any]],
                           "measured_us_min": row.get("time_us_min"),
                           "measured_us_max": row.get("time_us_max")})
     iters = 16 if a.quick else int(skew["params"].get("iters", 64))
-    return None, cases, iters, float(skew["params"].get("skew_s", 1e-3)), source
+    return (None, cases, iters, float(skew["params"].get("skew_s", 1e-3)), 10 if a.quick else 30,
+            source)
 
 
 def main() -> None:
@@ -206,7 +213,7 @@ def main() -> None:
                     help="a JSON this script wrote: its measurements and profile, predicted "
                          "again by the current simulator (no measuring, no calibration)")
     a = ap.parse_args()
-    stored, cases, iters, skew_s, source = _cases(a)
+    stored, cases, iters, skew_s, calls, source = _cases(a)
     if stored is not None:
         prof = stored
     elif a.profile:
@@ -222,7 +229,6 @@ def main() -> None:
             pool, shared, old = (predict_skew(prof, c["P"], c["impl"], iters, skew_s, m) * 1e6
                                  for m in ("pool", "shared", "scaled"))
         else:
-            calls = 10 if a.quick or iters == 16 else 30
             pool, shared, old = (predict_allreduce(prof, c["P"], c["size"], calls, m) * 1e6
                                  for m in ("pool", "shared", "scaled"))
         meas = c["measured_us"]
@@ -239,7 +245,8 @@ def main() -> None:
     within_shared = sum(abs(r["error_shared"]) <= 0.25 for r in rows)
     print(f"{within}/{len(rows)} within 25 % ({within_shared} with the shared model, "
           f"{within_old} with the scaled model alone)", file=sys.stderr)
-    write_json(a.out, "sim_validate", {"quick": a.quick or iters == 16, "measured": source,
+    write_json(a.out, "sim_validate", {"quick": a.quick, "measured": source, "iters": iters,
+                                        "skew_s": skew_s, "calls": calls,
                                         "profile": prof.to_json()}, rows,
                extra={"summary": {"within_25pct": within, "rows": len(rows),
                                   "within_25pct_shared_model": within_shared,

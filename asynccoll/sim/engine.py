@@ -306,10 +306,13 @@ class SimWorld:
                 t = now
             t += g
             self.cpu_free[src] = t
-        x = 0.0  # the receiver's CPU beyond gamma: with the pool, an intra-host message's
-        if self.pooled and src != dst and self.host[src] == self.host[dst]:
-            x = self.msg_cpu + nbytes * self.intra[1]
-        msg = (src, execution, tag * self.world_size + src, kind, nbytes, data, header, x, g + x)
+        # with the pool, an intra-host message is its receiver's CPU work beyond gamma (x),
+        # booked from its arrival: delivered then (delay 0), not when an idle receiver would be
+        # done with it, so that work ready later does not take the core first
+        pool_msg = self.pooled and src != dst and self.host[src] == self.host[dst]
+        x = self.msg_cpu + nbytes * self.intra[1] if pool_msg else 0.0
+        msg = (src, execution, tag * self.world_size + src, kind, nbytes, data, header, x,
+               0.0 if pool_msg else g)
         # straight to the executor (attach() keeps that right if the endpoint changes hands)
         ex = self.endpoints.get((dst, sid))
         if src == dst:
@@ -318,7 +321,7 @@ class SimWorld:
         else:
             a, b = self.inter if self._one_per_host or self.host[src] != self.host[dst] \
                 else self.intra
-            if x:
+            if pool_msg:
                 b = 0.0  # the bytes are the receiver's CPU work (x)
             t0 = self.nic_free[src]
             if t0 < t:
@@ -326,7 +329,7 @@ class SimWorld:
             out = t0 + nbytes * b
             self.nic_free[src] = out
             self.messages += 1
-            t = out + a + g + x
+            t = out + a + (0.0 if pool_msg else g)
         if ex is None:
             self.push(t, next(self.seq), self.deliver, (dst, sid), msg)
             return out
@@ -710,13 +713,13 @@ class SimExecutor:
                                        g)
                                 d = g
                             else:
-                                # the pool: the message is its receiver's CPU work
+                                # the pool: the message is its receiver's CPU work, booked
+                                # from its arrival (SimWorld.post)
                                 a, b = intra
-                                d = mcpu + nbytes[i] * b
-                                b = 0.0
                                 msg = (rank, e, key_of[i], msgk[i], nbytes[i], None, None,
-                                       d, g + d)
-                                d += g
+                                       mcpu + nbytes[i] * b, 0.0)
+                                b = 0.0
+                                d = 0.0
                             tq = nic_free[rank]
                             if tq < t:
                                 tq = t

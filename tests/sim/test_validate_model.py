@@ -158,3 +158,25 @@ def test_fit_pool_recovers_the_figures_the_periods_came_from() -> None:
     msg, per_byte = fit_pool(PROF.with_(shared=None), 4, bar, big, 4 << 20)
     assert msg == pytest.approx(POOL.msg_cpu, rel=1e-3)
     assert per_byte == pytest.approx(POOL.byte_cpu, rel=1e-3)
+
+
+def test_a_pooled_message_takes_the_core_from_its_arrival() -> None:
+    # one core: a message that costs its receiver 1 s arrives at 0, a compute op of 1 s is
+    # ready at 0.5: the receipt holds the core first (booked from its arrival, not from when
+    # an idle receiver would have been done with it)
+    prof = Profile("t", LinkClass(0.0, 0.0), LinkClass(0.0, 0.0), gamma=0.0, reduce_bps=1000.0,
+                   ranks_per_host=2, cores=1, pool=True, msg_cpu=1.0)
+    w = SimWorld(2, prof)
+    done: dict[str, float] = {}
+    s0 = Schedule(0, 2, slots={"x": SlotSpec(1, "float32")})
+    s0.send(1, "x", tag=1)
+    s1 = Schedule(1, 2, slots={"x": SlotSpec(1, "float32")})
+    s1.recv(0, "x", tag=1)
+    c0 = Schedule(0, 2, slots={"x": SlotSpec(250, "float32")})
+    c0.compute("sum", ["x", "x"], "x")
+    for name, s, sid, t0 in (("send", s0, 1, 0.0), ("recv", s1, 1, 0.0), ("compute", c0, 2, 0.5)):
+        ex = SimExecutor(w, s.commit(), sched_id=sid,
+                         on_complete=lambda e, n=name: done.setdefault(n, w.now))
+        w.at(t0, ex.start)
+    w.run()
+    assert done == pytest.approx({"send": 0.0, "recv": 1.0, "compute": 2.0})
