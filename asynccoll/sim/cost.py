@@ -23,12 +23,12 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
     in the order the simulator books work, which is its event order but for the completions
     it handles as they fire). A rank with nothing to do costs nothing, so staggered ranks find
     idle cores and ranks that all work at once queue. A message between two ranks of such a
-    host is CPU work at its receiver: ``msg_cpu`` plus its bytes times the intra-host
-    ``beta``, after the intra-host ``alpha`` (0 as calibrated). ``msg_cpu`` and that ``beta``
+    host is CPU work at its receiver, booked from its arrival: ``msg_cpu`` plus its bytes
+    times the intra-host ``beta``, arriving after the intra-host ``alpha`` (0 as calibrated). ``msg_cpu`` and that ``beta``
     are not the two-process figures: they are fitted, as the shared figures below, so that
     the simulated world of ``2 * cores`` ranks takes what the real one took per barrier and
-    per large allreduce (:func:`asynccoll.sim.calibrate.fit_pool`): on this machine about
-    150 µs of CPU per message, twice the two-process ``alpha``, which is what a wake-up on a
+    per large allreduce (:func:`asynccoll.sim.calibrate.fit_pool`): on this machine
+    138-167 µs of CPU per message, twice the two-process ``alpha``, which is what a wake-up on a
     time-shared core costs (our reading: the context switches and the caches they empty; a
     pool priced with the two-process figures predicted every benchmark 40-50 % too fast).
     The exit waves below come out of the pool by themselves.
