@@ -24,8 +24,8 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
     it handles as they fire). A rank with nothing to do costs nothing, so staggered ranks find
     idle cores and ranks that all work at once queue. A message between two ranks of such a
     host is CPU work at its receiver, booked from its arrival: ``msg_cpu`` plus its bytes
-    times the intra-host ``beta``, arriving after the intra-host ``alpha`` (0 as calibrated). ``msg_cpu`` and that ``beta``
-    are not the two-process figures: they are fitted, as the shared figures below, so that
+    times the intra-host ``beta``, arriving after the intra-host ``alpha`` (0 as
+    calibrated). ``msg_cpu`` and that ``beta`` are not the two-process figures: they are fitted, as the shared figures below, so that
     the simulated world of ``2 * cores`` ranks takes what the real one took per barrier and
     per large allreduce (:func:`asynccoll.sim.calibrate.fit_pool`): on this machine
     138-167 µs of CPU per message, twice the two-process ``alpha``, which is what a wake-up on a
