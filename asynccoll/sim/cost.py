@@ -16,22 +16,23 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
 * when more ranks share a host than it has ``cores`` (``bench/sim_validate.py``'s case: P = 4
   and 8 on this 2-core machine), two models, chosen by :meth:`Profile.placed`:
 
-  - **the pool** (``pool``, the default where calibrated): the host's ``cores`` are a pool, and
-    every piece of a rank's CPU work (an op, a message's receipt, the call overhead) runs on
-    one of them once the rank's earlier work is done: on the core free latest before it
-    could start, else on the first to free (:meth:`~asynccoll.sim.engine.SimWorld.charge`;
-    in the order the simulator books work, which is its event order but for the completions
-    it handles as they fire). A rank with nothing to do costs nothing, so staggered ranks find
+  - **the pool** (``pool``, the default where calibrated): the host's ``cores`` are a pool,
+    and every piece of a rank's CPU work (an op, a message's receipt, the call overhead) runs
+    on one of them once the rank's earlier work is done: on the core free latest before it
+    could start, else on the first to free (:meth:`~asynccoll.sim.engine.SimWorld.charge`; in
+    the order the simulator books work, which is its event order but for the completions it
+    handles as they fire). A rank with nothing to do costs nothing, so staggered ranks find
     idle cores and ranks that all work at once queue. A message between two ranks of such a
     host is CPU work at its receiver, booked from its arrival: ``msg_cpu`` plus its bytes
-    times the intra-host ``beta``, arriving after the intra-host ``alpha`` (0 as
-    calibrated). ``msg_cpu`` and that ``beta`` are not the two-process figures: they are fitted, as the shared figures below, so that
-    the simulated world of ``2 * cores`` ranks takes what the real one took per barrier and
-    per large allreduce (:func:`asynccoll.sim.calibrate.fit_pool`): on this machine
-    138-167 µs of CPU per message, twice the two-process ``alpha``, which is what a wake-up on a
-    time-shared core costs (our reading: the context switches and the caches they empty; a
-    pool priced with the two-process figures predicted every benchmark 40-50 % too fast).
-    The exit waves below come out of the pool by themselves.
+    times the intra-host ``beta``, arriving after the intra-host ``alpha`` (0 as calibrated).
+    ``msg_cpu`` and that ``beta`` are not the two-process figures: they are fitted, as the
+    shared figures below, so that the simulated world of ``2 * cores`` ranks takes what the
+    real one took per barrier and per large allreduce
+    (:func:`asynccoll.sim.calibrate.fit_pool`): on this machine 138-167 µs of CPU per message,
+    twice the two-process ``alpha``, which is what a wake-up on a time-shared core costs (our
+    reading: the context switches and the caches they empty; a pool priced with the two-
+    process figures predicted every benchmark 40-50 % too fast). The exit waves below come out
+    of the pool by themselves.
   - **the scale** (``"shared"``, and the only one for profiles without the pool's figures):
     every CPU cost, the intra-host ``alpha`` and ``beta`` (between processes of one host a
     message is CPU work: the kernel's and the runtime's, no wire) and the call overhead are
