@@ -30,8 +30,8 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
     real one took per barrier and per large allreduce
     (:func:`asynccoll.sim.calibrate.fit_pool`): on this machine 138-167 µs of CPU per message,
     twice the two-process ``alpha``, which is what a wake-up on a time-shared core costs (our
-    reading: the context switches and the caches they empty; a pool priced with the two-
-    process figures predicted every benchmark 40-50 % too fast). The exit waves below come out
+    reading: the context switches and the caches they empty; a pool priced with the
+    two-process figures predicted every benchmark 40-50 % too fast). The exit waves below come out
     of the pool by themselves.
   - **the scale** (``"shared"``, and the only one for profiles without the pool's figures):
     every CPU cost, the intra-host ``alpha`` and ``beta`` (between processes of one host a
