@@ -7,7 +7,9 @@ What is measured (about 30 s per transport on a 2-core machine):
   costs (posting, matching, completion, the kernel call for a 4-byte reduction);
 * ``reduce_bps``: ``np.add`` of two 16 MiB float32 arrays into one, bytes of output per second;
 * ``alpha``, ``beta`` per transport (``tcp``; ``ucx`` when ucxx imports): two processes
-  (spawned) connect through the rendezvous and time 4-byte and 4 MiB allreduces; P = 2
+  (spawned, ``ASYNCCOLL_SHM=0`` so that the allreduces take the transport, not shared memory,
+  as ``bench/allreduce.py``'s ``asynccoll-tcp`` does) connect through the rendezvous and time
+  4-byte and 4 MiB allreduces; P = 2
   recursive doubling is one exchange, so ``T(n) = alpha + 3 gamma + n beta + n / reduce_bps``
   on the path an allreduce takes, which gives ``alpha`` and ``beta``; measured twice, with
   the progress thread and inline, the difference is the call's thread hop (``call_overhead``);
@@ -103,6 +105,9 @@ def _child(rank: int, port: int, progress: str, transport: str, sizes: list[int]
            calls: int, q: Any) -> None:
     try:
         os.environ["ASYNCCOLL_SECRET"] = _SECRET
+        # the transport's figures: on one host the default allreduce would take shared memory
+        # from 128 KiB up (until 2026-11-24 the large allreduces were measured that way)
+        os.environ["ASYNCCOLL_SHM"] = "0"
         import asynccoll
 
         async def main() -> dict[int, float]:
@@ -156,6 +161,9 @@ def _world_child(rank: int, world: int, port: int, transport: str, barriers: int
                  large: int, calls: int, q: Any) -> None:
     try:
         os.environ["ASYNCCOLL_SECRET"] = _SECRET
+        # the transport's figures: on one host the default allreduce would take shared memory
+        # from 128 KiB up (until 2026-11-24 the large allreduces were measured that way)
+        os.environ["ASYNCCOLL_SHM"] = "0"
         import asynccoll
 
         async def main() -> tuple[list[float], list[float]]:
