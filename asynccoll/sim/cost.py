@@ -28,7 +28,7 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
     ``msg_cpu`` and that ``beta`` are not the two-process figures: they are fitted, as the
     shared figures below, so that the simulated world of ``2 * cores`` ranks takes what the
     real one took per barrier and per large allreduce
-    (:func:`asynccoll.sim.calibrate.fit_pool`): on this machine 138-167 µs of CPU per message,
+    (:func:`asynccoll.sim.calibrate.fit_pool`): on this machine 133-151 µs of CPU per message,
     twice the two-process ``alpha``, which is what a wake-up on a time-shared core costs (our
     reading: the context switches and the caches they empty; a pool priced with the
     two-process figures predicted every benchmark 40-50 % too fast). The exit waves below come out
