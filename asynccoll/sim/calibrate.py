@@ -101,13 +101,18 @@ def measure_gamma(world_size: int = 8, executions: int = 30) -> float:
     return float(np.median([asyncio.run(go()) for _ in range(3)]) / ops)
 
 
+def _child_env() -> None:
+    """A calibration rank's environment: the job's secret, and ``ASYNCCOLL_SHM=0`` so that the
+    allreduces take the transport being measured (on one host the default allreduce would take
+    shared memory from 128 KiB up: until 2026-11-24 the large allreduces were measured so)."""
+    os.environ["ASYNCCOLL_SECRET"] = _SECRET
+    os.environ["ASYNCCOLL_SHM"] = "0"
+
+
 def _child(rank: int, port: int, progress: str, transport: str, sizes: list[int],
            calls: int, q: Any) -> None:
     try:
-        os.environ["ASYNCCOLL_SECRET"] = _SECRET
-        # the transport's figures: on one host the default allreduce would take shared memory
-        # from 128 KiB up (until 2026-11-24 the large allreduces were measured that way)
-        os.environ["ASYNCCOLL_SHM"] = "0"
+        _child_env()
         import asynccoll
 
         async def main() -> dict[int, float]:
@@ -160,10 +165,7 @@ def _pair(progress: str, transport: str, sizes: list[int], calls: int,
 def _world_child(rank: int, world: int, port: int, transport: str, barriers: int,
                  large: int, calls: int, q: Any) -> None:
     try:
-        os.environ["ASYNCCOLL_SECRET"] = _SECRET
-        # the transport's figures: on one host the default allreduce would take shared memory
-        # from 128 KiB up (until 2026-11-24 the large allreduces were measured that way)
-        os.environ["ASYNCCOLL_SHM"] = "0"
+        _child_env()
         import asynccoll
 
         async def main() -> tuple[list[float], list[float]]:

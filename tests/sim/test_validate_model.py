@@ -3,6 +3,8 @@ the fits that ``asynccoll sim calibrate`` makes of them."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -180,3 +182,17 @@ def test_a_pooled_message_takes_the_core_from_its_arrival() -> None:
         w.at(t0, ex.start)
     w.run()
     assert done == pytest.approx({"send": 0.0, "recv": 1.0, "compute": 2.0})
+
+
+def test_calibration_ranks_measure_the_transport_not_shared_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the default allreduce takes shared memory on one host from 128 KiB up: a calibration of
+    # tcp must keep its ranks off it (bench/allreduce.py's asynccoll-tcp row does the same)
+    from asynccoll.comm.shm import SHM_MIN_BYTES
+    from asynccoll.sim.calibrate import _child_env
+
+    monkeypatch.setenv("ASYNCCOLL_SHM", "1")
+    monkeypatch.setenv("ASYNCCOLL_SECRET", "restored after the test")  # both are restored
+    _child_env()
+    assert os.environ["ASYNCCOLL_SHM"] == "0"
+    assert SHM_MIN_BYTES < 4 << 20  # why it matters: the calibration's large allreduce
