@@ -75,7 +75,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(f"{tr}: alpha {prof.intra.alpha * 1e6:.1f} us, beta "
               f"{1 / prof.intra.beta / 1e9 if prof.intra.beta else float('inf'):.2f} GB/s, "
               f"gamma {prof.gamma * 1e6:.2f} us/op, reduce {prof.reduce_bps / 1e9:.1f} GB/s, "
-              f"call overhead {f['call_overhead_us']:.0f} us -> {path}")
+              f"call overhead {f['call_overhead_us']:.0f} us"
+              + (f"; {prof.cores} cores time-shared: {f['pool_msg_cpu_us']:.0f} us of CPU per "
+                 f"message, {f['pool_byte_cpu_GBps']:.2f} GB/s" if "pool_msg_cpu_us" in f
+                 else "") + f" -> {path}")
     return 0
 
 
