@@ -4,8 +4,13 @@
     asynccoll sim replay TRACE_DIR --policies sync,solo,majority,two_choice,quorum:K,backup:B,
                          deadline [--scale-to P] [--steps N] [--profile NAME|FILE]
                          [--recommend --max-staleness S] [--plot FILE.png] [--json FILE]
+                         [--ranks-per-host N]
     asynccoll sim run --policy solo -P 1024 --steps 100 --compute lognormal:median=0.01,sigma=0.5
-                      [--profile aries] [--nbytes 4]
+                      [--profile aries] [--nbytes 4] [--ranks-per-host N]
+
+``--ranks-per-host N`` places the profile (:meth:`~asynccoll.sim.cost.Profile.placed`): N ranks
+share each host, and where they outnumber a calibrated profile's cores, the cores are a pool
+(:mod:`asynccoll.sim.cost`); without it every rank has a host of its own.
     asynccoll sim profiles
 """
 
@@ -14,8 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cost import Profile
 
 __all__ = ["configure", "run"]
+
+_RPH_HELP = ("place this many ranks on each host (Profile.placed: where they outnumber a "
+             "calibrated profile's cores, its pool of cores)")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -41,6 +53,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     r.add_argument("--plot", default=None)
     r.add_argument("--json", default=None)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--ranks-per-host", type=int, default=None,
+                   help=_RPH_HELP)
     s = sub.add_parser("run", help="simulate one policy under a compute-time model")
     s.add_argument("--policy", default="solo")
     s.add_argument("-P", "--world-size", type=int, default=32)
@@ -50,6 +64,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     s.add_argument("--nbytes", type=int, default=4)
     s.add_argument("--barrier", action="store_true")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--ranks-per-host", type=int, default=None,
+                   help=_RPH_HELP)
     sub.add_parser("profiles", help="list the shipped profiles and their sources")
 
 
@@ -82,6 +98,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _placed(prof: Profile, ranks_per_host: int | None) -> Profile:
+    """``prof`` with ``ranks_per_host`` ranks on each host (``--ranks-per-host``), else as is."""
+    if ranks_per_host is None:
+        return prof
+    if ranks_per_host < 1:
+        raise SystemExit(f"--ranks-per-host must be >= 1, got {ranks_per_host}")
+    return prof.placed(ranks_per_host)
+
+
 def _suffixed(path: str, name: str) -> str:
     stem, dot, ext = path.rpartition(".")
     return f"{stem}-{name}.{ext}" if dot else f"{path}-{name}"
@@ -91,7 +116,7 @@ def _replay(args: argparse.Namespace) -> int:
     from .profiles import builtin_profile
     from .replay import recommend, render, replay, replay_png
 
-    prof = builtin_profile(args.profile)
+    prof = _placed(builtin_profile(args.profile), args.ranks_per_host)
     rows, meta = replay(args.trace_dir, args.policies, profile=prof, scale_to=args.scale_to,
                         steps=args.steps, collective=args.collective, nbytes=args.nbytes,
                         seed=args.seed)
@@ -119,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
     from .profiles import builtin_profile
     from .run import simulate
 
-    prof = builtin_profile(args.profile)
+    prof = _placed(builtin_profile(args.profile), args.ranks_per_host)
     res = simulate(args.policy, args.world_size, args.steps, profile=prof,
                    compute=parse_model(args.compute), nbytes=args.nbytes,
                    barrier=args.barrier, seed=args.seed)

@@ -13,6 +13,7 @@ import pytest
 from asynccoll.cli import main
 from asynccoll.inspect.tracefile import load_dir
 from asynccoll.sim import BUILTIN_PROFILES, Profile
+from asynccoll.sim.cost import LinkClass, SharedCores
 from asynccoll.sim.replay import compute_times, recommend
 from asynccoll.testing import local_world
 
@@ -98,3 +99,25 @@ def test_run_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "run", "--policy", "majority", "-P", "32", "--steps", "5",
                  "--compute", "linear:skew=0.001"]) == 0
     assert json.loads(capsys.readouterr().out)["conserved"] is True
+
+
+def test_run_places_ranks_on_a_calibrated_host(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # a calibrated profile (one rank per host) placed 8 to a 2-core host: the pool prices them
+    link = LinkClass(80e-6, 1 / 3e9)
+    prof = Profile("local-tcp", link, link, gamma=5e-6, reduce_bps=10e9, cores=2,
+                   call_overhead=50e-6,
+                   shared=SharedCores(150e-6, 1 / 2e9, 200e-6, 4, msg_cpu=150e-6,
+                                      byte_cpu=1 / 2e9))
+    path = tmp_path / "p.json"
+    prof.save(path)
+    args = ["sim", "run", "--policy", "sync", "-P", "8", "--steps", "3", "--compute",
+            "constant:t=0.001", "--profile", str(path)]
+    assert main(args) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main([*args, "--ranks-per-host", "8"]) == 0
+    shared = json.loads(capsys.readouterr().out)
+    # eight ranks on two cores are slower than eight ranks with a host each
+    assert shared["latency_mean_s"] > 1.5 * alone["latency_mean_s"]
+    with pytest.raises(SystemExit):
+        main([*args, "--ranks-per-host", "0"])
