@@ -263,9 +263,7 @@ def fit_shared(prof: Profile, world: int, barrier_s: float, large_s: float, larg
     def placed(a: float, b: float) -> Profile:
         return prof.with_(shared=SharedCores(a, b, exit_gap, world)).placed(world, "shared")
 
-    alpha = _solve(lambda a: _sim_barrier_period(placed(a, 0.0)), barrier_s, 1e-6, 1e-3, 1e-7)
-    beta = _solve(lambda b: _sim_allreduce_period(placed(alpha, b), large), large_s,
-                  1e-12, 1e-9, 1e-12)
+    alpha, beta = _fit_world(placed, barrier_s, large_s, large, 1e-12)
     return SharedCores(alpha, beta, exit_gap, world)
 
 
@@ -280,10 +278,18 @@ def fit_pool(prof: Profile, world: int, barrier_s: float, large_s: float,
         return prof.with_(ranks_per_host=world, shared=None, pool=True, msg_cpu=m,
                           intra=LinkClass(0.0, b))
 
-    msg = _solve(lambda m: _sim_barrier_period(pooled(m, 0.0)), barrier_s, 1e-6, 1e-3, 1e-7)
-    per_byte = _solve(lambda b: _sim_allreduce_period(pooled(msg, b), large), large_s,
-                      1e-12, 1e-9, 1e-13)
-    return msg, per_byte
+    return _fit_world(pooled, barrier_s, large_s, large, 1e-13)
+
+
+def _fit_world(model: Callable[[float, float], Profile], barrier_s: float, large_s: float,
+               large: int, byte_lo: float) -> tuple[float, float]:
+    """The per-message and per-byte figures ``(x, y)`` that make ``model(x, y)``'s simulated
+    world take ``barrier_s`` per barrier (``x``, no bytes) and then ``large_s`` per
+    ``large``-byte allreduce (``y``, at least ``byte_lo``), back to back."""
+    x = _solve(lambda m: _sim_barrier_period(model(m, 0.0)), barrier_s, 1e-6, 1e-3, 1e-7)
+    y = _solve(lambda b: _sim_allreduce_period(model(x, b), large), large_s, 1e-12, 1e-9,
+               byte_lo)
+    return x, y
 
 
 def _solve(f: Callable[[float], float], target: float, x0: float, x1: float,

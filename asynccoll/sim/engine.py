@@ -1101,13 +1101,14 @@ def _early_table(s: Schedule, c: _Compiled, clocked: Sequence[bool]) -> bytes:
     of its time is work the rank's CPU does after this one's, no k-of-n op is fired by a
     completion that was not yet due (it might have been another dependency's to fire), and
     no execution completes before the completions handled ahead of time are due."""
-    kind, succ, ops = c.kind, c.succ, s.ops
+    kind, succ, thr, ops = c.kind, c.succ, c.thr, s.ops
+    all_of = [thr[y] == len(op.deps) for y, op in enumerate(ops)]
     # the ops the final op waits for through all-of dependencies only
     needed = {c.final}
     stack = [c.final]
     while stack:
         y = stack.pop()
-        if ops[y].k == len(ops[y].deps):
+        if all_of[y]:
             for d in ops[y].deps:
                 if d not in needed:
                     needed.add(d)
@@ -1117,7 +1118,7 @@ def _early_table(s: Schedule, c: _Compiled, clocked: Sequence[bool]) -> bytes:
         if k == _NOP or i == c.final or not succ[i]:
             continue
         out[i] = all(
-            x != c.final and x in needed and ops[x].k == len(ops[x].deps)
+            x != c.final and x in needed and all_of[x]
             and (kind[x] == _SEND or (kind[x] == _RECV and k != _SEND)
                  or (kind[x] == _COMPUTE and not clocked[x]))
             for x in succ[i])

@@ -119,6 +119,23 @@ def test_times_are_python_floats_whatever_at_is_given() -> None:
     assert w.now == 0.5
 
 
+def _run(w: SimWorld, *exs: SimExecutor) -> None:
+    for ex in exs:
+        ex.start()
+    w.run()
+
+
+def _finish_times(w: SimWorld, scheds: list[Schedule], bufs: list[Any] | None = None,
+                  kernels: Any = None) -> dict[int, float]:
+    """Run one executor per rank (``scheds[r]`` committed here); when each completed."""
+    done: dict[int, float] = {}
+    exs = [SimExecutor(w, s.commit(), sched_id=1, buffers=None if bufs is None else bufs[r],
+                       kernels=kernels, on_complete=lambda e, r=r: done.setdefault(r, w.now))
+           for r, s in enumerate(scheds)]
+    _run(w, *exs)
+    return done
+
+
 @pytest.mark.timeout(10)
 def test_a_compute_op_s_successors_take_the_cpu_before_what_arrived_while_it_ran() -> None:
     # as the runtime's drain loop: a compute op runs inline, and the send it enables is fired
@@ -134,12 +151,7 @@ def test_a_compute_op_s_successors_take_the_cpu_before_what_arrived_while_it_ran
     s1 = Schedule(1, 2)
     s1.send(0, None, tag=1)
     s1.recv(0, None, tag=2)
-    done: dict[int, float] = {}
-    ex0 = SimExecutor(w, s0.commit(), sched_id=1, on_complete=lambda e: done.setdefault(0, w.now))
-    ex1 = SimExecutor(w, s1.commit(), sched_id=1, on_complete=lambda e: done.setdefault(1, w.now))
-    ex0.start()
-    ex1.start()
-    w.run()
+    done = _finish_times(w, [s0, s1])
     work = g + 4000 / 4000.0  # the compute op: gamma plus its bytes at reduce_bps
     # rank 0's send leaves right after the compute op (one gamma), ahead of the receive
     assert done[1] == pytest.approx(work + g + a + g)
@@ -160,21 +172,10 @@ def test_work_a_send_makes_ready_starts_once_its_bytes_are_out() -> None:
     s0.compute("sum", ["x", "x"], "x", deps=[snd])
     s1 = Schedule(1, 2, slots={"x": SlotSpec(1000, "float32")})
     s1.recv(0, "x", tag=1)
-    done: dict[int, float] = {}
-    ex0 = SimExecutor(w, s0.commit(), sched_id=1, on_complete=lambda e: done.setdefault(0, w.now))
-    ex1 = SimExecutor(w, s1.commit(), sched_id=1, on_complete=lambda e: done.setdefault(1, w.now))
-    ex0.start()
-    ex1.start()
-    w.run()
+    done = _finish_times(w, [s0, s1])
     out = g + 4000 * b  # the send's CPU, then its bytes through the interface
     assert done[1] == pytest.approx(out + a + g)
     assert done[0] == pytest.approx(out + g + 4000 / 4000.0)
-
-
-def _run(w: SimWorld, *exs: SimExecutor) -> None:
-    for ex in exs:
-        ex.start()
-    w.run()
 
 
 @pytest.mark.timeout(10)
@@ -225,15 +226,10 @@ def test_a_k_of_n_op_is_fired_by_the_dependency_that_is_due_first() -> None:
     s1.send(0, "tmp", tag=2)
     s2 = Schedule(2, 3, slots={"big": SlotSpec(n, "float32")})
     s2.recv(0, "big", tag=1)
-    scheds = [s0.commit(), s1.commit(), s2.commit()]
-    bufs = [{k: np.zeros(v.count or 0, "float32") for k, v in s.slots.items()} for s in scheds]
+    bufs = [{k: np.zeros(v.count or 0, "float32") for k, v in s.slots.items()}
+            for s in (s0, s1, s2)]
     bufs[1]["tmp"][:] = 7
-    w = SimWorld(3, prof)
-    done: dict[int, float] = {}
-    exs = [SimExecutor(w, s, sched_id=1, buffers=bb, kernels=KERNELS,
-                       on_complete=lambda e, r=r: done.setdefault(r, w.now))
-           for r, (s, bb) in enumerate(zip(scheds, bufs, strict=True))]
-    _run(w, *exs)
+    done = _finish_times(SimWorld(3, prof), [s0, s1, s2], bufs, KERNELS)
     assert bufs[0]["y"].tolist() == [7.0] * 4
     assert done[0] < 0.05  # not at the send's 0.4 s
 
@@ -255,10 +251,7 @@ def test_no_op_fires_ahead_of_its_time_for_an_execution_that_ends_first() -> Non
     s2 = Schedule(2, 3)
     s2.nop()
     w = SimWorld(3, prof)
-    done: dict[int, float] = {}
-    exs = [SimExecutor(w, s.commit(), sched_id=1,
-                       on_complete=lambda e, r=r: done.setdefault(r, w.now))
-           for r, s in enumerate((s0, s1, s2))]
-    _run(w, *exs)  # raised SimulationError (a data message for a completed execution)
+    # raised SimulationError (a data message for a completed execution)
+    done = _finish_times(w, [s0, s1, s2])
     assert done[0] == pytest.approx(g + 60_000 / 4e5)
     assert w.messages == 1
