@@ -11,9 +11,12 @@ P = 4 and 8 on this machine, against their measurements.
    message between them is its receiver's CPU work, priced with the pool's fitted figures
    (:mod:`asynccoll.sim.cost`). A stored profile without them gets them fitted from its
    time-shared world's periods (``figures``) here.
-2. The measurements: ``--measure`` runs ``bench/skew.py --quick --P 4,8`` (asynccoll's kinds) and
-   ``bench/allreduce.py --quick --P 4,8 --impls asynccoll-tcp`` now (about a minute on two
-   cores), else the JSON files given (default ``bench/results/skew.json`` and
+2. The measurements: ``--measure`` runs ``bench/skew.py --quick --P 4,8 --iters N``
+   (asynccoll's kinds; ``--skew-iters N``, default 48: with 16, solo's mean at P = 8, which
+   one slow execution per iteration makes, moved from 373 to 971 µs between runs) and
+   ``bench/allreduce.py --P 4,8 --sizes 4,4096,1048576 --impls asynccoll-tcp`` at its full
+   call counts (200, 200, 30; ``--quick`` timed 5 calls at 1 MiB) now (about two minutes on
+   two cores), else the JSON files given (default ``bench/results/skew.json`` and
    ``bench/results/allreduce.json``, the last full runs); ``--replay F`` takes the
    measurements and the profile of a JSON this script wrote and predicts them again.
 3. The predictions, the same experiments in the simulator: skew: rank r computes r ms, a
@@ -39,17 +42,19 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import write_json
+from skew import ASYNCCOLL_IMPLS as SKEW_IMPLS
+from skew import handle_name
 
+from asynccoll.comm.partial import stable_id
 from asynccoll.sim import LinearSkew, Profile, simulate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SKEW_IMPLS = ("sync", "solo", "majority", "two_choice", "quorum")
 SIZES = (4, 4096, 1 << 20)
 
 
@@ -64,14 +69,17 @@ def measured(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], 
     tmp = tempfile.mkdtemp(prefix="sim-validate-")
     sk, al = os.path.join(tmp, "skew.json"), os.path.join(tmp, "allreduce.json")
     subprocess.run([sys.executable, os.path.join(HERE, "skew.py"), "--quick", "--P", "4,8",
-                    "--impls", ",".join(SKEW_IMPLS), "--out", sk], check=True, timeout=600)
-    subprocess.run([sys.executable, os.path.join(HERE, "allreduce.py"), "--quick", "--P",
-                    "4,8", "--impls", "asynccoll-tcp", "--out", al], check=True, timeout=600)
+                    "--iters", str(args.skew_iters), "--impls", ",".join(SKEW_IMPLS), "--out", sk],
+                   check=True, timeout=900)
+    subprocess.run([sys.executable, os.path.join(HERE, "allreduce.py"), "--P", "4,8",
+                    "--sizes", ",".join(map(str, SIZES)), "--impls", "asynccoll-tcp",
+                    "--out", al], check=True, timeout=900)
     with open(sk) as f:
         skew = json.load(f)
     with open(al) as f:
         ar = json.load(f)
-    return skew, ar, "measured now (--measure: bench/skew.py and bench/allreduce.py --quick)"
+    return skew, ar, (f"measured now (--measure: bench/skew.py --quick --iters {args.skew_iters}, "
+                      "bench/allreduce.py at its full call counts)")
 
 
 def _compute(prof: Profile, base: np.ndarray, seed: int) -> np.ndarray:
@@ -108,14 +116,21 @@ def with_pool(prof: Profile) -> Profile:
 
 
 def predict_skew(prof: Profile, P: int, impl: str, iters: int, skew_s: float,
-                 model: str = "pool") -> float:
-    """Mean call latency of ``bench/skew.py`` under ``model`` (:func:`_placed`)."""
+                 model: str = "pool", warmup: int = 0) -> float:
+    """Mean call latency of ``bench/skew.py`` under ``model`` (:func:`_placed`), over
+    ``iters`` iterations after ``warmup`` more. The initiators (majority, two-choice) are
+    drawn as the measured run drew them: with the seed of the handle that benchmark makes
+    (:func:`skew.handle_name`) and from the same execution on, its warm-up included. With the
+    simulator's own seed and no warm-up the draws were another sample: two-choice at P = 4
+    came out 14-38 % too fast in 11 of 12 runs, -25 to +19 % with the same draws
+    (docs/sim.md)."""
     pol = f"quorum:{max(1, P // 2)}" if impl == "quorum" else impl
     pp = _placed(prof, P, model)
-    base = LinearSkew(skew_s).sample(iters, P, np.random.default_rng(1))
-    run = simulate(pol, P, iters, profile=pp, compute=_compute(pp, base, 1), barrier=True,
-                   nbytes=4, seed=1)
-    return float(run.latency.mean())
+    n = iters + warmup
+    base = LinearSkew(skew_s).sample(n, P, np.random.default_rng(1))
+    run = simulate(pol, P, n, profile=pp, compute=_compute(pp, base, 1), barrier=True,
+                   nbytes=4, seed=stable_id(handle_name(impl), 2))
+    return float(run.latency.reshape(P, n)[:, warmup:].mean())
 
 
 def predict_allreduce(prof: Profile, P: int, size: int, calls: int,
@@ -158,11 +173,23 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def _cases(a: argparse.Namespace) -> tuple[Profile | None, list[dict[str, Any]], int, float,
-                                            int, str]:
-    """The measured cases (bench_case, impl, P, size, measured_us and its min and max), the
-    profile if they come with one (``--replay``), the skew benchmark's iterations and skew,
-    the allreduce's simulated calls, and where the measurements come from."""
+class Cases(NamedTuple):
+    """What is predicted, and how: the measured ``rows`` (bench_case, impl, P, size,
+    measured_us and its min and max), the ``profile`` when they come with one (``--replay``),
+    the skew benchmark's ``iters``, ``warmup`` iterations and ``skew_s``, the allreduce's
+    simulated ``calls``, and where the measurements come from (``source``)."""
+
+    profile: Profile | None
+    rows: list[dict[str, Any]]
+    iters: int
+    warmup: int
+    skew_s: float
+    calls: int
+    source: str
+
+
+def _cases(a: argparse.Namespace) -> Cases:
+    """The :class:`Cases` of the arguments: replayed, measured now, or stored."""
     if a.replay:
         with open(a.replay) as f:
             d = json.load(f)
@@ -174,11 +201,14 @@ def _cases(a: argparse.Namespace) -> tuple[Profile | None, list[dict[str, Any]],
         # unless --quick
         measured_now = "--measure" in str(pa.get("measured", ""))
         iters = int(pa.get("iters", 16 if pa["quick"] or measured_now else 64))
-        return (Profile.from_json(pa["profile"]),
-                [{k: r[k] for k in keep if k in r} for r in d["rows"]],
-                iters, float(pa.get("skew_s", 1e-3)), int(pa.get("calls", 10 if pa["quick"]
-                                                                  else 30)),
-                f"replayed from {os.path.basename(a.replay)} ({pa['measured']}; its profile)")
+        # (and before the warm-up was: bench/skew.py's, 3 iterations quick, else 5)
+        warmup = int(pa.get("warmup", 3 if pa["quick"] or measured_now else 5))
+        return Cases(Profile.from_json(pa["profile"]),
+                     [{k: r[k] for k in keep if k in r} for r in d["rows"]],
+                     iters, warmup, float(pa.get("skew_s", 1e-3)),
+                     int(pa.get("calls", 10 if pa["quick"] else 30)),
+                     f"replayed from {os.path.basename(a.replay)} ({pa['measured']}; its "
+                     "profile)")
     skew, ar, source = measured(a)
     cases: list[dict[str, Any]] = []
     for row in skew["rows"]:
@@ -194,8 +224,9 @@ def _cases(a: argparse.Namespace) -> tuple[Profile | None, list[dict[str, Any]],
                           "measured_us_min": row.get("time_us_min"),
                           "measured_us_max": row.get("time_us_max")})
     iters = 16 if a.quick else int(skew["params"].get("iters", 64))
-    return (None, cases, iters, float(skew["params"].get("skew_s", 1e-3)), 10 if a.quick else 30,
-            source)
+    warmup = int(skew["params"].get("warmup", 3 if a.quick else 5))
+    return Cases(None, cases, iters, warmup, float(skew["params"].get("skew_s", 1e-3)),
+                 10 if a.quick else 30, source)
 
 
 def main() -> None:
@@ -206,6 +237,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="calibrated profile JSON (default: "
                                                     "calibrate now)")
     ap.add_argument("--measure", action="store_true")
+    ap.add_argument("--skew-iters", type=int, default=48,
+                    help="--measure: the skew benchmark's iterations (default 48)")
     ap.add_argument("--skew-json", default=os.path.join(HERE, "results", "skew.json"))
     ap.add_argument("--allreduce-json", default=os.path.join(HERE, "results",
                                                              "allreduce.json"))
@@ -213,7 +246,7 @@ def main() -> None:
                     help="a JSON this script wrote: its measurements and profile, predicted "
                          "again by the current simulator (no measuring, no calibration)")
     a = ap.parse_args()
-    stored, cases, iters, skew_s, calls, source = _cases(a)
+    stored, cases, iters, warmup, skew_s, calls, source = _cases(a)
     if stored is not None:
         prof = stored
     elif a.profile:
@@ -226,7 +259,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for c in cases:
         if c["bench_case"] == "skew":
-            pool, shared, old = (predict_skew(prof, c["P"], c["impl"], iters, skew_s, m) * 1e6
+            pool, shared, old = (predict_skew(prof, c["P"], c["impl"], iters, skew_s, m,
+                                              warmup) * 1e6
                                  for m in ("pool", "shared", "scaled"))
         else:
             pool, shared, old = (predict_allreduce(prof, c["P"], c["size"], calls, m) * 1e6
@@ -246,7 +280,7 @@ def main() -> None:
     print(f"{within}/{len(rows)} within 25 % ({within_shared} with the shared model, "
           f"{within_old} with the scaled model alone)", file=sys.stderr)
     write_json(a.out, "sim_validate", {"quick": a.quick, "measured": source, "iters": iters,
-                                        "skew_s": skew_s, "calls": calls,
+                                        "warmup": warmup, "skew_s": skew_s, "calls": calls,
                                         "profile": prof.to_json()}, rows,
                extra={"summary": {"within_25pct": within, "rows": len(rows),
                                   "within_25pct_shared_model": within_shared,

@@ -48,6 +48,12 @@ SKEW = 1e-3  # seconds of sleep per rank (``--skew-ms``)
 ASYNCCOLL_IMPLS = ("sync", "solo", "majority", "two_choice", "quorum")
 
 
+def handle_name(impl: str) -> str:
+    """The name of the partial handle of kind ``impl``: its initiator draws' seed comes from it
+    (``bench/sim_validate.py`` draws the same ones)."""
+    return f"skew-{impl}"
+
+
 # -- asynccoll -------------------------------------------------------------------------------
 async def asynccoll_rank(rank: int, P: int, port: int, iters: int, warmup: int,
                          impls: list[str], skew: float) -> dict[str, Any]:
@@ -63,7 +69,7 @@ async def asynccoll_rank(rank: int, P: int, port: int, iters: int, warmup: int,
                 def call() -> Any:
                     return comm.allreduce(x, timeout=60)
             else:
-                h = comm.partial_allreduce(impl, like=x, name=f"skew-{impl}",
+                h = comm.partial_allreduce(impl, like=x, name=handle_name(impl),
                                            quorum=max(1, P // 2) if impl == "quorum" else None)
 
                 def call(h: Any = h) -> Any:

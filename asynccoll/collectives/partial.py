@@ -48,8 +48,10 @@ One rank's schedule, executed again and again by a persistent executor::
   waiting with fresh data in it (``state[FRESH]``), whether this rank is flushing
   (``state[FLUSHING]``; not reset by the snapshot) and counts the snapshots taken
   (``state[SNAPSHOTS]``: execution ``e`` has been activated on this rank iff it is ``> e``).
-  The kernel writes ``meta[rank] = count``, ``meta[P + rank] = fresh``, ``meta[2P]`` =
-  :func:`signature` and ``meta[2P + 1] = state[FLUSHING]`` (so every rank learns how many ranks
+  The kernel writes ``meta[rank] = count``, ``meta[P + rank] = fresh``, ``meta[2P]`` and
+  ``meta[3P + 2]`` = the low and high byte of :func:`signature` (:func:`signature_sum` puts
+  the sums back together; one byte per slot keeps the sum below 2**24 up to P = 65536) and
+  ``meta[2P + 1] = state[FLUSHING]`` (so every rank learns how many ranks
   were flushing) and ``meta[2P + 2 + rank]`` = the arrival stamp of the call waiting in it
   (``state[ARRIVED]``, set by the runtime; 0 when none was). The deadline kind uses the
   same slot (:func:`encode_stamp`): a waiting call's stamp plus :data:`ARRIVAL_MOD` when
@@ -58,7 +60,7 @@ One rank's schedule, executed again and again by a persistent executor::
   latest *late* call (``state[LATE]``: how long after the first arrival of the execution it
   missed it came) as ``LATE_BASE + 2 * state[LATE]``; the signature is XORed with
   ``state[DSIG]`` (the deadline parameters' fingerprint, 0 for other kinds). Every value
-  stays an integer below 2**25 that float32 holds exactly. ``meta`` (3P + 2 int64) is
+  stays an integer below 2**25 that float32 holds exactly. ``meta`` (3P + 3 int64) is
   sum-allreduced with the data (appended to it
   when :func:`packs_meta` says the data's dtype holds it exactly, else separately), so every rank
   learns the same contributors and counts, and ranks that disagree on the collective find out.
@@ -131,6 +133,7 @@ __all__ = [
     "meta_len",
     "next_deadline",
     "packs_meta",
+    "signature_sum",
     "signature",
     "write_meta",
 ]
@@ -238,9 +241,16 @@ def initiators(kind: str, execution: int, world_size: int, seed: int = 0) -> fro
 
 
 def meta_len(world_size: int) -> int:
-    """Length of the meta vector: P counts, P fresh flags, the signature, the flushing count,
-    P arrival stamps (:func:`arrival_stamp`, :func:`encode_stamp`; 0: no call was waiting)."""
-    return 3 * world_size + 2
+    """Length of the meta vector: P counts, P fresh flags, the signature's low byte, the
+    flushing count, P arrival stamps (:func:`arrival_stamp`, :func:`encode_stamp`; 0: no call
+    was waiting), the signature's high byte."""
+    return 3 * world_size + 3
+
+
+def signature_sum(meta: Any, world_size: int) -> int:
+    """The sum over the ranks of the signatures they wrote (:func:`write_meta`) in an
+    allreduced meta vector: ``world_size`` times one's own when the ranks agree."""
+    return int(meta[2 * world_size]) + 256 * int(meta[3 * world_size + 2])
 
 
 #: arrival stamps are microseconds modulo this (8.4 s): small integers that float32 data,
@@ -441,12 +451,17 @@ def packs_meta(dtype: Any, op: str, world_size: int) -> bool:
     """Whether the meta vector rides at the end of the data allreduce (one allreduce, not two).
 
     Only for sums of dtypes that hold the meta's small integers and their sums exactly: 32- and
-    64-bit integers, float64 and complex128, and float32/complex64 (exact to 2**24) for P < 256.
+    64-bit integers, float64 and complex128, and float32/complex64 (exact to 2**24) up to
+    P = 65536: every slot but the signature's two and the flushing count has one rank's value
+    (below 2**25, even above 2**24), and those sum at most P * 255. Packed, a partial allreduce
+    is one allreduce instead of two (at P = 1024 and small sizes: 10 rounds of recursive
+    doubling, not 20).
     """
     dt = np.dtype(dtype)
     if op != "sum" or dt.itemsize < 4 or dt.kind not in "iufc":
         return False
-    return dt.kind in "iu" or dt.itemsize >= (16 if dt.kind == "c" else 8) or world_size < 256
+    return dt.kind in "iu" or dt.itemsize >= (16 if dt.kind == "c" else 8) \
+        or world_size <= 1 << 16
 
 
 def signature(kind: str, op: str, quorum: int | None, count: int, dtype: Any,
@@ -510,7 +525,9 @@ def write_meta(meta: Any, state: Any, params: Mapping[str, Any]) -> None:
     meta.fill(0)
     meta[rank] = state[COUNT]
     meta[p + rank] = state[FRESH]
-    meta[2 * p] = params["sig"] ^ state[DSIG]
+    sig = params["sig"] ^ int(state[DSIG])
+    meta[2 * p] = sig & 0xFF
+    meta[3 * p + 2] = sig >> 8
     meta[2 * p + 1] = state[FLUSHING]
     meta[2 * p + 2 + rank] = encode_stamp(bool(state[FRESH]), state[ARRIVED],
                                           bool(state[EXPIRED]), state[LATE])

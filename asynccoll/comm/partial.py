@@ -82,6 +82,7 @@ from ..collectives.partial import (
     initiators,
     late_offset,
     next_deadline,
+    signature_sum,
 )
 from ..errors import (
     BusyError,
@@ -568,7 +569,7 @@ class PartialAllreduce:
         if self._survival is not None:
             self._survival.after_complete(e, *self._result_buffers())
         P = self.world_size
-        if self._meta[2 * P] != P * (c.signature ^ int(self._state[DSIG])):
+        if signature_sum(self._meta, P) != P * (c.signature ^ int(self._state[DSIG])):
             raise ExecutionError(
                 f"rank {self.rank}: the ranks disagree on partial allreduce {self.name!r} "
                 f"(kind, op, quorum, deadline, shape, dtype or algorithm differ; this rank "
@@ -803,6 +804,7 @@ class PartialAllreduce:
                 new[j], new[P + j], new[2 * P + 2 + j] = \
                     old[i], old[Q + i], old[2 * Q + 2 + i]
         new[2 * P:2 * P + 2] = old[2 * Q:2 * Q + 2]
+        new[3 * P + 2] = old[3 * Q + 2]
         self._vmeta, self._vold = new, None
 
     def _rejoin(self, e: int, stamp: int) -> asyncio.Future[int]:

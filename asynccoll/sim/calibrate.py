@@ -308,7 +308,7 @@ def _solve(f: Callable[[float], float], target: float, x0: float, x1: float,
 
 
 def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
-              large: int = 4 << 20, repeats: int = 3, shared: bool = True) -> dict[str, Profile]:
+              large: int = 4 << 20, repeats: int = 5, shared: bool = True) -> dict[str, Profile]:
     """Measure (module doc) and return a profile per transport, named ``local-<transport>``;
     each transport's pair of processes is started ``repeats`` times per configuration and the
     medians' median kept; ``shared``: also measure the time-shared cores (module doc).
@@ -325,7 +325,10 @@ def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
     for tr in transports:
         # wake-up latencies on a shared machine swing from minute to minute: the median of
         # ``repeats`` pairs of processes (each its own median of ``calls``), the
-        # configurations interleaved so that a busy minute touches them alike
+        # configurations interleaved so that a busy minute touches them alike. Five, not
+        # three (2026-11-24): two of three thread-mode pairs once took 387 µs per 4-byte call
+        # where the others took 131-138, and the call overhead came out at 302 µs instead of
+        # 45-53; the median of five tolerates two such pairs
         ins, ths, worlds = [], [], []
         for _ in range(repeats):
             ins.append(_pair("inline", tr, [4, large], calls))

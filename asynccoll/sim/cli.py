@@ -7,11 +7,11 @@
                          [--ranks-per-host N]
     asynccoll sim run --policy solo -P 1024 --steps 100 --compute lognormal:median=0.01,sigma=0.5
                       [--profile aries] [--nbytes 4] [--ranks-per-host N]
+    asynccoll sim profiles
 
 ``--ranks-per-host N`` places the profile (:meth:`~asynccoll.sim.cost.Profile.placed`): N ranks
 share each host, and where they outnumber a calibrated profile's cores, the cores are a pool
 (:mod:`asynccoll.sim.cost`); without it every rank has a host of its own.
-    asynccoll sim profiles
 """
 
 from __future__ import annotations

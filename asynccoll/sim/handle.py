@@ -70,6 +70,7 @@ from ..collectives.partial import (
     meta_len,
     next_deadline,
     signature,
+    signature_sum,
     write_meta,
 )
 from ..comm.contribution import DenseContribution
@@ -185,7 +186,7 @@ class SimPartial:
             scheds = _partial_schedules(P, int(like.size), like.dtype.str, skind, op, quorum,
                                         algorithm)
             # one scratch meta for all ranks: a snapshot writes it whole and adds it to its
-            # execution's sum at once (P meta vectors of 3P + 2 int64 would be 50 MB at
+            # execution's sum at once (P meta vectors of 3P + 3 int64 would be 50 MB at
             # P = 1024, streamed through the cache once per execution)
             scratch = np.zeros(m, np.int64)
             for r in range(P):
@@ -382,9 +383,10 @@ class SimPartial:
             if not self._agg_left[e]:
                 del self._agg[e], self._agg_left[e]
         sig = self._sig ^ int(self._state[rank][DSIG])
-        if meta[2 * P] != P * sig:
+        total = signature_sum(meta, P)
+        if total != P * sig:
             raise SimulationError(f"rank {rank}: the ranks disagree on the partial allreduce "
-                                  f"(signature sum {meta[2 * P]} != {P} x {sig})")
+                                  f"(signature sum {total} != {P} x {sig})")
         if e not in self.executions:
             self.executions[e] = (int(meta[:P].sum()), int(np.count_nonzero(meta[P:2 * P])),
                                   bool(meta[2 * P + 1]))

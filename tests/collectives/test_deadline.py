@@ -35,6 +35,7 @@ from asynccoll.collectives.partial import (
     meta_len,
     next_deadline,
     packs_meta,
+    signature_sum,
 )
 from asynccoll.inspect.kinds import build
 
@@ -150,7 +151,7 @@ def test_stamp_encoding_round_trips_exactly_in_float32() -> None:
 def test_arrival_spread_is_the_kth_known_arrival() -> None:
     P = 4
     meta = np.zeros(meta_len(P), np.int64)
-    s = meta[2 * P + 2:]
+    s = meta[2 * P + 2:3 * P + 2]
     base = arrival_stamp(50.0)
     s[0] = encode_stamp(True, base, False, 0)
     s[1] = encode_stamp(True, arrival_stamp(50.010), True, 0)
@@ -178,14 +179,15 @@ def test_snapshot_writes_expired_late_and_the_deadline_signature() -> None:
     state[COUNT], state[FRESH], state[ARRIVED], state[EXPIRED] = 1, 1, 77, 1
     state[LATE] = 5  # a fresh call wins the slot; the late report is dropped
     KERNELS["partial_snapshot"](None, [acc, data, meta, state], params, [])
-    assert meta[2 * P] == 9 ^ dsig
+    assert signature_sum(meta, P) == 9 ^ dsig  # one rank's: its own signature
+    assert max(meta[2 * P], meta[3 * P + 2]) < 256  # a byte per slot
     assert meta[2 * P + 2 + 1] == 77 + ARRIVAL_MOD
     assert (state[EXPIRED], state[LATE], state[FRESH]) == (0, 0, 0)
     assert state[DSIG] == dsig  # not per execution
     state[LATE] = 5
     KERNELS["partial_snapshot"](None, [acc, data, meta, state], params, [])
     assert meta[2 * P + 2 + 1] == LATE_BASE + 10
-    assert decode_late(meta[2 * P + 2:]) == {1: pytest.approx(8e-6)}
+    assert decode_late(meta[2 * P + 2:3 * P + 2]) == {1: pytest.approx(8e-6)}
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])

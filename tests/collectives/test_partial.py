@@ -145,11 +145,13 @@ def test_snapshot_kernel() -> None:
     state = np.zeros(STATE_LEN, np.int64)
     state[COUNT], state[FRESH], state[ARRIVED] = 2, 1, 77
     KERNELS["partial_snapshot"](None, [acc, data, meta, state],
-                                {"rank": 1, "world_size": 3, "op": "max", "sig": 9, "count": 3,
+                                {"rank": 1, "world_size": 3, "op": "max", "sig": 0x1209, "count": 3,
                                  "packed": False}, [])
     assert data.tolist() == [1.0, 2.0, 3.0]
     assert (acc == -np.inf).all()
-    assert meta.tolist() == [0, 2, 0, 0, 1, 0, 9, 0, 0, 77, 0]  # ... and rank 1's arrival
+    # counts, fresh flags, the signature's low byte, flushing, stamps (rank 1's arrival) and the
+    # signature's high byte
+    assert meta.tolist() == [0, 2, 0, 0, 1, 0, 0x09, 0, 0, 77, 0, 0x12]
     assert state[COUNT] == 0
     assert state[FRESH] == 0
     assert state[SNAPSHOTS] == 1
@@ -167,7 +169,9 @@ def test_bad_arguments() -> None:
 def test_packed_snapshot_and_choice() -> None:
     assert packs_meta("float32", "sum", 16)
     assert packs_meta("int64", "sum", 1000)
-    assert not packs_meta("float32", "sum", 256)  # P * signature would exceed 2**24
+    assert packs_meta("float32", "sum", 1024)  # the signature's bytes sum to P * 255 at most
+    assert packs_meta("float32", "sum", 1 << 16)
+    assert not packs_meta("float32", "sum", (1 << 16) + 1)  # P * 255 would exceed 2**24
     assert not packs_meta("float64", "max", 4)
     assert not packs_meta("int16", "sum", 4)
     s = build_partial_allreduce(0, 4, 5, "float32")
@@ -181,9 +185,10 @@ def test_packed_snapshot_and_choice() -> None:
     state = np.zeros(STATE_LEN, np.int64)
     state[COUNT] = 3
     KERNELS["partial_snapshot"](None, [acc, data, meta, state],
-                                {"rank": 0, "world_size": 2, "op": "sum", "sig": 7, "count": 2,
+                                {"rank": 0, "world_size": 2, "op": "sum", "sig": 0x307, "count": 2,
                                  "packed": True}, [])
-    assert data.tolist() == [1.0, 2.0, 3, 0, 0, 0, 7, 0, 0, 0]  # no call waiting: no arrival
+    # no call waiting: no arrival
+    assert data.tolist() == [1.0, 2.0, 3, 0, 0, 0, 7, 0, 0, 0, 3]
     assert acc.tolist() == [0.0, 0.0]
 
 

@@ -432,3 +432,35 @@ async def test_accumulate_world_divides_each_execution_by_the_world_and_checks_a
         np.testing.assert_allclose(late.value, (4.0 + 8.0) / 2)  # each by P, not by count
         r = await hs[0](np.full(2, 32.0))             # execution 3: 32 + rank 1's 16
         np.testing.assert_allclose(r.value, (32.0 + 16.0) / 2)
+
+
+@pytest.mark.timeout(120)
+async def test_float32_at_p256_one_allreduce_exact_and_disagreement_found() -> None:
+    # from P = 256 float32 data carries the meta vector (its signature a byte per slot, so
+    # that 256 signatures sum exactly in float32): one allreduce per execution, the sums
+    # exact, and ranks that disagree on the handle still told so
+    from asynccoll import ExecutionError
+    from asynccoll.collectives.partial import packs_meta
+
+    P = 256
+    like = np.zeros(3, np.float32)
+    assert packs_meta(like.dtype, "sum", P)
+    async with local_world(P, progress="inline") as comms:
+        for kind in ("solo", "majority"):
+            hs = [c.partial_allreduce(kind, like=like, name=f"p256-{kind}") for c in comms]
+            assert not any(s.startswith("meta_") for s in hs[0].schedule.slots)
+            rs = await asyncio.wait_for(asyncio.gather(
+                *(h(np.full(3, r + 1, np.float32)) for r, h in enumerate(hs))), 60)
+            for res in rs:
+                assert res.value.tolist() == [P * (P + 1) / 2] * 3  # 32896: exact
+                assert res.contributors == frozenset(range(P)) == res.fresh
+                assert res.count == P
+        # rank 0 names the algorithm the others get by default: the same schedule, another
+        # signature
+        hs = [c.partial_allreduce("solo", like=like, name="p256-disagree",
+                                  algorithm="recursive_doubling" if r == 0 else None)
+              for r, c in enumerate(comms)]
+        out = await asyncio.wait_for(asyncio.gather(
+            *(h(np.ones(3, np.float32)) for h in hs), return_exceptions=True), 60)
+        assert all(isinstance(o, ExecutionError) for o in out), out[:3]
+        assert "disagree" in str(out[0])

@@ -142,14 +142,25 @@ async def _shm_main(rank: int, P: int, port: int) -> list[bool]:
     ok: list[bool] = []
     async with comm:
         n = 1 << 18  # 1 MiB of float32: through shared memory
-        h = comm.partial_allreduce("majority", like=np.zeros(n, np.float32), shm=True)
+        # accumulate=True: what each call and the flush return adds up to every execution's
+        # sum. Without it a slow rank's call may rightly get only the latest execution's
+        # result, which can be an empty one that the other ranks' flush forced (count 0,
+        # zeros), so a test of "every result is non-zero" failed about one run in 30.
+        h = comm.partial_allreduce("majority", like=np.zeros(n, np.float32), shm=True,
+                                   accumulate=True)
         out = np.empty(n, np.float32)
+        total = np.zeros(n, np.float64)
         for step in range(1, 6):
             x = np.full(n, rank + step, np.float32)
             res = await h(x, timeout=30, out=out)
-            ok.append(res.value is out and bool((out == out[0]).all()) and out[0] > 0)
+            ok.append(res.value is out and bool((out == out[0]).all())
+                      and (out[0] > 0) == (res.count > 0))
+            total += out
         last = await h.flush(timeout=30)
-        ok.append(last.flushed)
+        total += last.value
+        # conservation: every rank's data of every step, once, on every rank
+        want = sum(r + s for r in range(P) for s in range(1, 6))
+        ok.append(last.flushed and bool((total == want).all()))
     return ok
 
 

@@ -59,3 +59,29 @@ def test_conservation_with_data_and_accumulate(policy: str) -> None:
         seen[r] = sum(float(res.value[0]) for res in run.results[r])
     flushed = {r: float(f.value[0]) for r, f in run.flushes.items()}
     assert all(abs(seen[r] + flushed[r] - total) < 1e-3 for r in range(P)), (seen, flushed)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["solo", "majority"])
+def test_float32_meta_rides_with_the_data_at_p512(policy: str) -> None:
+    # from P = 256 up to 65536 the meta vector rides at the end of float32 data (one
+    # allreduce): its signature is summed a byte per slot, so a sum above 2**24 (P x a 16-bit
+    # signature) would show as a "ranks disagree" error, and a count lost in float32 as data
+    # that is not conserved
+    import numpy as np
+
+    from asynccoll.collectives.partial import build_partial_allreduce
+
+    P, steps = 512, 2
+    sched = build_partial_allreduce(0, P, 2, np.float32, kind=policy)
+    assert not any(name.startswith("meta_") for name in sched.slots)  # no second allreduce
+    run = simulate(policy, P, steps, profile=TCPISH, compute=Uniform(0.0, 3e-4), seed=5,
+                   nbytes=8, data=True, keep_results=True, flush=True, barrier=True,
+                   values=lambda r, s: np.full(2, float(r + 1), np.float32))
+    assert run.conserved(), run.summary()
+    assert run.results is not None
+    assert run.flushes is not None
+    total = P * (P + 1) // 2 * steps  # below 2**24: exact in float32
+    for r in range(P):
+        seen = sum(float(res.value[0]) for res in run.results[r])
+        assert seen + float(run.flushes[r].value[0]) == total, r
