@@ -13,6 +13,9 @@ What is measured (about 30 s per transport on a 2-core machine):
   recursive doubling is one exchange, so ``T(n) = alpha + 3 gamma + n beta + n / reduce_bps``
   on the path an allreduce takes, which gives ``alpha`` and ``beta``; measured twice, with
   the progress thread and inline, the difference is the call's thread hop (``call_overhead``);
+  and at :data:`SHAPE_SIZES` too, inline: ``(T(n) - T(4) - n / reduce_bps) / n`` by the size
+  of the messages that allreduce sends is the profile's ``byte_shape`` (:func:`byte_shape`;
+  the cost per byte is not the same at every size, :mod:`.cost`);
 * the **time-shared cores'** figures (:class:`~asynccoll.sim.cost.SharedCores`): a world of
   ``2 * cores`` processes (each core time-shared by two ranks, every wake-up a context switch)
   runs back-to-back barriers and back-to-back large allreduces; ``alpha`` is the intra-host
@@ -47,10 +50,15 @@ import numpy as np
 
 from .cost import LinkClass, Profile, SharedCores
 
-__all__ = ["available_transports", "calibrate", "fit_pool", "fit_shared", "measure_gamma",
-           "measure_reduce"]
+__all__ = ["SHAPE_SIZES", "available_transports", "byte_shape", "calibrate", "fit_pool",
+           "fit_shared", "measure_gamma", "measure_reduce"]
 
 _SECRET = "asynccoll-sim-calibration-secret-0123456789"
+
+#: the allreduce sizes (bytes) the two-process pair also times for the profile's
+#: ``byte_shape``, beside the 4-byte and the large one: messages of 64, 256 and 512 KiB (the
+#: large one's, 4 MiB at P = 2, are 1 MiB); a P = 4 or 8 allreduce of 1 MiB sends 128-512 KiB
+SHAPE_SIZES = (1 << 16, 1 << 18, 1 << 19)
 
 
 def measure_reduce(nbytes: int = 16 << 20, reps: int = 5) -> float:
@@ -307,6 +315,26 @@ def _solve(f: Callable[[float], float], target: float, x0: float, x1: float,
     return x1
 
 
+def byte_shape(times: dict[int, float], reduce_bps: float) -> tuple[tuple[int, float], ...]:
+    """The profile's ``byte_shape`` from the two-process pair's median allreduce ``times`` by
+    size (bytes; the 4-byte call among them): per size n above 4, ``(T(n) - T(4) - n /
+    reduce_bps) / n`` (at least 1e-12 s per byte), keyed by the largest message that P = 2
+    allreduce sends (its schedule's); where two sizes send the same messages, the larger
+    size's figure (its bytes outweigh the fixed costs more)."""
+    from ..collectives.dense import allreduce
+    from .engine import _compiled
+
+    out: dict[int, float] = {}
+    for n in sorted(times):
+        if n <= 4:
+            continue
+        s = allreduce(0, 2, max(1, n // 4), "float32")
+        nb = _compiled(s).nbytes
+        m = max(nb[i] for i, op in enumerate(s.ops) if op.kind == "send")
+        out[m] = max((times[n] - times[4] - n / reduce_bps) / n, 1e-12)
+    return tuple(sorted(out.items()))
+
+
 def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
               large: int = 4 << 20, repeats: int = 5, shared: bool = True) -> dict[str, Profile]:
     """Measure (module doc) and return a profile per transport, named ``local-<transport>``;
@@ -331,11 +359,11 @@ def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
         # 45-53; the median of five tolerates two such pairs
         ins, ths, worlds = [], [], []
         for _ in range(repeats):
-            ins.append(_pair("inline", tr, [4, large], calls))
+            ins.append(_pair("inline", tr, [4, *SHAPE_SIZES, large], calls))
             ths.append(_pair("thread", tr, [4], calls))
             if shared:
                 worlds.append(_shared_world(2 * cores, tr, 4 * calls, large, calls // 6 + 2))
-        inline = {n: med(ins, n) for n in (4, large)}
+        inline = {n: med(ins, n) for n in (4, *SHAPE_SIZES, large)}
         thread = {4: med(ths, 4)}
         alpha = max(inline[4] - 3 * gamma, 1e-7)
         beta = max((inline[large] - inline[4] - large / rbps) / large, 1e-12)
@@ -345,10 +373,13 @@ def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
             "allreduce_p2_4B_inline_us": inline[4] * 1e6,
             f"allreduce_p2_{large}B_inline_us": inline[large] * 1e6,
             "allreduce_p2_4B_thread_us": thread[4] * 1e6, "call_overhead_us": over * 1e6,
-            "gamma_us": gamma * 1e6, "reduce_GBps": rbps / 1e9}
+            "gamma_us": gamma * 1e6, "reduce_GBps": rbps / 1e9,
+            **{f"allreduce_p2_{n}B_inline_us": inline[n] * 1e6 for n in SHAPE_SIZES}}
+        shape = byte_shape(inline, rbps)
+        figures["byte_shape_GBps"] = {str(m): 1e-9 / b for m, b in shape}
         prof = Profile(
             name=f"local-{tr}", intra=link, inter=link, gamma=gamma, reduce_bps=rbps,
-            ranks_per_host=1, cores=cores, call_overhead=over,
+            ranks_per_host=1, cores=cores, call_overhead=over, byte_shape=shape,
             source=f"asynccoll sim calibrate on {socket.gethostname()} at {stamp}: {tr} "
                    f"between two processes (4 B and {large} B allreduces, the median of {repeats} "
                    f"runs' medians of {calls})" + (f"; {2 * cores} ranks time-sharing "

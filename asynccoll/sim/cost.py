@@ -32,7 +32,15 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
     twice the two-process ``alpha``, which is what a wake-up on a time-shared core costs (our
     reading: the context switches and the caches they empty; a pool priced with the
     two-process figures predicted every benchmark 40-50 % too fast). The exit waves below come out
-    of the pool by themselves.
+    of the pool by themselves. A message's bytes do not cost the same per byte at every size:
+    between two processes here a 512 KiB message cost 0.18-0.23 ns per byte above the 4-byte
+    call and a 1 MiB one 0.29-0.35 (our reading: a message that fits in the socket's buffer is
+    taken in one wake-up, a larger one in several). ``byte_shape`` keeps the two-process cost per
+    byte at the message sizes calibration measured, and a pooled message of n bytes costs
+    ``msg_cpu + n * beta * byte_factor(n)`` (:meth:`Profile.byte_factor`: that cost relative to
+    the largest size measured; ``beta`` is fitted with it, so it is the figure of the largest
+    messages). Without the shape a 1 MiB allreduce at P = 4 (256 and 512 KiB messages) was
+    predicted 26-74 % too slow in 10 of 12 runs (docs/sim.md).
   - **the scale** (``"shared"``, and the only one for profiles without the pool's figures):
     every CPU cost, the intra-host ``alpha`` and ``beta`` (between processes of one host a
     message is CPU work: the kernel's and the runtime's, no wire) and the call overhead are
@@ -63,6 +71,7 @@ machine; :func:`asynccoll.sim.calibrate.calibrate` measures them here.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -132,6 +141,10 @@ class Profile:
     #: (the intra-host link's ``beta`` is then the receiver's CPU per byte, and ``alpha`` its
     #: delay)
     msg_cpu: float = 0.0
+    #: the two-process cost per byte by message size, ``((bytes, seconds per byte), ...)`` with
+    #: the sizes increasing, as calibration measured it; with the pool it shapes a message's
+    #: per-byte cost (module doc, :meth:`byte_factor`). Empty: one figure for every size
+    byte_shape: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.gamma >= 0:
@@ -146,6 +159,23 @@ class Profile:
             raise ValueError(f"cores must be >= 0 (0: one per rank), got {self.cores!r}")
         if not self.msg_cpu >= 0:
             raise ValueError(f"msg_cpu must be >= 0, got {self.msg_cpu!r}")
+        sizes = [n for n, _ in self.byte_shape]
+        if any(not (isinstance(n, int) and n > 0) for n in sizes) \
+                or sizes != sorted(set(sizes)) \
+                or any(not (isinstance(b, (int, float)) and b > 0) for _, b in self.byte_shape):
+            raise ValueError("byte_shape must be (bytes, seconds per byte) pairs, the sizes "
+                             f"positive and increasing, the costs > 0; got {self.byte_shape!r}")
+
+    def byte_factor(self, nbytes: int) -> float:
+        """The cost per byte of an ``nbytes`` message relative to that of the largest size in
+        :attr:`byte_shape`: linear in log2 of the size between the sizes measured, the nearest
+        one's outside them; 1.0 without a shape."""
+        pts = self.byte_shape
+        if not pts:
+            return 1.0
+        x = math.log2(max(nbytes, 1))
+        return float(np.interp(x, [math.log2(n) for n, _ in pts], [b for _, b in pts])) \
+            / pts[-1][1]
 
     @property
     def cpu_scale(self) -> float:
@@ -244,7 +274,9 @@ class Profile:
                        figures=dict(d.get("figures", {})),
                        shared=SharedCores(**d["shared"]) if d.get("shared") else None,
                        pool=bool(d.get("pool", False)),
-                       msg_cpu=float(d.get("msg_cpu", 0.0)))
+                       msg_cpu=float(d.get("msg_cpu", 0.0)),
+                       byte_shape=tuple((int(n), float(b))
+                                        for n, b in d.get("byte_shape", ())))
         except KeyError as exc:
             raise ValueError(f"profile lacks field {exc.args[0]!r}") from None
 

@@ -129,6 +129,19 @@ class SimulationError(AsyncCollError):
     for a finished execution, a missing payload), or the simulation cannot proceed."""
 
 
+class _Receipts(dict[int, float]):
+    """What a pooled intra-host message of n bytes costs its receiver (``self[n]``):
+    ``msg_cpu + n * per_byte * factor(n)`` (:mod:`.cost`), computed once per size."""
+
+    def __init__(self, msg_cpu: float, per_byte: float, factor: Callable[[int], float]) -> None:
+        super().__init__()
+        self._m, self._b, self._f = msg_cpu, per_byte, factor
+
+    def __missing__(self, n: int) -> float:
+        v = self[n] = self._m + n * self._b * self._f(n)
+        return v
+
+
 class SimWorld:
     """P ranks in virtual time priced by ``profile``. ``at(t, fn, *args)`` schedules
     ``fn(*args)`` at virtual time ``t``; :meth:`run` processes events in time order (ties in
@@ -170,6 +183,9 @@ class SimWorld:
         # (loopback or shared memory: no wire), so it slows down as the CPU does
         self.intra = (profile.intra.alpha * scale, profile.intra.beta * scale)
         self.inter = (profile.inter.alpha, profile.inter.beta)
+        #: with the pool, what an intra-host message of n bytes costs its receiver beyond gamma
+        #: (``receipt_cpu[n]``, memoised by size; :mod:`.cost`)
+        self.receipt_cpu = _Receipts(self.msg_cpu, self.intra[1], profile.byte_factor)
         self.endpoints: dict[tuple[int, int], SimExecutor] = {}
         #: the endpoints by schedule id, as lists by rank (what a send reads)
         self._by_sid: dict[int, list[SimExecutor | None]] = {}
@@ -310,7 +326,7 @@ class SimWorld:
         # booked from its arrival: delivered then (delay 0), not when an idle receiver would be
         # done with it, so that work ready later does not take the core first
         pool_msg = self.pooled and src != dst and self.host[src] == self.host[dst]
-        x = self.msg_cpu + nbytes * self.intra[1] if pool_msg else 0.0
+        x = self.receipt_cpu[nbytes] if pool_msg else 0.0
         msg = (src, execution, tag * self.world_size + src, kind, nbytes, data, header, x,
                0.0 if pool_msg else g)
         # straight to the executor (attach() keeps that right if the endpoint changes hands)
@@ -621,7 +637,7 @@ class SimExecutor:
         fired, left, succ, kind = self._fired, self._left, self._succ, self._kind
         final, silent, nbytes, hooks = self._final, self._silent, self._nbytes, self._hooks
         early, floor = self._early, self._floor
-        pooled, charge, mcpu = world.pooled, world.charge, world.msg_cpu
+        pooled, charge, rcpu = world.pooled, world.charge, world.receipt_cpu
         g, spb, rank, data = world.gamma, world.reduce_spb, self.rank, self._data
         push, seq, lazy, pend = world.push, world.seq, self._lazy, self._pend
         heappop, heappush = heapq.heappop, heapq.heappush
@@ -717,7 +733,7 @@ class SimExecutor:
                                 # from its arrival (SimWorld.post)
                                 a, b = intra
                                 msg = (rank, e, key_of[i], msgk[i], nbytes[i], None, None,
-                                       mcpu + nbytes[i] * b, 0.0)
+                                       rcpu[nbytes[i]], 0.0)
                                 b = 0.0
                                 d = 0.0
                             tq = nic_free[rank]

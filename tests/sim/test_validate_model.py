@@ -131,14 +131,12 @@ def test_a_pool_of_cores_serves_only_ranks_that_have_work() -> None:
     assert _computes(two, [0.0, 0.0]) == pytest.approx({0: 1.0, 1: 1.0})
 
 
-def test_a_pooled_host_s_message_is_its_receiver_s_cpu() -> None:
-    g = 1e-3
-    prof = Profile("t", LinkClass(0.0, 1e-6), LinkClass(0.0, 1e-6), gamma=g, reduce_bps=1e9,
-                   ranks_per_host=2, cores=1, pool=True, msg_cpu=0.1)
+def _one_message(prof: Profile, nbytes: int) -> dict[int, float]:
+    """Rank 0 sends rank 1 one message of ``nbytes`` (float32); when each completed."""
     w = SimWorld(2, prof)
-    s0 = Schedule(0, 2, slots={"x": SlotSpec(1000, "float32")})
+    s0 = Schedule(0, 2, slots={"x": SlotSpec(nbytes // 4, "float32")})
     s0.send(1, "x", tag=1)
-    s1 = Schedule(1, 2, slots={"x": SlotSpec(1000, "float32")})
+    s1 = Schedule(1, 2, slots={"x": SlotSpec(nbytes // 4, "float32")})
     s1.recv(0, "x", tag=1)
     done: dict[int, float] = {}
     exs = [SimExecutor(w, s.commit(), sched_id=1,
@@ -147,19 +145,36 @@ def test_a_pooled_host_s_message_is_its_receiver_s_cpu() -> None:
     for ex in exs:
         ex.start()
     w.run()
+    return done
+
+
+def test_a_pooled_host_s_message_is_its_receiver_s_cpu() -> None:
+    g = 1e-3
+    prof = Profile("t", LinkClass(0.0, 1e-6), LinkClass(0.0, 1e-6), gamma=g, reduce_bps=1e9,
+                   ranks_per_host=2, cores=1, pool=True, msg_cpu=0.1)
+    done = _one_message(prof, 4000)
     # the send's gamma, then the receiver's gamma + msg_cpu + 4000 B at 1 us/B, on the one core
     assert done[1] == pytest.approx(g + g + 0.1 + 4000 * 1e-6)
     assert done[0] == pytest.approx(g)  # no wire time: the bytes are the receiver's work
 
 
-def test_fit_pool_recovers_the_figures_the_periods_came_from() -> None:
-    prof = PROF.with_(shared=POOL)
+# the 4 MiB allreduce at P = 4 sends 1 MiB messages: a shape whose largest size is below them
+# prices them at the per-byte figure itself, one above them at a fraction of it
+@pytest.mark.parametrize("shape", [(), ((1 << 16, 0.2e-9), (1 << 20, 0.4e-9)),
+                                   ((1 << 19, 0.2e-9), (4 << 20, 0.4e-9))],
+                         ids=["none", "below", "above"])
+def test_fit_pool_recovers_the_figures_the_periods_came_from(
+        shape: tuple[tuple[int, float], ...]) -> None:
+    prof = PROF.with_(shared=POOL, byte_shape=shape)
     placed = prof.placed(4)
     bar = _sim_barrier_period(placed)
     big = _sim_allreduce_period(placed, 4 << 20)
-    msg, per_byte = fit_pool(PROF.with_(shared=None), 4, bar, big, 4 << 20)
+    msg, per_byte = fit_pool(prof.with_(shared=None), 4, bar, big, 4 << 20)
     assert msg == pytest.approx(POOL.msg_cpu, rel=1e-3)
     assert per_byte == pytest.approx(POOL.byte_cpu, rel=1e-3)
+    if shape:  # a smaller allreduce (256 and 512 KiB messages) costs less with the shape
+        small = _sim_allreduce_period(placed, 1 << 20)
+        assert small < _sim_allreduce_period(PROF.with_(shared=POOL).placed(4), 1 << 20)
 
 
 def test_a_pooled_message_takes_the_core_from_its_arrival() -> None:
@@ -196,3 +211,65 @@ def test_calibration_ranks_measure_the_transport_not_shared_memory(
     _child_env()
     assert os.environ["ASYNCCOLL_SHM"] == "0"
     assert SHM_MIN_BYTES < 4 << 20  # why it matters: the calibration's large allreduce
+
+
+SHAPE = ((1000, 0.5e-6), (4000, 1e-6))
+
+
+def test_byte_factor_is_the_shape_relative_to_its_largest_size() -> None:
+    prof = PROF.with_(byte_shape=SHAPE)
+    assert PROF.byte_factor(123) == 1.0  # no shape: one figure for every size
+    assert prof.byte_factor(4000) == pytest.approx(1.0)
+    assert prof.byte_factor(1000) == pytest.approx(0.5)
+    assert prof.byte_factor(2000) == pytest.approx(0.75)  # halfway in log2 of the size
+    assert prof.byte_factor(10) == pytest.approx(0.5)  # the nearest size's outside
+    assert prof.byte_factor(1 << 30) == pytest.approx(1.0)
+    assert Profile.from_json(prof.to_json()) == prof
+    assert prof.placed(8).byte_shape == SHAPE
+    for bad in (((1000, 1e-6), (1000, 2e-6)), ((4000, 1e-6), (1000, 1e-6)), ((0, 1e-6),),
+                ((1000, 0.0),), ((1000.5, 1e-6),)):
+        with pytest.raises(ValueError, match="byte_shape"):
+            PROF.with_(byte_shape=bad)
+
+
+@pytest.mark.parametrize("size", [1000, 2000, 4000])
+def test_a_pooled_message_s_bytes_cost_by_its_size(size: int) -> None:
+    prof = Profile("t", LinkClass(0.0, 1e-6), LinkClass(0.0, 1e-6), gamma=0.0,
+                   reduce_bps=1e9, ranks_per_host=2, cores=1, pool=True, msg_cpu=0.1,
+                   byte_shape=SHAPE)
+    done = _one_message(prof, size)
+    factor = {1000: 0.5, 2000: 0.75, 4000: 1.0}[size]
+    assert done[1] == pytest.approx(0.1 + size * 1e-6 * factor)
+
+
+def test_byte_shape_keys_the_pair_s_figures_by_message_size() -> None:
+    from asynccoll.sim.calibrate import byte_shape
+
+    rbps = 10e9
+    t4 = 100e-6
+    # seconds per byte by allreduce size; P = 2 sends one message of the whole vector up to
+    # 1 MiB and 1 MiB segments above it (4 MiB: the 1 MiB messages' figure wins over the
+    # 1 MiB allreduce's own)
+    per = {1 << 16: 0.6e-9, 1 << 19: 0.2e-9, 1 << 20: 0.9e-9, 4 << 20: 0.4e-9}
+    times = {4: t4, **{n: t4 + n * b + n / rbps for n, b in per.items()}}
+    got = dict(byte_shape(times, rbps))
+    assert set(got) == {1 << 16, 1 << 19, 1 << 20}
+    assert got[1 << 16] == pytest.approx(0.6e-9)
+    assert got[1 << 19] == pytest.approx(0.2e-9)
+    assert got[1 << 20] == pytest.approx(0.4e-9)
+    # faster than the fixed costs allow (noise): a floor, not a negative cost
+    assert dict(byte_shape({4: t4, 1 << 16: t4 / 2}, rbps))[1 << 16] == 1e-12
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_calibration_measures_the_shape_between_two_processes() -> None:
+    from asynccoll.sim.calibrate import SHAPE_SIZES, calibrate
+
+    prof = calibrate(("tcp",), calls=5, large=1 << 20, repeats=1, shared=False)["tcp"]
+    # keyed by the messages a P = 2 allreduce of each size sends: the sizes themselves here
+    assert [n for n, _ in prof.byte_shape] == [*SHAPE_SIZES, 1 << 20]
+    assert all(b > 0 for _, b in prof.byte_shape)
+    assert set(prof.figures["byte_shape_GBps"]) == {str(n) for n in (*SHAPE_SIZES, 1 << 20)}
+    assert prof.byte_factor(1 << 20) == 1.0
+    assert Profile.from_json(prof.to_json()) == prof
