@@ -30,6 +30,21 @@ import asynccoll
 OUT = sys.argv[1]
 KINDS = KINDS_HERE
 
+async def stopped(pidfile):
+    # until rank 3 is stopped (a sleep of 0.2 s was not always enough on a loaded machine:
+    # its progress thread could still answer the first call)
+    for _ in range(1000):
+        try:
+            with open(pidfile) as f:
+                pid = int(f.read())
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+        except (OSError, ValueError):
+            pass
+        await asyncio.sleep(0.01)
+    raise RuntimeError("rank 3 did not stop")
+
 async def main():
     comm = await asynccoll.connect()
     logging.basicConfig(filename=f"{OUT}/rank-{comm.rank}.log", level=logging.WARNING,
@@ -39,8 +54,12 @@ async def main():
           for k in KINDS if k != "allreduce"}
     await comm.barrier()
     if comm.rank == 3:
+        with open(f"{OUT}/pid-3.tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(f"{OUT}/pid-3.tmp", f"{OUT}/pid-3")
         os.kill(os.getpid(), signal.SIGSTOP)
-    await asyncio.sleep(0.2)  # rank 3 is stopped by now
+    else:
+        await stopped(f"{OUT}/pid-3")
     calls = {}
     for k in KINDS:
         t0 = time.time()

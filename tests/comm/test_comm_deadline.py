@@ -246,6 +246,8 @@ def test_tcp_processes_agree_and_conserve() -> None:
         assert o["deadlines"] == out[0]["deadlines"]
     story = out[0]["story"]
     d = out[0]["deadlines"]
-    assert d[1] == 0.03  # tight first steps: down to lo
+    # tight first steps: at lo (0.03) unless a stall of 15 ms or more on this loaded machine
+    # spread them (d = median + 3 MAD of two spreads), well below what the straggler makes it
+    assert 0.03 <= d[1] < 0.1, d
     assert any(exp for _, exp, _ in story.values())  # the straggler was cut off at least once
     assert max(d) > 0.1  # and the deadline grew towards its lateness

@@ -142,8 +142,11 @@ async def test_results_say_who_arrived_late_and_by_how_much() -> None:
             for r, res in enumerate(rs):
                 assert set(res.arrivals) == {0, 1, 2}
                 assert res.arrivals[0] == 0.0
-                assert 0.01 < res.arrivals[1] < 0.045
-                assert 0.04 < res.arrivals[2] < 0.09
+                # called 20 and 50 ms after rank 0; the bounds leave room for a stall of
+                # 10 ms or more between the calls and their stamps on a loaded machine
+                a1, a2 = res.arrivals[1], res.arrivals[2]
+                assert 0.005 < a1 < a2 < 0.2, res.arrivals
+                assert a2 - a1 > 0.01, res.arrivals
                 assert res.lateness == res.arrivals[r]
                 assert res.latest_arrival == res.arrivals[2]
         flushed = await asyncio.gather(*(h.flush() for h in hs))

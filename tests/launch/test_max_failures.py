@@ -34,7 +34,10 @@ async def main():
                     os.kill(os.getpid(), signal.SIGKILL)
                 await comm.allreduce(x)
         except asynccoll.PeerLostError:
-            pass
+            # a victim whose step-2 allreduce fails on the other victim's loss before it
+            # reaches its own kill still dies as planned (two losses, not one)
+            if comm.rank in kill:
+                os.kill(os.getpid(), signal.SIGKILL)
         g = await comm.shrink()
         s = await g.allreduce(np.ones(2))
         print("survivors", g.size, "sum", s[0], flush=True)

@@ -113,7 +113,9 @@ def ddp_main(rank: int, P: int, port: int) -> dict[str, Any]:
                 def late_initiator(s: int, kind: str = kind, seed: int = seed) -> float:
                     if kind == "quorum" or s == 0:
                         return 0.0
-                    return 0.15 if rank in initiators(kind, s - 1, P, seed) else 0.0
+                    # long enough for every other rank's hook to arrive first on a loaded
+                    # machine (0.15 s left a margin a stall of that size undid)
+                    return 0.4 if rank in initiators(kind, s - 1, P, seed) else 0.0
 
                 state, hook = partial_hook(comm, kind, quorum=P if kind == "quorum" else None,
                                            name=f"eq-{kind}", seed=seed)

@@ -17,8 +17,10 @@ from asynccoll.testing import local_world
 from asynccoll.train import RNA
 from asynccoll.train.hier import DUE, FINISHING, HAS, TIME, decide
 
-SLOW = 0.03  # the slow group's extra delay per step, seconds
-BASE = 0.005  # every rank's simulated compute per step
+SLOW = 0.08  # the slow group's extra delay per step, seconds (was 0.03: the switch needs the
+# slow inter-step time above 3x the fast one, which a 10 ms overshoot of the fast ranks' sleeps
+# on a loaded machine undid; now it takes 37 ms)
+BASE = 0.003  # every rank's simulated compute per step
 
 
 async def _train(opt: RNA, prob: Problem, r: int, delay: float, seconds: float) -> int:
