@@ -11,11 +11,13 @@ What is measured (about 30 s per transport on a 2-core machine):
   as ``bench/allreduce.py``'s ``asynccoll-tcp`` does) connect through the rendezvous and time
   4-byte and 4 MiB allreduces; P = 2
   recursive doubling is one exchange, so ``T(n) = alpha + 3 gamma + n beta + n / reduce_bps``
-  on the path an allreduce takes, which gives ``alpha`` and ``beta``; measured twice, with
-  the progress thread and inline, the difference is the call's thread hop (``call_overhead``);
-  and at :data:`SHAPE_SIZES` too, inline: ``(T(n) - T(4) - n / reduce_bps) / n`` by the size
-  of the messages that allreduce sends is the profile's ``byte_shape`` (:func:`byte_shape`;
-  the cost per byte is not the same at every size, :mod:`.cost`);
+  on the path an allreduce takes, which gives ``alpha`` and ``beta`` (from 2 MiB the pair's
+  allreduce is two rounds of 1 MiB segments, so the 4 MiB call's ``beta`` is an average over
+  that path: it prices the profile's dedicated links, the pool is fitted apart); measured
+  twice, with the progress thread and inline, the difference is the call's thread hop
+  (``call_overhead``); and at :data:`SHAPE_SIZES` too, inline, each one message of the whole
+  vector: ``(T(n) - T(4) - n / reduce_bps) / n`` by size is the profile's ``byte_shape``
+  (:func:`byte_shape`; the cost per byte is not the same at every size, :mod:`.cost`);
 * the **time-shared cores'** figures (:class:`~asynccoll.sim.cost.SharedCores`): a world of
   ``2 * cores`` processes (each core time-shared by two ranks, every wake-up a context switch)
   runs back-to-back barriers and back-to-back large allreduces; ``alpha`` is the intra-host
@@ -56,9 +58,11 @@ __all__ = ["SHAPE_SIZES", "available_transports", "byte_shape", "calibrate", "fi
 _SECRET = "asynccoll-sim-calibration-secret-0123456789"
 
 #: the allreduce sizes (bytes) the two-process pair also times for the profile's
-#: ``byte_shape``, beside the 4-byte and the large one: messages of 64, 256 and 512 KiB (the
-#: large one's, 4 MiB at P = 2, are 1 MiB); a P = 4 or 8 allreduce of 1 MiB sends 128-512 KiB
-SHAPE_SIZES = (1 << 16, 1 << 18, 1 << 19)
+#: ``byte_shape``, beside the 4-byte and the large one: at P = 2 each is one exchange of the
+#: whole vector (from 2 MiB the pair's allreduce sends 1 MiB segments in two rounds: the 4 MiB
+#: one fires 10 ops and adds 2 MiB, not what one message costs); a P = 4 or 8 allreduce of 1 MiB
+#: sends 128-512 KiB, a 4 MiB one at P = 4 (the pool's fit) 1 MiB
+SHAPE_SIZES = (1 << 16, 1 << 18, 1 << 19, 1 << 20)
 
 
 def measure_reduce(nbytes: int = 16 << 20, reps: int = 5) -> float:
@@ -281,7 +285,9 @@ def fit_pool(prof: Profile, world: int, barrier_s: float, large_s: float,
     and per byte at its receiver that make the simulated world of ``world`` ranks on one host
     (``prof``'s cores as a pool, no intra-host delay) take ``barrier_s`` per barrier and
     ``large_s`` per ``large``-byte allreduce, back to back; as :func:`fit_shared`, each by the
-    secant method on the simulator itself."""
+    secant method on the simulator itself. With ``prof.byte_shape`` the per-byte figure is that
+    of the shape's largest messages (:meth:`~.cost.Profile.byte_factor` scales the others):
+    it belongs to that shape."""
     def pooled(m: float, b: float) -> Profile:
         return prof.with_(ranks_per_host=world, shared=None, pool=True, msg_cpu=m,
                           intra=LinkClass(0.0, b))
@@ -317,10 +323,11 @@ def _solve(f: Callable[[float], float], target: float, x0: float, x1: float,
 
 def byte_shape(times: dict[int, float], reduce_bps: float) -> tuple[tuple[int, float], ...]:
     """The profile's ``byte_shape`` from the two-process pair's median allreduce ``times`` by
-    size (bytes; the 4-byte call among them): per size n above 4, ``(T(n) - T(4) - n /
-    reduce_bps) / n`` (at least 1e-12 s per byte), keyed by the largest message that P = 2
-    allreduce sends (its schedule's); where two sizes send the same messages, the larger
-    size's figure (its bytes outweigh the fixed costs more)."""
+    size (bytes; the 4-byte call among them): per size n above 4 whose P = 2 allreduce is one
+    exchange of n bytes (its schedule sends one message of n bytes, as the 4-byte call does:
+    the same ops), ``(T(n) - T(4) - n / reduce_bps) / n``, at least 1e-12 s per byte. Sizes
+    the pair's allreduce sends in segments are left out (their extra ops and rounds are not
+    the bytes' cost)."""
     from ..collectives.dense import allreduce
     from .engine import _compiled
 
@@ -330,8 +337,8 @@ def byte_shape(times: dict[int, float], reduce_bps: float) -> tuple[tuple[int, f
             continue
         s = allreduce(0, 2, max(1, n // 4), "float32")
         nb = _compiled(s).nbytes
-        m = max(nb[i] for i, op in enumerate(s.ops) if op.kind == "send")
-        out[m] = max((times[n] - times[4] - n / reduce_bps) / n, 1e-12)
+        if [nb[i] for i, op in enumerate(s.ops) if op.kind == "send"] == [n]:
+            out[n] = max((times[n] - times[4] - n / reduce_bps) / n, 1e-12)
     return tuple(sorted(out.items()))
 
 
@@ -359,11 +366,11 @@ def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
         # 45-53; the median of five tolerates two such pairs
         ins, ths, worlds = [], [], []
         for _ in range(repeats):
-            ins.append(_pair("inline", tr, [4, *SHAPE_SIZES, large], calls))
+            ins.append(_pair("inline", tr, sorted({4, *SHAPE_SIZES, large}), calls))
             ths.append(_pair("thread", tr, [4], calls))
             if shared:
                 worlds.append(_shared_world(2 * cores, tr, 4 * calls, large, calls // 6 + 2))
-        inline = {n: med(ins, n) for n in (4, *SHAPE_SIZES, large)}
+        inline = {n: med(ins, n) for n in {4, *SHAPE_SIZES, large}}
         thread = {4: med(ths, 4)}
         alpha = max(inline[4] - 3 * gamma, 1e-7)
         beta = max((inline[large] - inline[4] - large / rbps) / large, 1e-12)
@@ -382,8 +389,9 @@ def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
             ranks_per_host=1, cores=cores, call_overhead=over, byte_shape=shape,
             source=f"asynccoll sim calibrate on {socket.gethostname()} at {stamp}: {tr} "
                    f"between two processes (4 B and {large} B allreduces, the median of {repeats} "
-                   f"runs' medians of {calls})" + (f"; {2 * cores} ranks time-sharing "
-                                                   f"{cores} cores" if shared else ""),
+                   f"runs' medians of {calls}; per byte by message size at "
+                   f"{', '.join(f'{n >> 10} KiB' for n in SHAPE_SIZES)})"
+                   + (f"; {2 * cores} ranks time-sharing {cores} cores" if shared else ""),
             figures=figures)
         if shared:
             n = 2 * cores

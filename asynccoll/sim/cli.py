@@ -93,9 +93,10 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"gamma {prof.gamma * 1e6:.2f} us/op, reduce {prof.reduce_bps / 1e9:.1f} GB/s, "
               f"call overhead {f['call_overhead_us']:.0f} us"
               + (f"; {prof.cores} cores time-shared: {f['pool_msg_cpu_us']:.0f} us of CPU per "
-                 f"message, {f['pool_byte_cpu_GBps']:.2f} GB/s" if "pool_msg_cpu_us" in f
+                 f"message, {f['pool_byte_cpu_GBps']:.2f} GB/s at the largest messages"
+                 if "pool_msg_cpu_us" in f
                  else "")
-              + ("; per byte by message size " + ", ".join(
+              + ("; two processes, per byte by message size " + ", ".join(
                   f"{int(m) >> 10} KiB {v:.2f}" for m, v in f["byte_shape_GBps"].items())
                  + " GB/s" if f.get("byte_shape_GBps") else "") + f" -> {path}")
     return 0

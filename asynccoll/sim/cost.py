@@ -38,9 +38,10 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
     taken in one wake-up, a larger one in several). ``byte_shape`` keeps the two-process cost per
     byte at the message sizes calibration measured, and a pooled message of n bytes costs
     ``msg_cpu + n * beta * byte_factor(n)`` (:meth:`Profile.byte_factor`: that cost relative to
-    the largest size measured; ``beta`` is fitted with it, so it is the figure of the largest
-    messages). Without the shape a 1 MiB allreduce at P = 4 (256 and 512 KiB messages) was
-    predicted 26-74 % too slow in 10 of 12 runs (docs/sim.md).
+    the largest size measured, at most 1; ``beta`` is fitted with it, so it is the figure of the
+    largest messages; the shape is the pool's alone: a dedicated link keeps one ``beta``).
+    Without the shape a 1 MiB allreduce at P = 4 (256 and 512 KiB messages) was predicted
+    26-74 % too slow in 10 of 12 runs (docs/sim.md).
   - **the scale** (``"shared"``, and the only one for profiles without the pool's figures):
     every CPU cost, the intra-host ``alpha`` and ``beta`` (between processes of one host a
     message is CPU work: the kernel's and the runtime's, no wire) and the call overhead are
@@ -143,7 +144,10 @@ class Profile:
     msg_cpu: float = 0.0
     #: the two-process cost per byte by message size, ``((bytes, seconds per byte), ...)`` with
     #: the sizes increasing, as calibration measured it; with the pool it shapes a message's
-    #: per-byte cost (module doc, :meth:`byte_factor`). Empty: one figure for every size
+    #: per-byte cost (module doc, :meth:`byte_factor`), and the pool's per-byte figure
+    #: (``SharedCores.byte_cpu``) is that of the shape's largest messages: fitted with this
+    #: shape, it belongs to it (give a profile another shape and refit). Empty: one figure for
+    #: every size
     byte_shape: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -159,23 +163,34 @@ class Profile:
             raise ValueError(f"cores must be >= 0 (0: one per rank), got {self.cores!r}")
         if not self.msg_cpu >= 0:
             raise ValueError(f"msg_cpu must be >= 0, got {self.msg_cpu!r}")
-        sizes = [n for n, _ in self.byte_shape]
-        if any(not (isinstance(n, int) and n > 0) for n in sizes) \
+        bad = ValueError("byte_shape must be (bytes, seconds per byte) pairs, the sizes "
+                         f"positive and increasing, the costs finite and > 0; got "
+                         f"{self.byte_shape!r}")
+        try:
+            shape = tuple((n, b) for n, b in self.byte_shape)
+        except (TypeError, ValueError):
+            raise bad from None
+        sizes = [n for n, _ in shape]
+        if any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes) \
                 or sizes != sorted(set(sizes)) \
-                or any(not (isinstance(b, (int, float)) and b > 0) for _, b in self.byte_shape):
-            raise ValueError("byte_shape must be (bytes, seconds per byte) pairs, the sizes "
-                             f"positive and increasing, the costs > 0; got {self.byte_shape!r}")
+                or any(isinstance(b, bool) or not isinstance(b, (int, float))
+                       or not (math.isfinite(b) and b > 0) for _, b in shape):
+            raise bad
+        object.__setattr__(self, "byte_shape", shape)  # lists from JSON or a caller: tuples
 
     def byte_factor(self, nbytes: int) -> float:
         """The cost per byte of an ``nbytes`` message relative to that of the largest size in
         :attr:`byte_shape`: linear in log2 of the size between the sizes measured, the nearest
-        one's outside them; 1.0 without a shape."""
+        one's outside them, and at most 1 (a smaller message's bytes measured dearer per byte
+        than the largest ones' are the fixed costs' noise in a short measurement: one
+        calibration of twelve here had 1.37 at 64 KiB and 1.01 at 512 KiB, where the others
+        had 0.56-0.67 at 512 KiB); 1.0 without a shape."""
         pts = self.byte_shape
         if not pts:
             return 1.0
         x = math.log2(max(nbytes, 1))
-        return float(np.interp(x, [math.log2(n) for n, _ in pts], [b for _, b in pts])) \
-            / pts[-1][1]
+        f = float(np.interp(x, [math.log2(n) for n, _ in pts], [b for _, b in pts])) / pts[-1][1]
+        return min(f, 1.0)
 
     @property
     def cpu_scale(self) -> float:
@@ -275,8 +290,7 @@ class Profile:
                        shared=SharedCores(**d["shared"]) if d.get("shared") else None,
                        pool=bool(d.get("pool", False)),
                        msg_cpu=float(d.get("msg_cpu", 0.0)),
-                       byte_shape=tuple((int(n), float(b))
-                                        for n, b in d.get("byte_shape", ())))
+                       byte_shape=tuple(tuple(p) for p in d.get("byte_shape") or ()))
         except KeyError as exc:
             raise ValueError(f"profile lacks field {exc.args[0]!r}") from None
 

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from asynccoll.collectives import KERNELS
 from asynccoll.sched import Schedule, SlotSpec
 from asynccoll.sim import SimExecutor, SimWorld
 from asynccoll.sim.calibrate import (
@@ -131,8 +132,10 @@ def test_a_pool_of_cores_serves_only_ranks_that_have_work() -> None:
     assert _computes(two, [0.0, 0.0]) == pytest.approx({0: 1.0, 1: 1.0})
 
 
-def _one_message(prof: Profile, nbytes: int) -> dict[int, float]:
-    """Rank 0 sends rank 1 one message of ``nbytes`` (float32); when each completed."""
+def _one_message(prof: Profile, nbytes: int, data: bool = False) -> dict[int, float]:
+    """Rank 0 sends rank 1 one message of ``nbytes`` (float32); when each completed.
+    ``data``: the executors hold buffers (the send goes through ``SimWorld.post``, not the
+    executor's inlined path)."""
     w = SimWorld(2, prof)
     s0 = Schedule(0, 2, slots={"x": SlotSpec(nbytes // 4, "float32")})
     s0.send(1, "x", tag=1)
@@ -140,6 +143,8 @@ def _one_message(prof: Profile, nbytes: int) -> dict[int, float]:
     s1.recv(0, "x", tag=1)
     done: dict[int, float] = {}
     exs = [SimExecutor(w, s.commit(), sched_id=1,
+                       buffers={"x": np.zeros(nbytes // 4, np.float32)} if data else None,
+                       kernels=KERNELS if data else None,
                        on_complete=lambda e, r=r: done.setdefault(r, w.now))
            for r, s in enumerate((s0, s1))]
     for ex in exs:
@@ -217,46 +222,55 @@ SHAPE = ((1000, 0.5e-6), (4000, 1e-6))
 
 
 def test_byte_factor_is_the_shape_relative_to_its_largest_size() -> None:
+    import json
+
     prof = PROF.with_(byte_shape=SHAPE)
     assert PROF.byte_factor(123) == 1.0  # no shape: one figure for every size
-    assert prof.byte_factor(4000) == pytest.approx(1.0)
     assert prof.byte_factor(1000) == pytest.approx(0.5)
     assert prof.byte_factor(2000) == pytest.approx(0.75)  # halfway in log2 of the size
     assert prof.byte_factor(10) == pytest.approx(0.5)  # the nearest size's outside
     assert prof.byte_factor(1 << 30) == pytest.approx(1.0)
-    assert Profile.from_json(prof.to_json()) == prof
+    # smaller messages measured dearer per byte than the largest: noise, priced at 1
+    assert PROF.with_(byte_shape=((1000, 2e-6), (4000, 1e-6))).byte_factor(1000) == 1.0
+    # through JSON text (lists) and back: the same tuples
+    assert Profile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+    assert PROF.with_(byte_shape=[[1000, 0.5e-6], [4000, 1e-6]]) == prof
+    none = {**PROF.to_json(), "byte_shape": None}
+    assert Profile.from_json(none).byte_shape == ()
     assert prof.placed(8).byte_shape == SHAPE
     for bad in (((1000, 1e-6), (1000, 2e-6)), ((4000, 1e-6), (1000, 1e-6)), ((0, 1e-6),),
-                ((1000, 0.0),), ((1000.5, 1e-6),)):
+                ((1000, 0.0),), ((1000.5, 1e-6),), ((True, 1e-6),), ((1000, float("inf")),),
+                ((1000,),), 5):
         with pytest.raises(ValueError, match="byte_shape"):
             PROF.with_(byte_shape=bad)
 
 
+@pytest.mark.parametrize("data", [False, True], ids=["inlined", "post"])
 @pytest.mark.parametrize("size", [1000, 2000, 4000])
-def test_a_pooled_message_s_bytes_cost_by_its_size(size: int) -> None:
+def test_a_pooled_message_s_bytes_cost_by_its_size(size: int, data: bool) -> None:
     prof = Profile("t", LinkClass(0.0, 1e-6), LinkClass(0.0, 1e-6), gamma=0.0,
                    reduce_bps=1e9, ranks_per_host=2, cores=1, pool=True, msg_cpu=0.1,
                    byte_shape=SHAPE)
-    done = _one_message(prof, size)
     factor = {1000: 0.5, 2000: 0.75, 4000: 1.0}[size]
-    assert done[1] == pytest.approx(0.1 + size * 1e-6 * factor)
+    assert _one_message(prof, size, data)[1] == pytest.approx(0.1 + size * 1e-6 * factor)
+    # a dedicated link (as many cores as ranks: no pool) keeps one figure for every size
+    own = prof.with_(cores=2, pool=False, msg_cpu=0.0)
+    assert _one_message(own, size, data)[1] == pytest.approx(size * 1e-6)
 
 
-def test_byte_shape_keys_the_pair_s_figures_by_message_size() -> None:
+def test_byte_shape_takes_the_pair_s_one_message_sizes() -> None:
     from asynccoll.sim.calibrate import byte_shape
 
     rbps = 10e9
     t4 = 100e-6
     # seconds per byte by allreduce size; P = 2 sends one message of the whole vector up to
-    # 1 MiB and 1 MiB segments above it (4 MiB: the 1 MiB messages' figure wins over the
-    # 1 MiB allreduce's own)
-    per = {1 << 16: 0.6e-9, 1 << 19: 0.2e-9, 1 << 20: 0.9e-9, 4 << 20: 0.4e-9}
+    # 1 MiB, 1 MiB segments in two rounds above it (left out: not one message's cost)
+    per = {1 << 16: 0.6e-9, 1 << 19: 0.2e-9, 1 << 20: 0.3e-9, 4 << 20: 0.9e-9}
     times = {4: t4, **{n: t4 + n * b + n / rbps for n, b in per.items()}}
     got = dict(byte_shape(times, rbps))
     assert set(got) == {1 << 16, 1 << 19, 1 << 20}
-    assert got[1 << 16] == pytest.approx(0.6e-9)
-    assert got[1 << 19] == pytest.approx(0.2e-9)
-    assert got[1 << 20] == pytest.approx(0.4e-9)
+    for n in got:
+        assert got[n] == pytest.approx(per[n])
     # faster than the fixed costs allow (noise): a floor, not a negative cost
     assert dict(byte_shape({4: t4, 1 << 16: t4 / 2}, rbps))[1 << 16] == 1e-12
 
@@ -266,10 +280,9 @@ def test_byte_shape_keys_the_pair_s_figures_by_message_size() -> None:
 def test_calibration_measures_the_shape_between_two_processes() -> None:
     from asynccoll.sim.calibrate import SHAPE_SIZES, calibrate
 
-    prof = calibrate(("tcp",), calls=5, large=1 << 20, repeats=1, shared=False)["tcp"]
-    # keyed by the messages a P = 2 allreduce of each size sends: the sizes themselves here
-    assert [n for n, _ in prof.byte_shape] == [*SHAPE_SIZES, 1 << 20]
-    assert all(b > 0 for _, b in prof.byte_shape)
-    assert set(prof.figures["byte_shape_GBps"]) == {str(n) for n in (*SHAPE_SIZES, 1 << 20)}
-    assert prof.byte_factor(1 << 20) == 1.0
-    assert Profile.from_json(prof.to_json()) == prof
+    prof = calibrate(("tcp",), calls=5, large=4 << 20, repeats=1, shared=False)["tcp"]
+    # every shape size (one message each at P = 2), not the 4 MiB call (segments)
+    assert [n for n, _ in prof.byte_shape] == list(SHAPE_SIZES)
+    assert set(prof.figures["byte_shape_GBps"]) == {str(n) for n in SHAPE_SIZES}
+    assert all(f"allreduce_p2_{n}B_inline_us" in prof.figures for n in SHAPE_SIZES)
+    assert str(SHAPE_SIZES[0] >> 10) + " KiB" in prof.source
