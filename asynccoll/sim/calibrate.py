@@ -365,12 +365,13 @@ def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
         # where the others took 131-138, and the call overhead came out at 302 µs instead of
         # 45-53; the median of five tolerates two such pairs
         ins, ths, worlds = [], [], []
+        sizes = sorted({4, *SHAPE_SIZES, large})
         for _ in range(repeats):
-            ins.append(_pair("inline", tr, sorted({4, *SHAPE_SIZES, large}), calls))
+            ins.append(_pair("inline", tr, sizes, calls))
             ths.append(_pair("thread", tr, [4], calls))
             if shared:
                 worlds.append(_shared_world(2 * cores, tr, 4 * calls, large, calls // 6 + 2))
-        inline = {n: med(ins, n) for n in {4, *SHAPE_SIZES, large}}
+        inline = {n: med(ins, n) for n in sizes}
         thread = {4: med(ths, 4)}
         alpha = max(inline[4] - 3 * gamma, 1e-7)
         beta = max((inline[large] - inline[4] - large / rbps) / large, 1e-12)

@@ -175,8 +175,6 @@ class SimWorld:
         self.pooled = profile.pooled
         self.cores_free = [[0.0] * max(profile.cores, 1)
                            for _ in range((world_size + rph - 1) // rph)] if self.pooled else []
-        #: with the pool, what an intra-host message costs its receiver's CPU beyond gamma
-        self.msg_cpu = profile.msg_cpu if self.pooled else 0.0
         self.host = [r // rph for r in range(world_size)]
         self._one_per_host = rph == 1
         # more ranks than cores on a host: a message between two of them is CPU work too
@@ -185,7 +183,8 @@ class SimWorld:
         self.inter = (profile.inter.alpha, profile.inter.beta)
         #: with the pool, what an intra-host message of n bytes costs its receiver beyond gamma
         #: (``receipt_cpu[n]``, memoised by size; :mod:`.cost`)
-        self.receipt_cpu = _Receipts(self.msg_cpu, self.intra[1], profile.byte_factor)
+        self.receipt_cpu = _Receipts(profile.msg_cpu if self.pooled else 0.0, self.intra[1],
+                                     profile.byte_factor)
         self.endpoints: dict[tuple[int, int], SimExecutor] = {}
         #: the endpoints by schedule id, as lists by rank (what a send reads)
         self._by_sid: dict[int, list[SimExecutor | None]] = {}
