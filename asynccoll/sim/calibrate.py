@@ -27,7 +27,12 @@ What is measured (about 30 s per transport on a 2-core machine):
   ``exit_gap`` the median spread of the ranks' exits from a barrier there (two waves of
   ``cores`` ranks: one gap); and the **pool's** figures from the same two periods
   (:func:`fit_pool`): the CPU per message and per byte at the receiver that make the
-  simulated world, its cores a pool, take what the real one took.
+  simulated world, its cores a pool, take what the real one took;
+* the pool's **wake-up figure** in the same world: its ranks pass an empty message around a
+  ring (:func:`_ring`), back to back and with rank 0 idling :data:`RING_GAP` before each pass,
+  so that every hop wakes a rank idle that long; :func:`fit_wake` finds the extra CPU per
+  message at a long-idle receiver that makes the simulated ring slow down by as much as the
+  real one did (:attr:`~asynccoll.sim.cost.Profile.wake_cpu`).
 
 Both link classes get the measured figures (every rank of this machine shares one host, so the
 inter-host class is a stand-in until calibrated on two hosts). ``cores`` is the number of cores
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -50,10 +56,11 @@ from typing import Any
 
 import numpy as np
 
+from ..sched import Schedule
 from .cost import LinkClass, Profile, SharedCores
 
-__all__ = ["SHAPE_SIZES", "available_transports", "byte_shape", "calibrate", "fit_pool",
-           "fit_shared", "measure_gamma", "measure_reduce"]
+__all__ = ["RING_GAP", "SHAPE_SIZES", "available_transports", "byte_shape", "calibrate",
+           "fit_pool", "fit_shared", "fit_wake", "measure_gamma", "measure_reduce"]
 
 _SECRET = "asynccoll-sim-calibration-secret-0123456789"
 
@@ -63,6 +70,10 @@ _SECRET = "asynccoll-sim-calibration-secret-0123456789"
 #: one fires 10 ops and adds 2 MiB, not what one message costs); a P = 4 or 8 allreduce of 1 MiB
 #: sends 128-512 KiB, a 4 MiB one at P = 4 (the pool's fit) 1 MiB
 SHAPE_SIZES = (1 << 16, 1 << 18, 1 << 19, 1 << 20)
+
+#: seconds rank 0 idles before each pass of the ring that measures the wake-up figure: every
+#: rank has then been idle longer than :data:`~asynccoll.sim.cost.WAKE_FULL`
+RING_GAP = 4e-3
 
 
 def measure_reduce(nbytes: int = 16 << 20, reps: int = 5) -> float:
@@ -174,18 +185,36 @@ def _pair(progress: str, transport: str, sizes: list[int], calls: int,
                 p.join(5)
 
 
+def _ring(rank: int, world: int) -> Schedule:
+    """One pass of an empty message around the ranks: rank 0 sends to 1, each rank passes it
+    on once it came, and rank 0's pass ends when it comes back (the wake-up figure's world:
+    every hop wakes a rank that waited)."""
+    from ..sched import Schedule
+
+    s = Schedule(rank, world, name="calibration.ring")
+    if rank == 0:
+        out = s.send(1, None, label="ring")
+        back = s.recv(world - 1, None, label="ring")
+        s.final = s.nop(deps=[out, back], label="final")
+    else:
+        got = s.recv(rank - 1, None, label="ring")
+        s.final = s.send((rank + 1) % world, None, deps=[got], label="ring")
+    return s.commit()
+
+
 def _world_child(rank: int, world: int, port: int, transport: str, barriers: int,
-                 large: int, calls: int, q: Any) -> None:
+                 large: int, calls: int, rings: int, q: Any) -> None:
     try:
         _child_env()
         import asynccoll
 
-        async def main() -> tuple[list[float], list[float]]:
+        async def main() -> tuple[list[float], list[float], dict[float, list[float]]]:
             comm = await asynccoll.connect(rank=rank, world_size=world,
                                            store=f"127.0.0.1:{port}", transport=transport,
                                            timeout=60)
             x = np.ones(large // 4, np.float32)
             bar, big = [], []
+            ring: dict[float, list[float]] = {}
             async with comm:
                 for i in range(barriers + 5):
                     await comm.barrier(timeout=30)
@@ -196,7 +225,18 @@ def _world_child(rank: int, world: int, port: int, transport: str, barriers: int
                     if i >= 1:
                         big.append(time.perf_counter())
                 await comm.barrier(timeout=30)
-            return bar, big
+                for gap in (0.0, RING_GAP):
+                    ts = ring[gap] = []
+                    for i in range(rings + 3):
+                        if rank == 0 and gap:
+                            await asyncio.sleep(gap)  # every rank idles meanwhile
+                        t = time.perf_counter()
+                        await comm._run(comm._dense_call(("calibration.ring",),
+                                                         lambda: _ring(rank, world), None, 30))
+                        if i >= 3:
+                            ts.append(time.perf_counter() - t)
+                await comm.barrier(timeout=30)
+            return bar, big, ring
 
         q.put((rank, "ok", asyncio.run(main())))
     except BaseException:
@@ -204,17 +244,19 @@ def _world_child(rank: int, world: int, port: int, transport: str, barriers: int
 
 
 def _shared_world(world: int, transport: str, barriers: int, large: int, calls: int,
-                  timeout: float = 120.0) -> tuple[float, float, float]:
+                  rings: int = 30, timeout: float = 120.0) -> tuple[float, ...]:
     """``world`` spawned processes on this host run back-to-back barriers, then back-to-back
-    ``large``-byte allreduces. Returns the median period of each (the last rank's exit to
-    its next exit) and the median spread of the ranks' exits from a barrier."""
+    ``large``-byte allreduces, then ``rings`` passes around a ring back to back and as many
+    with rank 0 idling :data:`RING_GAP` before each. Returns the median period of each of the
+    first two (the last rank's exit to its next exit), the median spread of the ranks' exits
+    from a barrier, and rank 0's median pass back to back and after the gap."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_world_child,
-                         args=(r, world, port, transport, barriers, large, calls, q),
+                         args=(r, world, port, transport, barriers, large, calls, rings, q),
                          daemon=True) for r in range(world)]
     try:
         for p in procs:
@@ -222,8 +264,10 @@ def _shared_world(world: int, transport: str, barriers: int, large: int, calls: 
         got = _reports(q, world, timeout)
         bar = np.array([got[r][0] for r in range(world)])
         big = np.array([got[r][1] for r in range(world)])
+        ring = got[0][2]
         return (float(np.median(np.diff(bar.max(0)))), float(np.median(np.diff(big.max(0)))),
-                float(np.median(bar.max(0) - bar.min(0))))
+                float(np.median(bar.max(0) - bar.min(0))), float(np.median(ring[0.0])),
+                float(np.median(ring[RING_GAP])))
     finally:
         for p in procs:
             p.join(5)
@@ -293,6 +337,59 @@ def fit_pool(prof: Profile, world: int, barrier_s: float, large_s: float,
                           intra=LinkClass(0.0, b))
 
     return _fit_world(pooled, barrier_s, large_s, large, 1e-13)
+
+
+def _sim_ring_pass(prof: Profile, gap: float, n: int = 12) -> float:
+    """The simulated median time of rank 0's pass around :func:`_ring` (its call, from entry
+    to return) among ``prof``'s ranks on one host, rank 0 idling ``gap`` seconds before each
+    pass; every call pays the call overhead, as the real one does."""
+    from .engine import SimExecutor, SimWorld
+
+    P = prof.ranks_per_host
+    world = SimWorld(P, prof)
+    half = prof.call_overhead * prof.cpu_scale / 2
+    left = [n] * P
+    began = [0.0]
+    passes: list[float] = []
+
+    def call(r: int) -> None:
+        if r == 0:
+            began[0] = world.now
+        world.at(world.cpu(r, half), exs[r].start)
+
+    def done(r: int, _e: int) -> None:
+        world.at(world.cpu(r, half), returned, r)
+
+    def returned(r: int) -> None:
+        if r == 0:
+            passes.append(world.now - began[0])
+        left[r] -= 1
+        if left[r]:
+            world.at(world.now + (gap if r == 0 else 0.0), call, r)
+
+    exs = [SimExecutor(world, _ring(r, P), sched_id=7, on_complete=functools.partial(done, r))
+           for r in range(P)]
+    for r in range(P):
+        world.at(gap if r == 0 else 0.0, call, r)
+    world.run()
+    return float(np.median(passes[2:]))
+
+
+def fit_wake(prof: Profile, ring_s: float, ring_gap_s: float) -> float:
+    """The pool's wake-up figure (:attr:`~asynccoll.sim.cost.Profile.wake_cpu`): the extra
+    CPU seconds per message at a long-idle receiver that make the simulated ring of ``prof``
+    (a pooled profile, its ranks on one host) take as much longer after :data:`RING_GAP` of
+    idling as the real one took (``ring_gap_s`` against ``ring_s`` back to back), by the
+    secant method on the simulator itself; 0 when the real ring did not slow down more than
+    the simulated one does without it."""
+    def extra(w: float) -> float:
+        p = prof.with_(wake_cpu=w)
+        return _sim_ring_pass(p, RING_GAP) - _sim_ring_pass(p, 0.0)
+
+    target = ring_gap_s - ring_s
+    if target <= extra(0.0):
+        return 0.0
+    return _solve(extra, target, 1e-5, 2e-4, 0.0)
 
 
 def _fit_world(model: Callable[[float, float], Profile], barrier_s: float, large_s: float,
@@ -396,17 +493,24 @@ def calibrate(transports: tuple[str, ...] = ("tcp",), *, calls: int = 60,
             figures=figures)
         if shared:
             n = 2 * cores
-            bar_s, big_s, gap = (float(np.median([w[i] for w in worlds])) for i in range(3))
+            bar_s, big_s, gap, ring_s, ring_gap_s = (float(np.median([w[i] for w in worlds]))
+                                                     for i in range(5))
             sh = fit_shared(prof, n, bar_s, big_s, large, gap)
             msg_cpu, byte_cpu = fit_pool(prof, n, bar_s, big_s, large)
-            sh = dataclasses.replace(sh, msg_cpu=msg_cpu, byte_cpu=byte_cpu)
+            wake = fit_wake(prof.with_(ranks_per_host=n, shared=None, pool=True,
+                                       msg_cpu=msg_cpu, intra=LinkClass(0.0, byte_cpu)),
+                            ring_s, ring_gap_s)
+            sh = dataclasses.replace(sh, msg_cpu=msg_cpu, byte_cpu=byte_cpu, wake_cpu=wake)
             figures.update({f"shared_p{n}_barrier_us": bar_s * 1e6,
                             f"shared_p{n}_allreduce_{large}B_us": big_s * 1e6,
                             f"shared_p{n}_exit_spread_us": gap * 1e6,
                             "shared_alpha_us": sh.alpha * 1e6,
                             "shared_beta_GBps": 1e-9 / sh.beta,
                             "pool_msg_cpu_us": msg_cpu * 1e6,
-                            "pool_byte_cpu_GBps": 1e-9 / byte_cpu})
+                            "pool_byte_cpu_GBps": 1e-9 / byte_cpu,
+                            f"shared_p{n}_ring_us": ring_s * 1e6,
+                            f"shared_p{n}_ring_after_{RING_GAP * 1e3:g}ms_us": ring_gap_s * 1e6,
+                            "pool_wake_cpu_us": wake * 1e6})
             prof = prof.with_(shared=sh)
         out[tr] = prof
     return out

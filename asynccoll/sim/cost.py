@@ -42,6 +42,15 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
     largest messages; the shape is the pool's alone: a dedicated link keeps one ``beta``).
     Without the shape a 1 MiB allreduce at P = 4 (256 and 512 KiB messages) was predicted
     26-74 % too slow in 10 of 12 runs (docs/sim.md).
+    A message also costs more at a receiver that has been **idle** a while: four processes
+    on two cores passing a token around a ring took 140-230 µs per hop back to back and
+    125-160 µs more per hop when every rank had idled 3 ms first (not only the first hop:
+    every rank it reaches has idled; our reading: the idle virtual CPUs halt and their caches
+    go cold). With the pool, a receipt at a rank whose last CPU work ended ``idle`` seconds
+    before its arrival costs :meth:`Profile.wake_extra` more: :attr:`Profile.wake_cpu`
+    (fitted on such a ring by calibration) times a ramp from :data:`WAKE_FROM` to
+    :data:`WAKE_FULL`. Back-to-back collectives (the pool's fits, ``bench/allreduce.py``)
+    never idle that long; ranks that wait for a straggler do.
   - **the scale** (``"shared"``, and the only one for profiles without the pool's figures):
     every CPU cost, the intra-host ``alpha`` and ``beta`` (between processes of one host a
     message is CPU work: the kernel's and the runtime's, no wire) and the call overhead are
@@ -79,7 +88,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LinkClass", "Profile", "SharedCores"]
+__all__ = ["WAKE_FROM", "WAKE_FULL", "LinkClass", "Profile", "SharedCores"]
+
+#: with the pool, a receiver idle for longer than this many seconds pays part of the wake-up
+#: figure (:attr:`Profile.wake_cpu`), and from :data:`WAKE_FULL` all of it. Where the ramp lies
+#: was read off this machine: four processes on two cores passing a token around a ring took
+#: the same per hop after 0.3 ms of idling as back to back, and 125-160 µs more per hop after
+#: 3 ms (docs/sim.md, "Waking an idle rank")
+WAKE_FROM = 0.5e-3
+WAKE_FULL = 3e-3
 
 
 @dataclass(frozen=True)
@@ -111,9 +128,12 @@ class SharedCores:
     #: per byte at the receiver; 0: not measured (older profiles: the scaled model only)
     msg_cpu: float = 0.0
     byte_cpu: float = 0.0
+    #: the pool's wake-up figure, fitted in the same world (:attr:`Profile.wake_cpu`); 0: not
+    #: measured
+    wake_cpu: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "exit_gap", "world", "msg_cpu", "byte_cpu"):
+        for name in ("alpha", "beta", "exit_gap", "world", "msg_cpu", "byte_cpu", "wake_cpu"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
@@ -149,6 +169,10 @@ class Profile:
     #: shape, it belongs to it (give a profile another shape and refit). Empty: one figure for
     #: every size
     byte_shape: tuple[tuple[int, float], ...] = ()
+    #: with the pool: the extra CPU seconds a message costs a receiver that has been idle
+    #: (no CPU work booked) for :data:`WAKE_FULL` seconds or more; from :data:`WAKE_FROM` to
+    #: :data:`WAKE_FULL` it grows linearly from 0 (module doc, :meth:`wake_extra`)
+    wake_cpu: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.gamma >= 0:
@@ -161,8 +185,10 @@ class Profile:
             raise ValueError(f"call_overhead must be >= 0, got {self.call_overhead!r}")
         if self.cores < 0:
             raise ValueError(f"cores must be >= 0 (0: one per rank), got {self.cores!r}")
-        if not self.msg_cpu >= 0:
-            raise ValueError(f"msg_cpu must be >= 0, got {self.msg_cpu!r}")
+        for name in ("msg_cpu", "wake_cpu"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         bad = ValueError("byte_shape must be (bytes, seconds per byte) pairs, the sizes "
                          f"positive and increasing, the costs finite and > 0; got "
                          f"{self.byte_shape!r}")
@@ -191,6 +217,14 @@ class Profile:
         x = math.log2(max(nbytes, 1))
         f = float(np.interp(x, [math.log2(n) for n, _ in pts], [b for _, b in pts])) / pts[-1][1]
         return min(f, 1.0)
+
+    def wake_extra(self, idle: float) -> float:
+        """What a message costs beyond its receipt, with the pool, at a receiver idle for
+        ``idle`` seconds: :attr:`wake_cpu` times the ramp from :data:`WAKE_FROM` (0) to
+        :data:`WAKE_FULL` (1)."""
+        if idle <= WAKE_FROM:
+            return 0.0
+        return self.wake_cpu * min((idle - WAKE_FROM) / (WAKE_FULL - WAKE_FROM), 1.0)
 
     @property
     def cpu_scale(self) -> float:
@@ -226,7 +260,7 @@ class Profile:
             sh = p.shared
             if model == "pool" and sh.msg_cpu > 0:
                 return p.with_(intra=LinkClass(0.0, sh.byte_cpu), shared=None, pool=True,
-                               msg_cpu=sh.msg_cpu)
+                               msg_cpu=sh.msg_cpu, wake_cpu=sh.wake_cpu)
             return p.with_(intra=LinkClass(sh.alpha, sh.beta), shared=None,
                            figures={**p.figures, "exit_gap_s": sh.exit_gap})
         return p
@@ -290,6 +324,7 @@ class Profile:
                        shared=SharedCores(**d["shared"]) if d.get("shared") else None,
                        pool=bool(d.get("pool", False)),
                        msg_cpu=float(d.get("msg_cpu", 0.0)),
+                       wake_cpu=float(d.get("wake_cpu", 0.0)),
                        byte_shape=tuple(tuple(p) for p in d.get("byte_shape") or ()))
         except KeyError as exc:
             raise ValueError(f"profile lacks field {exc.args[0]!r}") from None

@@ -112,7 +112,9 @@ from ..buffers import dtype_to_wire
 from ..errors import AsyncCollError
 from ..sched import Kernel, Payload, Schedule
 from ..transport.frames import PROTOCOL_VERSION, Format, Header, Kind, Message
-from .cost import Profile
+from .cost import WAKE_FROM, WAKE_FULL, Profile
+
+_WAKE_SPAN = WAKE_FULL - WAKE_FROM
 
 __all__ = ["SimWorld", "SimExecutor", "SimulationError", "Hook"]
 
@@ -185,6 +187,8 @@ class SimWorld:
         #: (``receipt_cpu[n]``, memoised by size; :mod:`.cost`)
         self.receipt_cpu = _Receipts(profile.msg_cpu if self.pooled else 0.0, self.intra[1],
                                      profile.byte_factor)
+        #: with the pool, a receipt at a rank idle for a while costs up to this much more
+        self.wake_cpu = profile.wake_cpu if self.pooled else 0.0
         self.endpoints: dict[tuple[int, int], SimExecutor] = {}
         #: the endpoints by schedule id, as lists by rank (what a send reads)
         self._by_sid: dict[int, list[SimExecutor | None]] = {}
@@ -284,12 +288,15 @@ class SimWorld:
         self.cpu_free[rank] = t
         return t
 
-    def charge(self, rank: int, ready: float, cost: float) -> float:
+    def charge(self, rank: int, ready: float, cost: float, wake: bool = False) -> float:
         """The pool (:mod:`.cost`): ``rank``'s work of ``cost`` seconds, ready at ``ready``,
         runs once the rank's earlier work is done, on the core of its host free latest before
         then (leaving the earlier free ones to others) or, when none is, on the first to free.
-        Returns when it is done."""
+        ``wake``: the work is a message's receipt, which costs more at a rank that has been
+        idle (:meth:`~.cost.Profile.wake_extra`). Returns when it is done."""
         t = self.cpu_free[rank]
+        if wake and self.wake_cpu and ready - t > WAKE_FROM:
+            cost += self.wake_cpu * min((ready - t - WAKE_FROM) / _WAKE_SPAN, 1.0)
         if t < ready:
             t = ready
         cores = self.cores_free[self.host[rank]]
@@ -591,7 +598,8 @@ class SimExecutor:
 
     def _recv_arrived(self, i: int, msg: tuple[Any, ...], arrived: float) -> None:
         w = self.world
-        t = w.cpu(self.rank, w.gamma + msg[7], arrived)
+        t = w.charge(self.rank, arrived, w.gamma + msg[7], True) if w.pooled \
+            else w.cpu(self.rank, w.gamma + msg[7], arrived)
         e = self.execution
         if self._data:
             arr = self._views[i]
@@ -793,7 +801,7 @@ class SimExecutor:
                             if not mq:
                                 del hq[key]  # type: ignore[union-attr]
                             if pooled:
-                                t = charge(rank, now, g + msg[7])
+                                t = charge(rank, now, g + msg[7], True)
                             else:
                                 t = cpu_free[rank]
                                 if t < now:
@@ -860,7 +868,7 @@ class SimExecutor:
                     # _recv_arrived without data, inlined (one of every op's few events)
                     arrived = now - delay
                     if pooled:
-                        t = charge(rank, arrived, g + extra)
+                        t = charge(rank, arrived, g + extra, True)
                     else:
                         t = cpu_free[rank]
                         if t < arrived:

@@ -1,0 +1,128 @@
+"""The pool's wake-up figure: a message costs more at a rank that has been idle a while
+(:attr:`asynccoll.sim.cost.Profile.wake_cpu`), and ``asynccoll sim calibrate`` fits it from a
+ring of processes passing a token with and without idling first."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from asynccoll.sim import SimExecutor, SimWorld
+from asynccoll.sim.calibrate import RING_GAP, _ring, _shared_world, _sim_ring_pass, fit_wake
+from asynccoll.sim.cost import WAKE_FROM, WAKE_FULL, LinkClass, Profile, SharedCores
+
+LINK = LinkClass(80e-6, 1 / 15e9)
+POOLED = Profile("t", LinkClass(0.0, 1 / 4e9), LINK, gamma=5e-6, reduce_bps=10e9,
+                 ranks_per_host=4, cores=2, call_overhead=60e-6, pool=True, msg_cpu=100e-6)
+
+
+def test_wake_extra_ramps_from_nothing_to_the_figure() -> None:
+    p = POOLED.with_(wake_cpu=100e-6)
+    assert p.wake_extra(0.0) == 0.0
+    assert p.wake_extra(WAKE_FROM) == 0.0
+    mid = (WAKE_FROM + WAKE_FULL) / 2
+    assert p.wake_extra(mid) == pytest.approx(50e-6)
+    assert p.wake_extra(WAKE_FULL) == pytest.approx(100e-6)
+    assert p.wake_extra(10.0) == pytest.approx(100e-6)
+    assert POOLED.wake_extra(10.0) == 0.0  # not measured: nothing
+
+
+def test_wake_figure_is_checked_and_kept_in_json() -> None:
+    with pytest.raises(ValueError, match="wake_cpu"):
+        POOLED.with_(wake_cpu=-1e-6)
+    with pytest.raises(ValueError, match="wake_cpu"):
+        SharedCores(alpha=1e-4, beta=1e-9, exit_gap=1e-4, wake_cpu=-1.0)
+    p = POOLED.with_(wake_cpu=120e-6)
+    assert Profile.from_json(p.to_json()) == p
+    # an older profile's JSON (no field): no wake-up figure
+    d = p.to_json()
+    del d["wake_cpu"]
+    assert Profile.from_json(d).wake_cpu == 0.0
+
+
+def test_placed_pool_takes_the_fitted_wake_figure() -> None:
+    sh = SharedCores(alpha=2e-4, beta=1 / 4e9, exit_gap=3e-4, world=4, msg_cpu=150e-6,
+                     byte_cpu=1 / 2e9, wake_cpu=90e-6)
+    prof = Profile("t", LINK, LINK, gamma=5e-6, reduce_bps=10e9, cores=2, shared=sh)
+    assert Profile.from_json(prof.to_json()) == prof
+    assert prof.placed(8).wake_cpu == 90e-6
+    assert prof.placed(8).pooled
+    assert prof.placed(8, "shared").wake_cpu == 0.0  # the scaled model has none
+    assert prof.placed(2).wake_cpu == 0.0  # not oversubscribed: dedicated links
+
+
+def _one_message(prof: Profile, send_at: float) -> float:
+    """Rank 1 arms a receive at 0 (its last work), rank 0 sends at ``send_at``: when the
+    receive completes."""
+    from asynccoll.sched import Schedule
+
+    w = SimWorld(2, prof)
+    done: dict[int, float] = {}
+    s0 = Schedule(0, 2)
+    s0.send(1, None)
+    s1 = Schedule(1, 2)
+    s1.recv(0, None)
+    for r, s, t0 in ((0, s0, send_at), (1, s1, 0.0)):
+        ex = SimExecutor(w, s.commit(), sched_id=1,
+                         on_complete=lambda e, r=r: done.setdefault(r, w.now))
+        w.at(t0, ex.start)
+    w.run()
+    return done[1] - send_at
+
+
+@pytest.mark.parametrize("idle", [0.2e-3, 1.75e-3, 5e-3])
+def test_a_receipt_at_an_idle_rank_pays_the_wake_up(idle: float) -> None:
+    prof = POOLED.with_(ranks_per_host=2, cores=1)
+    cold = prof.with_(wake_cpu=100e-6)
+    # the send's gamma and the receipt (gamma + msg_cpu) without it; the ramp's share with it
+    base = _one_message(prof, idle)
+    assert base == pytest.approx(2 * 5e-6 + 100e-6)
+    assert _one_message(cold, idle) - base == pytest.approx(cold.wake_extra(idle + 5e-6))
+    assert (_one_message(cold, idle) > base) == (idle > WAKE_FROM)
+    # without the pool (a rank per core) the figure is not used
+    dedicated = cold.with_(ranks_per_host=1)
+    assert _one_message(dedicated, idle) == _one_message(prof.with_(ranks_per_host=1), idle)
+
+
+def test_the_simulated_ring_slows_after_idling_only_with_the_figure() -> None:
+    cold = POOLED.with_(wake_cpu=100e-6)
+    assert _sim_ring_pass(POOLED, RING_GAP) == pytest.approx(_sim_ring_pass(POOLED, 0.0))
+    # back to back every rank waits less than WAKE_FROM: no wake-ups
+    assert _sim_ring_pass(cold, 0.0) == pytest.approx(_sim_ring_pass(POOLED, 0.0))
+    # after the gap, ranks 1-3 have idled past WAKE_FULL: each of their receipts pays it all
+    # (rank 0's own receipt, at the pass's end, less: it worked when the pass began)
+    slower = _sim_ring_pass(cold, RING_GAP) - _sim_ring_pass(cold, 0.0)
+    assert 3 * 100e-6 <= slower < 4 * 100e-6
+
+
+@pytest.mark.parametrize("wake", [40e-6, 150e-6])
+def test_fit_wake_recovers_the_figure_the_rings_came_from(wake: float) -> None:
+    cold = POOLED.with_(wake_cpu=wake)
+    got = fit_wake(POOLED, _sim_ring_pass(cold, 0.0), _sim_ring_pass(cold, RING_GAP))
+    assert got == pytest.approx(wake, rel=1e-3)
+    # a ring that did not slow down after idling: no figure
+    assert fit_wake(POOLED, 700e-6, 690e-6) == 0.0
+
+
+def test_ring_schedule_passes_through_every_rank() -> None:
+    P = 5
+    scheds = [_ring(r, P) for r in range(P)]
+    sends = {(r, op.peer) for r, s in enumerate(scheds) for op in s.ops if op.kind == "send"}
+    assert sends == {(r, (r + 1) % P) for r in range(P)}
+    recvs = {(r, op.peer) for r, s in enumerate(scheds) for op in s.ops if op.kind == "recv"}
+    assert recvs == {(r, (r - 1) % P) for r in range(P)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_time_shared_world_runs_the_rings_between_processes() -> None:
+    # four real processes over tcp: barriers, allreduces, then the ring back to back and after
+    # idling (a ring that lost its token would time out); every figure is a positive time, a
+    # pass well under a second
+    figs = _shared_world(4, "tcp", barriers=8, large=1 << 16, calls=3, rings=4)
+    assert len(figs) == 5
+    assert all(math.isfinite(f) and f > 0 for f in figs)
+    ring, after_gap = figs[3], figs[4]
+    assert ring < 1.0
+    assert after_gap < 1.0
