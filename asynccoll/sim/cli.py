@@ -94,6 +94,8 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"call overhead {f['call_overhead_us']:.0f} us"
               + (f"; {prof.cores} cores time-shared: {f['pool_msg_cpu_us']:.0f} us of CPU per "
                  f"message, {f['pool_byte_cpu_GBps']:.2f} GB/s at the largest messages"
+                 + (f", {f['pool_wake_cpu_us']:.0f} us more at a rank idle 3 ms"
+                    if "pool_wake_cpu_us" in f else "")
                  if "pool_msg_cpu_us" in f
                  else "")
               + ("; two processes, per byte by message size " + ", ".join(

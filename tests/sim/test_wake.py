@@ -5,6 +5,7 @@ ring of processes passing a token with and without idling first."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,26 @@ def test_the_time_shared_world_runs_the_rings_between_processes() -> None:
     ring, after_gap = figs[3], figs[4]
     assert ring < 1.0
     assert after_gap < 1.0
+
+
+def test_calibrate_command_prints_the_wake_figure(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import asynccoll.sim.calibrate as cal
+    from asynccoll.cli import main
+
+    figs = {"call_overhead_us": 60.0, "pool_msg_cpu_us": 150.0, "pool_byte_cpu_GBps": 2.0,
+            "pool_wake_cpu_us": 97.0}
+    prof = Profile("local-tcp", LINK, LINK, gamma=5e-6, reduce_bps=10e9, cores=2,
+                   figures=figs)
+    monkeypatch.setattr(cal, "calibrate", lambda trs: {"tcp": prof})
+    out = tmp_path / "p.json"
+    assert main(["sim", "calibrate", "--transports", "tcp", "--out", str(out)]) == 0
+    line = capsys.readouterr().out
+    assert "150 us of CPU per message" in line
+    assert "97 us more at a rank idle 3 ms" in line
+    assert Profile.load(out) == prof
+    # a profile calibrated before the figure existed prints without it
+    del figs["pool_wake_cpu_us"]
+    assert main(["sim", "calibrate", "--transports", "tcp", "--out", str(out)]) == 0
+    assert "idle" not in capsys.readouterr().out
