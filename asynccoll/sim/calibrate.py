@@ -28,11 +28,12 @@ What is measured (about 30 s per transport on a 2-core machine):
   ``cores`` ranks: one gap); and the **pool's** figures from the same two periods
   (:func:`fit_pool`): the CPU per message and per byte at the receiver that make the
   simulated world, its cores a pool, take what the real one took;
-* the pool's **wake-up figure** in the same world: its ranks pass an empty message around a
-  ring (:func:`_ring`), back to back and with rank 0 idling :data:`RING_GAP` before each pass,
-  so that every hop wakes a rank idle that long; :func:`fit_wake` finds the extra CPU per
-  message at a long-idle receiver that makes the simulated ring slow down by as much as the
-  real one did (:attr:`~asynccoll.sim.cost.Profile.wake_cpu`).
+* the pool's **wake-up figure** in the same world: its first four ranks pass an empty message
+  around a ring (:func:`_ring`), back to back and with rank 0 idling :data:`RING_GAP` before
+  each pass, so that rank 0's call and the receipts at ranks 1-3 each wake a rank idle that
+  long (back to back none idles past :data:`~asynccoll.sim.cost.WAKE_FROM`); :func:`fit_wake`
+  finds the extra CPU per wake-up at a long-idle rank that makes the simulated ring slow down
+  by as much as the real one did (:attr:`~asynccoll.sim.cost.Profile.wake_cpu`).
 
 Both link classes get the measured figures (every rank of this machine shares one host, so the
 inter-host class is a stand-in until calibrated on two hosts). ``cores`` is the number of cores
@@ -45,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -59,8 +61,8 @@ import numpy as np
 from ..sched import Schedule
 from .cost import LinkClass, Profile, SharedCores
 
-__all__ = ["RING_GAP", "SHAPE_SIZES", "available_transports", "byte_shape", "calibrate",
-           "fit_pool", "fit_shared", "fit_wake", "measure_gamma", "measure_reduce"]
+__all__ = ["RING_GAP", "RING_RANKS", "SHAPE_SIZES", "available_transports", "byte_shape",
+           "calibrate", "fit_pool", "fit_shared", "fit_wake", "measure_gamma", "measure_reduce"]
 
 _SECRET = "asynccoll-sim-calibration-secret-0123456789"
 
@@ -71,9 +73,11 @@ _SECRET = "asynccoll-sim-calibration-secret-0123456789"
 #: sends 128-512 KiB, a 4 MiB one at P = 4 (the pool's fit) 1 MiB
 SHAPE_SIZES = (1 << 16, 1 << 18, 1 << 19, 1 << 20)
 
-#: seconds rank 0 idles before each pass of the ring that measures the wake-up figure: every
-#: rank has then been idle longer than :data:`~asynccoll.sim.cost.WAKE_FULL`
+#: seconds rank 0 idles before each pass of the ring that measures the wake-up figure: its call
+#: and ranks 1-3 then come after more than :data:`~asynccoll.sim.cost.WAKE_FULL` of idling
 RING_GAP = 4e-3
+#: the ranks the ring passes through (the first ones of the time-shared world)
+RING_RANKS = 4
 
 
 def measure_reduce(nbytes: int = 16 << 20, reps: int = 5) -> float:
@@ -186,19 +190,23 @@ def _pair(progress: str, transport: str, sizes: list[int], calls: int,
 
 
 def _ring(rank: int, world: int) -> Schedule:
-    """One pass of an empty message around the ranks: rank 0 sends to 1, each rank passes it
-    on once it came, and rank 0's pass ends when it comes back (the wake-up figure's world:
-    every hop wakes a rank that waited)."""
-    from ..sched import Schedule
-
+    """One pass of an empty message around the first :data:`RING_RANKS` ranks (all of them in
+    a smaller world): rank 0 sends to 1, each passes it on once it came, and rank 0's pass
+    ends when it comes back; the other ranks have nothing to do. Back to back each rank waits
+    only for the others' hops (three here: under :data:`~asynccoll.sim.cost.WAKE_FROM`); after
+    rank 0 idled :data:`RING_GAP`, ranks 1 to 3 have idled longer than
+    :data:`~asynccoll.sim.cost.WAKE_FULL` when it reaches them."""
+    n = min(RING_RANKS, world)
     s = Schedule(rank, world, name="calibration.ring")
-    if rank == 0:
+    if rank >= n:
+        s.final = s.nop(label="final")
+    elif rank == 0:
         out = s.send(1, None, label="ring")
-        back = s.recv(world - 1, None, label="ring")
+        back = s.recv(n - 1, None, label="ring")
         s.final = s.nop(deps=[out, back], label="final")
     else:
         got = s.recv(rank - 1, None, label="ring")
-        s.final = s.send((rank + 1) % world, None, deps=[got], label="ring")
+        s.final = s.send((rank + 1) % n, None, deps=[got], label="ring")
     return s.commit()
 
 
@@ -355,7 +363,9 @@ def _sim_ring_pass(prof: Profile, gap: float, n: int = 12) -> float:
     def call(r: int) -> None:
         if r == 0:
             began[0] = world.now
-        world.at(world.cpu(r, half), exs[r].start)
+        # the call wakes the rank's progress thread, as a message does (run.simulate's calls)
+        world.at(world.charge(r, world.now, half, True) if world.pooled
+                 else world.cpu(r, half), exs[r].start)
 
     def done(r: int, _e: int) -> None:
         world.at(world.cpu(r, half), returned, r)
@@ -379,17 +389,30 @@ def fit_wake(prof: Profile, ring_s: float, ring_gap_s: float) -> float:
     """The pool's wake-up figure (:attr:`~asynccoll.sim.cost.Profile.wake_cpu`): the extra
     CPU seconds per message at a long-idle receiver that make the simulated ring of ``prof``
     (a pooled profile, its ranks on one host) take as much longer after :data:`RING_GAP` of
-    idling as the real one took (``ring_gap_s`` against ``ring_s`` back to back), by the
-    secant method on the simulator itself; 0 when the real ring did not slow down more than
-    the simulated one does without it."""
+    idling as the real one took (``ring_gap_s`` against ``ring_s`` back to back), by
+    bisection on the simulator itself (the simulated difference grows with the figure: back
+    to back no rank of the ring idles long enough to pay it). 0 when the real ring did not
+    slow down more than the simulated one does without it, or a time is not finite."""
     def extra(w: float) -> float:
         p = prof.with_(wake_cpu=w)
         return _sim_ring_pass(p, RING_GAP) - _sim_ring_pass(p, 0.0)
 
     target = ring_gap_s - ring_s
-    if target <= extra(0.0):
+    if not (math.isfinite(target) and target > extra(0.0)):
         return 0.0
-    return _solve(extra, target, 1e-5, 2e-4, 0.0)
+    lo, hi = 0.0, 1e-4
+    while extra(hi) < target:
+        lo, hi = hi, 2 * hi
+        if hi > 1.0:
+            raise RuntimeError(f"the ring slowed down by {target * 1e6:.0f} us after idling, "
+                               "more than any wake-up figure up to 1 s explains")
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if extra(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def _fit_world(model: Callable[[float, float], Profile], barrier_s: float, large_s: float,

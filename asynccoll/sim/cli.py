@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from .calibrate import available_transports, calibrate
+    from .cost import WAKE_FULL
 
     trs = tuple(t for t in args.transports.split(",") if t) if args.transports \
         else available_transports()
@@ -94,7 +95,7 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"call overhead {f['call_overhead_us']:.0f} us"
               + (f"; {prof.cores} cores time-shared: {f['pool_msg_cpu_us']:.0f} us of CPU per "
                  f"message, {f['pool_byte_cpu_GBps']:.2f} GB/s at the largest messages"
-                 + (f", {f['pool_wake_cpu_us']:.0f} us more at a rank idle 3 ms"
+                 + (f", {f['pool_wake_cpu_us']:.0f} us more at a rank idle {WAKE_FULL * 1e3:g} ms"
                     if "pool_wake_cpu_us" in f else "")
                  if "pool_msg_cpu_us" in f
                  else "")

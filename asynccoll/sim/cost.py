@@ -42,15 +42,18 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
     largest messages; the shape is the pool's alone: a dedicated link keeps one ``beta``).
     Without the shape a 1 MiB allreduce at P = 4 (256 and 512 KiB messages) was predicted
     26-74 % too slow in 10 of 12 runs (docs/sim.md).
-    A message also costs more at a receiver that has been **idle** a while: four processes
-    on two cores passing a token around a ring took 140-230 µs per hop back to back and
-    125-160 µs more per hop when every rank had idled 3 ms first (not only the first hop:
-    every rank it reaches has idled; our reading: the idle virtual CPUs halt and their caches
+    A message also costs more at a receiver that has been **idle** a while: processes on two
+    cores passing a token around a ring (2, 4 and 8 of them) paid 125-160 µs more per hop
+    when every rank had idled 3 ms first than back to back, not only at the first hop: every
+    rank the token reaches has idled (our reading: the idle virtual CPUs halt and their caches
     go cold). With the pool, a receipt at a rank whose last CPU work ended ``idle`` seconds
-    before its arrival costs :meth:`Profile.wake_extra` more: :attr:`Profile.wake_cpu`
-    (fitted on such a ring by calibration) times a ramp from :data:`WAKE_FROM` to
-    :data:`WAKE_FULL`. Back-to-back collectives (the pool's fits, ``bench/allreduce.py``)
-    never idle that long; ranks that wait for a straggler do.
+    before the message arrived (a message that waits for its receive to be posted: before it
+    came) costs :meth:`Profile.wake_extra` more: :attr:`Profile.wake_cpu` (fitted on such a
+    ring by calibration) times a ramp from :data:`WAKE_FROM` to :data:`WAKE_FULL`; so does a
+    call, which wakes the rank's progress thread (:func:`~asynccoll.sim.run.simulate`'s calls;
+    the compute phase before a call is idle time: right for a sleep or a GPU's kernels, not
+    for a CPU-bound step). Back-to-back collectives (the pool's fits) idle less than
+    :data:`WAKE_FROM` at P = 4 on this machine; ranks that wait for a straggler idle longer.
   - **the scale** (``"shared"``, and the only one for profiles without the pool's figures):
     every CPU cost, the intra-host ``alpha`` and ``beta`` (between processes of one host a
     message is CPU work: the kernel's and the runtime's, no wire) and the call overhead are
@@ -92,9 +95,10 @@ __all__ = ["WAKE_FROM", "WAKE_FULL", "LinkClass", "Profile", "SharedCores"]
 
 #: with the pool, a receiver idle for longer than this many seconds pays part of the wake-up
 #: figure (:attr:`Profile.wake_cpu`), and from :data:`WAKE_FULL` all of it. Where the ramp lies
-#: was read off this machine: four processes on two cores passing a token around a ring took
-#: the same per hop after 0.3 ms of idling as back to back, and 125-160 µs more per hop after
-#: 3 ms (docs/sim.md, "Waking an idle rank")
+#: was read off this machine: two processes on two cores passing a token back and forth took
+#: the same per hop after 0.3 and 1 ms of idling as back to back, four 22 % and 68 % longer
+#: (each of them waits three hops, about 0.4 ms, even back to back), and 2, 4 and 8 processes
+#: 125-160 µs more per hop after 3 ms (docs/sim.md, "Waking an idle rank")
 WAKE_FROM = 0.5e-3
 WAKE_FULL = 3e-3
 

@@ -596,9 +596,12 @@ class SimExecutor:
                               f"{msg[2] // self.world.world_size} for execution {msg[1]}, "
                               "which completed here")
 
-    def _recv_arrived(self, i: int, msg: tuple[Any, ...], arrived: float) -> None:
+    def _recv_arrived(self, i: int, msg: tuple[Any, ...], arrived: float,
+                      wake: bool = True) -> None:
+        """A message for the posted receive op ``i``, arrived at ``arrived``; ``wake``: price
+        its wake-up here (a held message's was priced when it came)."""
         w = self.world
-        t = w.charge(self.rank, arrived, w.gamma + msg[7], True) if w.pooled \
+        t = w.charge(self.rank, arrived, w.gamma + msg[7], wake) if w.pooled \
             else w.cpu(self.rank, w.gamma + msg[7], arrived)
         e = self.execution
         if self._data:
@@ -800,8 +803,8 @@ class SimExecutor:
                             msg = mq.pop(0)
                             if not mq:
                                 del hq[key]  # type: ignore[union-attr]
-                            if pooled:
-                                t = charge(rank, now, g + msg[7], True)
+                            if pooled:  # its wake-up was priced when it came (recv)
+                                t = charge(rank, now, g + msg[7])
                             else:
                                 t = cpu_free[rank]
                                 if t < now:
@@ -904,6 +907,13 @@ class SimExecutor:
                             return
                     push(t, q, loop, i, e)
                     return
+            if pooled and world.wake_cpu:
+                # its receipt is booked when its receive is posted, but the rank woke for it
+                # now: the wake-up is priced by how long the rank had idled before it came
+                idle = world.now - delay - cpu_free[rank]
+                if idle > WAKE_FROM:
+                    msg = (*msg[:7], extra + world.wake_cpu * min((idle - WAKE_FROM)
+                                                                  / _WAKE_SPAN, 1.0), delay)
             hq = held.get(e)
             if hq is None:
                 held[e] = {key: [msg]}
@@ -928,7 +938,7 @@ class SimExecutor:
             msg = q.pop(0)
             if not q:
                 del held[key]  # type: ignore[union-attr]
-            self._recv_arrived(i, msg, self.world.now)
+            self._recv_arrived(i, msg, self.world.now, False)
         else:
             self._posted[key] = i
 

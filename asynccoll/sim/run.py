@@ -185,12 +185,16 @@ def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Pr
     flushes: dict[int, PartialResult] = {}
 
     half = profile.call_overhead * profile.cpu_scale / 2
+    # with the pool's wake-up figure a call wakes its progress thread, as a message does
+    wakes = bool(world.wake_cpu)
 
     def do_call(r: int) -> None:
         s = step[r]
         t_call[r, s] = world.now
         x = (values(r, s) if values is not None else ones) if data else None
-        if half:
+        if wakes:
+            world.at(world.charge(r, world.now, half, True), h.call, r, x, returned)
+        elif half:
             world.at(world.cpu(r, half) if world.pooled else world.now + half, h.call, r, x,
                      returned)
         else:
