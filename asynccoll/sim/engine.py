@@ -288,15 +288,22 @@ class SimWorld:
         self.cpu_free[rank] = t
         return t
 
+    def wake_extra(self, idle: float) -> float:
+        """What waking a rank idle for ``idle`` seconds costs beyond the work that woke it
+        (:meth:`~.cost.Profile.wake_extra`; 0 without the pool)."""
+        if idle <= WAKE_FROM:
+            return 0.0
+        return self.wake_cpu * min((idle - WAKE_FROM) / _WAKE_SPAN, 1.0)
+
     def charge(self, rank: int, ready: float, cost: float, wake: bool = False) -> float:
         """The pool (:mod:`.cost`): ``rank``'s work of ``cost`` seconds, ready at ``ready``,
         runs once the rank's earlier work is done, on the core of its host free latest before
         then (leaving the earlier free ones to others) or, when none is, on the first to free.
-        ``wake``: the work is a message's receipt, which costs more at a rank that has been
-        idle (:meth:`~.cost.Profile.wake_extra`). Returns when it is done."""
+        ``wake``: the work wakes the rank (a message's receipt, a call), which costs more at a
+        rank that has been idle (:meth:`wake_extra`). Returns when it is done."""
         t = self.cpu_free[rank]
-        if wake and self.wake_cpu and ready - t > WAKE_FROM:
-            cost += self.wake_cpu * min((ready - t - WAKE_FROM) / _WAKE_SPAN, 1.0)
+        if wake and self.wake_cpu:
+            cost += self.wake_extra(ready - t)
         if t < ready:
             t = ready
         cores = self.cores_free[self.host[rank]]
@@ -910,10 +917,9 @@ class SimExecutor:
             if pooled and world.wake_cpu:
                 # its receipt is booked when its receive is posted, but the rank woke for it
                 # now: the wake-up is priced by how long the rank had idled before it came
-                idle = world.now - delay - cpu_free[rank]
-                if idle > WAKE_FROM:
-                    msg = (*msg[:7], extra + world.wake_cpu * min((idle - WAKE_FROM)
-                                                                  / _WAKE_SPAN, 1.0), delay)
+                woke = world.wake_extra(world.now - delay - cpu_free[rank])
+                if woke:
+                    msg = (*msg[:7], extra + woke, delay)
             hq = held.get(e)
             if hq is None:
                 held[e] = {key: [msg]}
