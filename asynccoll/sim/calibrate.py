@@ -189,14 +189,14 @@ def _pair(progress: str, transport: str, sizes: list[int], calls: int,
                 p.join(5)
 
 
-def _ring(rank: int, world: int) -> Schedule:
-    """One pass of an empty message around the first :data:`RING_RANKS` ranks (all of them in
-    a smaller world): rank 0 sends to 1, each passes it on once it came, and rank 0's pass
-    ends when it comes back; the other ranks have nothing to do. Back to back each rank waits
-    only for the others' hops (three here: under :data:`~asynccoll.sim.cost.WAKE_FROM`); after
-    rank 0 idled :data:`RING_GAP`, ranks 1 to 3 have idled longer than
-    :data:`~asynccoll.sim.cost.WAKE_FULL` when it reaches them."""
-    n = min(RING_RANKS, world)
+def _ring(rank: int, world: int, ranks: int = RING_RANKS) -> Schedule:
+    """One pass of an empty message around the first ``ranks`` ranks (all of them in a smaller
+    world): rank 0 sends to 1, each passes it on once it came, and rank 0's pass ends when it
+    comes back; the other ranks have nothing to do (``bench/wake.py`` passes it through all).
+    With four, back to back each rank waits only for the others' three hops (under
+    :data:`~asynccoll.sim.cost.WAKE_FROM` here); after rank 0 idled :data:`RING_GAP`, ranks 1
+    to 3 have idled longer than :data:`~asynccoll.sim.cost.WAKE_FULL` when it reaches them."""
+    n = min(ranks, world)
     s = Schedule(rank, world, name="calibration.ring")
     if rank >= n:
         s.final = s.nop(label="final")

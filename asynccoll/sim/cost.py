@@ -45,14 +45,16 @@ A :class:`Profile` prices everything a schedule does, in seconds of virtual time
     A message also costs more at a receiver that has been **idle** a while: processes on two
     cores passing a token around a ring (2, 4 and 8 of them) paid 125-160 µs more per hop
     when every rank had idled 3 ms first than back to back, not only at the first hop: every
-    rank the token reaches has idled (our reading: the idle virtual CPUs halt and their caches
-    go cold). With the pool, a receipt at a rank whose last CPU work ended ``idle`` seconds
-    before the message arrived (a message that waits for its receive to be posted: before it
-    came) costs :meth:`Profile.wake_extra` more: :attr:`Profile.wake_cpu` (fitted on such a
-    ring by calibration) times a ramp from :data:`WAKE_FROM` to :data:`WAKE_FULL`; so does a
-    call, which wakes the rank's progress thread (:func:`~asynccoll.sim.run.simulate`'s calls;
-    the compute phase before a call is idle time: right for a sleep or a GPU's kernels, not
-    for a CPU-bound step). Back-to-back collectives (the pool's fits) idle less than
+    rank the token reaches has idled (``bench/wake.py``: a raw asyncio ring paid a fifth to
+    two thirds of what asynccoll paid, in two runs of three; our reading: idle virtual CPUs
+    halt and caches go cold, and asynccoll's longer path per hop pays more for it). With the
+    pool, a receipt at a rank whose last CPU work ended ``idle`` seconds before the message
+    arrived (a message that waits for its receive to be posted: before it came) costs
+    :meth:`Profile.wake_extra` more: :attr:`Profile.wake_cpu` (fitted on such a ring by
+    calibration) times a ramp from :data:`WAKE_FROM` to :data:`WAKE_FULL`; so does a call,
+    which wakes the rank's progress thread (:func:`~asynccoll.sim.run.simulate`'s calls; the
+    compute phase before a call is idle time: right for a sleep or a GPU's kernels, not for a
+    CPU-bound step). Back-to-back collectives (the pool's fits) idle less than
     :data:`WAKE_FROM` at P = 4 on this machine; ranks that wait for a straggler idle longer.
   - **the scale** (``"shared"``, and the only one for profiles without the pool's figures):
     every CPU cost, the intra-host ``alpha`` and ``beta`` (between processes of one host a

@@ -144,10 +144,11 @@ def test_fit_wake_recovers_the_figure_the_rings_came_from(wake: float) -> None:
     assert fit_wake(POOLED, 700e-6, 690e-6) == 0.0
 
 
-@pytest.mark.parametrize("P", [2, 4, 6])
-def test_ring_schedule_passes_through_its_first_ranks(P: int) -> None:
-    n = min(RING_RANKS, P)
-    scheds = [_ring(r, P) for r in range(P)]
+@pytest.mark.parametrize(("P", "ranks"), [(2, RING_RANKS), (4, RING_RANKS), (6, RING_RANKS),
+                                          (6, 6), (8, 3)])
+def test_ring_schedule_passes_through_its_first_ranks(P: int, ranks: int) -> None:
+    n = min(ranks, P)
+    scheds = [_ring(r, P, ranks) for r in range(P)]
     sends = {(r, op.peer) for r, s in enumerate(scheds) for op in s.ops if op.kind == "send"}
     assert sends == {(r, (r + 1) % n) for r in range(n)}
     recvs = {(r, op.peer) for r, s in enumerate(scheds) for op in s.ops if op.kind == "recv"}
