@@ -256,23 +256,21 @@ def main() -> None:
 
         prof = calibrate(("tcp",), calls=30 if a.quick else 60)["tcp"]
     prof = with_pool(prof)
+    def predicted_us(p: Profile, c: dict[str, Any], model: str) -> float:
+        if c["bench_case"] == "skew":
+            return predict_skew(p, c["P"], c["impl"], iters, skew_s, model, warmup) * 1e6
+        return predict_allreduce(p, c["P"], c["size"], calls, model) * 1e6
+
+    # for comparison: the pool without the wake-up figure (before it was measured)
+    no_wake = None if prof.shared is None or prof.shared.wake_cpu == 0 \
+        else prof.with_(shared=dataclasses.replace(prof.shared, wake_cpu=0.0))
     rows: list[dict[str, Any]] = []
     for c in cases:
-        if c["bench_case"] == "skew":
-            pool, shared, old = (predict_skew(prof, c["P"], c["impl"], iters, skew_s, m,
-                                              warmup) * 1e6
-                                 for m in ("pool", "shared", "scaled"))
-        else:
-            pool, shared, old = (predict_allreduce(prof, c["P"], c["size"], calls, m) * 1e6
-                                 for m in ("pool", "shared", "scaled"))
+        pool, shared, old = (predicted_us(prof, c, m) for m in ("pool", "shared", "scaled"))
         meas = c["measured_us"]
         extra: dict[str, float] = {}
-        if prof.shared is not None and prof.shared.wake_cpu > 0:
-            # for comparison: the pool without the wake-up figure (before it was measured)
-            cold = prof.with_(shared=dataclasses.replace(prof.shared, wake_cpu=0.0))
-            nw = (predict_skew(cold, c["P"], c["impl"], iters, skew_s, "pool", warmup)
-                  if c["bench_case"] == "skew"
-                  else predict_allreduce(cold, c["P"], c["size"], calls)) * 1e6
+        if no_wake is not None:
+            nw = predicted_us(no_wake, c, "pool")
             extra = {"predicted_no_wake_us": nw, "error_no_wake": nw / meas - 1}
         rows.append({**c, "predicted_us": pool, "error": pool / meas - 1, **extra,
                      "predicted_shared_us": shared, "error_shared": shared / meas - 1,

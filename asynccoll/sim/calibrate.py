@@ -364,8 +364,7 @@ def _sim_ring_pass(prof: Profile, gap: float, n: int = 12) -> float:
         if r == 0:
             began[0] = world.now
         # the call wakes the rank's progress thread, as a message does (run.simulate's calls)
-        world.at(world.charge(r, world.now, half, True) if world.pooled
-                 else world.cpu(r, half), exs[r].start)
+        world.at(world.cpu(r, half, wake=True), exs[r].start)
 
     def done(r: int, _e: int) -> None:
         world.at(world.cpu(r, half), returned, r)

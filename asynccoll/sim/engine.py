@@ -112,9 +112,7 @@ from ..buffers import dtype_to_wire
 from ..errors import AsyncCollError
 from ..sched import Kernel, Payload, Schedule
 from ..transport.frames import PROTOCOL_VERSION, Format, Header, Kind, Message
-from .cost import WAKE_FROM, WAKE_FULL, Profile
-
-_WAKE_SPAN = WAKE_FULL - WAKE_FROM
+from .cost import Profile
 
 __all__ = ["SimWorld", "SimExecutor", "SimulationError", "Hook"]
 
@@ -275,12 +273,13 @@ class SimWorld:
         return not self.times
 
     # -- costs -------------------------------------------------------------------------------
-    def cpu(self, rank: int, cost: float, at: float | None = None) -> float:
+    def cpu(self, rank: int, cost: float, at: float | None = None, wake: bool = False) -> float:
         """Occupy ``rank``'s CPU for ``cost`` seconds from ``at`` (default now), or when it
-        frees; return when the work is done."""
+        frees; return when the work is done. ``wake``: as :meth:`charge`'s (only the pool
+        prices it)."""
         start = self.now if at is None else at
         if self.pooled:
-            return self.charge(rank, start, cost)
+            return self.charge(rank, start, cost, wake)
         t = self.cpu_free[rank]
         if t < start:
             t = start
@@ -288,22 +287,16 @@ class SimWorld:
         self.cpu_free[rank] = t
         return t
 
-    def wake_extra(self, idle: float) -> float:
-        """What waking a rank idle for ``idle`` seconds costs beyond the work that woke it
-        (:meth:`~.cost.Profile.wake_extra`; 0 without the pool)."""
-        if idle <= WAKE_FROM:
-            return 0.0
-        return self.wake_cpu * min((idle - WAKE_FROM) / _WAKE_SPAN, 1.0)
-
     def charge(self, rank: int, ready: float, cost: float, wake: bool = False) -> float:
         """The pool (:mod:`.cost`): ``rank``'s work of ``cost`` seconds, ready at ``ready``,
         runs once the rank's earlier work is done, on the core of its host free latest before
         then (leaving the earlier free ones to others) or, when none is, on the first to free.
         ``wake``: the work wakes the rank (a message's receipt, a call), which costs more at a
-        rank that has been idle (:meth:`wake_extra`). Returns when it is done."""
+        rank that has been idle (:meth:`~.cost.Profile.wake_extra`). Returns when it is
+        done."""
         t = self.cpu_free[rank]
         if wake and self.wake_cpu:
-            cost += self.wake_extra(ready - t)
+            cost += self.profile.wake_extra(ready - t)
         if t < ready:
             t = ready
         cores = self.cores_free[self.host[rank]]
@@ -608,8 +601,7 @@ class SimExecutor:
         """A message for the posted receive op ``i``, arrived at ``arrived``; ``wake``: price
         its wake-up here (a held message's was priced when it came)."""
         w = self.world
-        t = w.charge(self.rank, arrived, w.gamma + msg[7], wake) if w.pooled \
-            else w.cpu(self.rank, w.gamma + msg[7], arrived)
+        t = w.cpu(self.rank, w.gamma + msg[7], arrived, wake)
         e = self.execution
         if self._data:
             arr = self._views[i]
@@ -655,6 +647,7 @@ class SimExecutor:
         final, silent, nbytes, hooks = self._final, self._silent, self._nbytes, self._hooks
         early, floor = self._early, self._floor
         pooled, charge, rcpu = world.pooled, world.charge, world.receipt_cpu
+        wake_cpu, wake_extra = world.wake_cpu, world.profile.wake_extra
         g, spb, rank, data = world.gamma, world.reduce_spb, self.rank, self._data
         push, seq, lazy, pend = world.push, world.seq, self._lazy, self._pend
         heappop, heappush = heapq.heappop, heapq.heappush
@@ -914,10 +907,10 @@ class SimExecutor:
                             return
                     push(t, q, loop, i, e)
                     return
-            if pooled and world.wake_cpu:
+            if wake_cpu:
                 # its receipt is booked when its receive is posted, but the rank woke for it
                 # now: the wake-up is priced by how long the rank had idled before it came
-                woke = world.wake_extra(world.now - delay - cpu_free[rank])
+                woke = wake_extra(world.now - delay - cpu_free[rank])
                 if woke:
                     msg = (*msg[:7], extra + woke, delay)
             hq = held.get(e)

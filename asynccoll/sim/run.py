@@ -192,11 +192,9 @@ def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Pr
         s = step[r]
         t_call[r, s] = world.now
         x = (values(r, s) if values is not None else ones) if data else None
-        if wakes:
-            world.at(world.charge(r, world.now, half, True), h.call, r, x, returned)
-        elif half:
-            world.at(world.cpu(r, half) if world.pooled else world.now + half, h.call, r, x,
-                     returned)
+        if half or wakes:
+            world.at(world.cpu(r, half, wake=True) if world.pooled else world.now + half,
+                     h.call, r, x, returned)
         else:
             h.call(r, x, returned)
 
