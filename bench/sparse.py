@@ -32,6 +32,10 @@ from _harness import free_port, peer_missing, spawn_world, stats, write_json
 
 SECRET = b"bench-sparse-secret-0123456789ab"
 IMPLS = ["ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "dense"]
+#: the rows through a Communicator (``comm.sparse_allreduce``, algorithm ssar_split_allgather):
+#: its default on one host, through shared memory, and the same with ``ASYNCCOLL_SHM=0``
+COMM_IMPLS = ["ssar_split_allgather-shm", "ssar_split_allgather-comm-tcp"]
+SPARSE_ROWS = [*IMPLS[:3], *COMM_IMPLS]
 DENSITIES = [0.0001, 0.001, 0.00781, 0.03, 0.1]
 
 
@@ -199,6 +203,51 @@ def run_ours(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any
         _kill(procs)
 
 
+async def _comm_main(rank: int, P: int, port: int, N: int, reps: int,
+                     densities: list[float]) -> dict[float, list[float]]:
+    import asynccoll
+
+    comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
+                                   transport="tcp", timeout=120)
+    out: dict[float, list[float]] = {}
+    async with comm:
+        for d in densities:
+            idx, vals = _data(rank, N, d)
+            x = asynccoll.SparseVector(idx, vals, N)
+            times = []
+            for rep in range(reps + 1):
+                await comm.barrier(timeout=120)
+                t0 = time.perf_counter()
+                await comm.sparse_allreduce(x, algorithm="ssar_split_allgather", timeout=300)
+                if rep:
+                    times.append(time.perf_counter() - t0)
+            out[d] = times
+        await comm.barrier(timeout=120)
+    return out
+
+
+def _comm_worker(rank: int, P: int, port: int, N: int, reps: int, densities: list[float],
+                 shm: bool, q: Any) -> None:
+    try:
+        os.environ["ASYNCCOLL_SECRET"] = SECRET.decode()
+        os.environ["ASYNCCOLL_SHM"] = "1" if shm else "0"
+        if find_spec("uvloop"):
+            import uvloop
+
+            uvloop.install()
+        q.put((rank, "ok", asyncio.run(_comm_main(rank, P, port, N, reps, densities))))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_comm(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any]:
+    got: dict[Any, Any] = {}
+    for impl, shm in zip(COMM_IMPLS, (True, False), strict=True):
+        by_rank = spawn_world(_comm_worker, P, (free_port(), N, reps, densities, shm), 1800)
+        got.update({(impl, d): [times[d] for times in by_rank] for d in densities})
+    return got
+
+
 def run_gloo(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any]:
     by_rank = spawn_world(_gloo_worker, P, (N, reps, densities, free_port()), 1800)
     return {("gloo", d): [times[d] for times in by_rank] for d in densities}
@@ -207,7 +256,7 @@ def run_gloo(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any
 def rows_of(got: dict[tuple[str, float], list[list[float]]], P: int, N: int
             ) -> list[dict[str, Any]]:
     rows = []
-    order = [*IMPLS, "gloo"]
+    order = [*IMPLS, *COMM_IMPLS, "gloo"]
     for (impl, d), per_rank in sorted(got.items(), key=lambda kv: (order.index(kv[0][0]),
                                                                       kv[0][1])):
         slowest = [max(ts) * 1e3 for ts in zip(*per_rank, strict=True)]
@@ -225,7 +274,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     Ps = sorted({r["P"] for r in rows})
     fig, axes = plt.subplots(1, len(Ps), figsize=(6 * len(Ps), 4.5), squeeze=False)
     for ax, P in zip(axes[0], Ps, strict=True):
-        for impl in [*IMPLS, "gloo"]:
+        for impl in [*IMPLS, *COMM_IMPLS, "gloo"]:
             rs = sorted((r for r in rows if r["P"] == P and r["impl"] == impl),
                         key=lambda r: r["density"])
             if not rs:
@@ -249,7 +298,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def summary(rows: list[dict[str, Any]], P: int, d: float) -> dict[str, Any]:
     """Best sparse algorithm at (P, d) and its speedup over the dense rows."""
     at = {r["impl"]: r["time_ms_median"] for r in rows if r["P"] == P and r["density"] == d}
-    sparse = {k: v for k, v in at.items() if k in IMPLS[:3]}
+    sparse = {k: v for k, v in at.items() if k in SPARSE_ROWS}
     if not sparse:
         return {}
     best = min(sparse, key=lambda k: sparse[k])
@@ -283,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     for P in args.P:
         t0 = time.monotonic()
         got = run_ours(P, N, reps, args.densities)
+        got.update(run_comm(P, N, reps, args.densities))
         if have_torch:
             got.update(run_gloo(P, N, reps, args.densities))
         new = rows_of(got, P, N)

@@ -200,6 +200,7 @@ class Communicator:
             self._writer = TraceWriter(trace, transport.rank, transport.world_size)
         self._dense = DenseOps(transport, lambda: next(self._next_id), kernels=self.kernels,
                                live=self.live, writer=self._writer, stall_warn=self.stall_warn)
+        self._sparse.dense = self._dense  # its host layout and segments (shared memory)
         self._dump_signal: DumpSignal | None = None
         if not _child and threading.current_thread() is threading.main_thread() \
                 and hasattr(signal, "SIGUSR1"):

@@ -577,6 +577,21 @@ class DenseOps:
         self._shm[key] = sh
         return sh
 
+    def reserve_segment_setup(self) -> None:
+        """Take now (before any await) the ids a later :meth:`map_segments` and :meth:`hosts`
+        need: for the sparse allreduce's shared-memory setup (:mod:`.sparse`), as
+        :meth:`_shm_allreduce` does for its own."""
+        # ("hosts",) too: a key already made (learned at connect) or reserved is skipped
+        self._reserve(("hosts",), _AGREE_KEY, ("barrier",), ("shm_ok",))
+
+    async def map_segments(self, sids: list[int], nbytes: int, timeout: float | None
+                           ) -> list[list[Segment]]:
+        """Every rank's segment of ``nbytes`` per schedule id in ``sids`` (collective; every
+        rank on this host): :meth:`_map_segments`. Raises :class:`ShmUnavailable` on every
+        rank when one cannot create or map them."""
+        _same, token = await self._hosts(timeout)
+        return await self._map_segments(sids, nbytes, token, timeout)
+
     async def _map_segments(self, sids: list[int], nbytes: int, token: int,
                             timeout: float | None,
                             local: list[int] | None = None) -> list[list[Segment]]:

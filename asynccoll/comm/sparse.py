@@ -17,9 +17,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import os
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -32,15 +34,21 @@ from ..collectives.sparse.schedules import (
     load_stream,
     read_result,
 )
+from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS, build_sparse_shm_allreduce
 from ..collectives.sparse.streams import SparseVector
 from ..errors import BusyError, TransportClosedError
-from ..sched import Executor, Kernel, LiveOps
+from ..sched import Executor, Kernel, LiveOps, Schedule
 from ..transport.base import Transport
+from .dense import ShmUnavailable
 
-__all__ = ["SparseAllreduce", "SparseAllreduceHandle", "SparseOps", "as_host", "sparse_allreduce",
-           "to_device"]
+if TYPE_CHECKING:
+    from .dense import DenseOps
+
+__all__ = ["ShmSparseAllreduce", "SparseAllreduce", "SparseAllreduceHandle", "SparseOps", "as_host",
+           "sparse_allreduce", "to_device"]
 
 T = TypeVar("T")
+log = logging.getLogger("asynccoll.comm")
 
 
 def as_host(x: Any) -> tuple[SparseVector | np.ndarray, bool]:
@@ -170,6 +178,63 @@ class SparseAllreduce:
             self.executor.close()
 
 
+class ShmSparseAllreduce:
+    """A sparse split allgather through this host's shared memory
+    (:mod:`asynccoll.collectives.sparse.shm`): one executor over the segments of every rank
+    (``segments``, mapped, in rank order); :meth:`run` as :class:`SparseAllreduce`'s (a fresh
+    result buffer per call). Made by :meth:`SparseOps.run` when every rank is on this host."""
+
+    def __init__(self, schedule: Schedule, transport: Transport, segments: list[Any], *,
+                 sched_id: int, kernels: Mapping[str, Kernel] | None,
+                 live: LiveOps | None) -> None:
+        self.schedule = schedule
+        self.algorithm = str(schedule.meta["algorithm"])
+        self.size = int(schedule.meta["size"])
+        self.dtype = np.dtype(schedule.meta["dtype"])
+        md = schedule.meta["delta"]
+        self.delta = math.inf if md is None else float(md)
+        self._segments = segments
+        self._arrays = {f"seg{q}": seg.array(np.uint8, schedule.slots[f"seg{q}"].count)
+                        for q, seg in enumerate(segments)}
+        self._input = self._arrays[str(schedule.meta["input"])][
+            :int(schedule.meta["input_bytes"])]
+        self._out: np.ndarray | None = self._result_buffer()
+        self.executor = Executor(schedule, transport, {**self._arrays,
+                                                       schedule.meta["result"]: self._out},
+                                 sched_id=sched_id,
+                                 kernels=SPARSE_KERNELS if kernels is None else kernels)
+        self._live = live
+        if live is not None:
+            live.add(self.executor)
+
+    def _result_buffer(self) -> np.ndarray:
+        spec = self.schedule.slots[self.schedule.meta["result"]]
+        assert spec.count is not None
+        return np.empty(spec.count, np.dtype(spec.dtype or "u1"))
+
+    async def run(self, x: SparseVector | np.ndarray, *, timeout: float | None = None
+                  ) -> SparseVector | np.ndarray:
+        """As :meth:`SparseAllreduce.run` (``x`` checked by the caller)."""
+        load_stream(self._input, x, self.size, self.dtype, self.delta)
+        out, self._out = (self._out, None) if self._out is not None else \
+            (self._result_buffer(), None)
+        self.executor.bind({**self._arrays, self.schedule.meta["result"]: out})
+        self.executor.start()
+        await self.executor.wait(timeout)
+        return read_result(out, self.size, self.dtype)
+
+    def close(self) -> None:
+        """Stop the executor and unmap the segments (their files are gone already)."""
+        self.executor.close()
+        if self._live is not None:
+            self._live.discard(self.executor)
+        self._arrays.clear()
+        self._input = np.empty(0, np.uint8)
+        self._out = None
+        for seg in self._segments:
+            seg.close()
+
+
 async def sparse_allreduce(transport: Transport, x: SparseVector | np.ndarray, *,
                            sched_id: int, density: float | None = None,
                            algorithm: str | None = None, quantize: int | None = None,
@@ -205,6 +270,14 @@ class _Entry:
     def __init__(self, op: SparseAllreduce) -> None:
         self.op = op
         self.lock = asyncio.Lock()
+        #: whether the first call still has to try shared memory (:meth:`SparseOps._try_shm`)
+        self.shm_pending = False
+        self.shm: ShmSparseAllreduce | None = None
+
+    def close(self) -> None:
+        self.op.close()
+        if self.shm is not None:
+            self.shm.close()
 
 
 class SparseOps:
@@ -219,6 +292,12 @@ class SparseOps:
         self._live = live
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._named: dict[str, SparseAllreduce] = {}
+        #: the communicator's dense collectives, whose host layout and segment setup the
+        #: shared-memory path uses (set by the communicator; None: never shared memory)
+        self.dense: DenseOps | None = None
+        #: ASYNCCOLL_SHM=0 keeps the sparse allreduce off shared memory
+        self._auto_shm = os.environ.get("ASYNCCOLL_SHM", "1").strip() != "0"
+        self._warned = False  # that segments could not be had (logged once)
 
     def resolve(self, size: int, dtype: np.dtype[Any], density: float | None,
                 algorithm: str | None, quantize: int | None, delta: float | None) -> str:
@@ -263,6 +342,12 @@ class SparseOps:
                                 delta=delta, bucket=bucket, seed=seed)
                 op.sched_id = self._next_id()
                 entry = _Entry(op)
+                if self.dense is not None and self._transport.world_size > 1:
+                    # The ids a shared-memory setup may take, now, before any await (see
+                    # DenseOps._reserve), and whatever this call's arguments: reserved only for
+                    # some, a call the ranks disagree on would leave their ids out of step.
+                    self.dense.reserve_segment_setup()
+                entry.shm_pending = self._shm_eligible(algorithm, quantize)
                 self._entries[key] = entry
             # The lock is FIFO and taken before the first use's agreement (an await): a call
             # made meanwhile queues behind the first instead of overtaking it (its run would
@@ -276,14 +361,60 @@ class SparseOps:
                                      "dtype": np.dtype(dt).str, "algorithm": algorithm,
                                      "quantize": quantize, "delta": delta,
                                      "bucket": int(bucket), "seed": int(seed)})
+                    if entry.shm_pending:
+                        entry.shm_pending = False
+                        entry.shm = await self._try_shm(entry.op, timeout)
+                    if entry.shm is not None:
+                        return await entry.shm.run(entry.op.check(x), timeout=timeout)
                     return await entry.op.run(x, timeout=timeout)
                 except BaseException:
                     # A disagreement, or a failed, timed-out or cancelled run (the executor
                     # left mid-way): drop the entry; the next call starts a fresh one.
-                    entry.op.close()
+                    entry.close()
                     if self._entries.get(key) is entry:
                         del self._entries[key]
                     raise
+
+    def _shm_eligible(self, algorithm: str, quantize: int | None) -> bool:
+        """Whether a key's first call tries shared memory: the split algorithms without
+        quantisation (whose point is fewer bytes on a network), more than one rank, not
+        turned off; whether every rank is on this host is learned at that call."""
+        return (self.dense is not None and self._auto_shm and quantize is None
+                and self._transport.world_size > 1 and algorithm in SHM_SPARSE_ALGORITHMS)
+
+    async def _try_shm(self, op: SparseAllreduce, timeout: float | None
+                       ) -> ShmSparseAllreduce | None:
+        """The shared-memory form of ``op`` when every rank is on this host and the segments
+        could be had (collective: every rank gets the same answer), else None (logged once)."""
+        assert self.dense is not None
+        same, _token = await self.dense.hosts(timeout)
+        if not same:
+            return None
+        t = self._transport
+        dense = op.algorithm == "dsar_split_allgather"
+        sched = build_sparse_shm_allreduce(t.rank, t.world_size, op.size, op.dtype,
+                                           delta=op.delta, dense=dense)
+        nbytes = int(sched.meta["input_bytes"]) + int(sched.meta["block_bytes"])
+        try:
+            mapped = await self.dense.map_segments([op.sched_id], nbytes, timeout)
+        except ShmUnavailable as exc:
+            # Every rank learns it together, for this collective only: a flag that turned the
+            # path off for later ones would take effect at a different moment on each rank
+            # (where another's setup is under way), and the ranks would part ways. Each new
+            # collective tries again (one barrier and one flag allreduce, at its first call).
+            if not self._warned:
+                self._warned = True
+                log.warning("%s; this sparse allreduce goes over the network (and every later "
+                            "one whose segments cannot be had either)", exc)
+            return None
+        segs = mapped[0]
+        try:
+            return ShmSparseAllreduce(sched, t, segs, sched_id=op.sched_id,
+                                      kernels=self._kernels, live=self._live)
+        except BaseException:
+            for seg in segs:
+                seg.close()
+            raise
 
     def named(self, name: str, sched_id: int, size: int, dtype: Any, *, algorithm: str,
               quantize: int | None, delta: float | None, bucket: int, seed: int
@@ -307,7 +438,7 @@ class SparseOps:
     def close(self) -> None:
         """Stop every executor (a waiting call fails with TransportClosedError)."""
         for e in self._entries.values():
-            e.op.close()
+            e.close()
         self._entries.clear()
         for op in self._named.values():
             op.close()

@@ -79,9 +79,13 @@ def assert_canonical(r: Any, n: int) -> None:
 # -- comm.sparse_allreduce ---------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm", [True, False])
 @pytest.mark.parametrize("transport", ["inproc", "tcp"])
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
-async def test_exact_against_the_dense_sum(transport: str, P: int) -> None:
+async def test_exact_against_the_dense_sum(transport: str, P: int, shm: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # one host: the split algorithms take shared memory unless ASYNCCOLL_SHM=0
+    monkeypatch.setenv("ASYNCCOLL_SHM", "1" if shm else "0")
     n = 37  # not divisible by 2, 3 or 4
     async with local_world(P, transport, timeout=20) as comms:
         for ci, xs in enumerate(cases(P, n, seed=P)):
@@ -102,6 +106,12 @@ async def test_exact_against_the_dense_sum(transport: str, P: int) -> None:
         # one cached op per (size, dtype, algorithm, ...), built once: three algorithms
         # (None with density=0.05 resolves to one of them)
         assert all(len(c._sparse._entries) == 3 for c in comms)
+        names = sorted(ex.schedule.name for ex in comms[0].live.executors()
+                       if ex.schedule.name.startswith("sparse"))
+        via = "/shm" if shm and P > 1 else ""
+        assert names == ["sparse_allreduce/dsar_split_allgather" + via,
+                         "sparse_allreduce/ssar_recursive_double",
+                         "sparse_allreduce/ssar_split_allgather" + via], names
 
 
 @pytest.mark.timeout(30)

@@ -23,6 +23,7 @@ from .streams import (
     SparseVector,
     decode_piece,
     dense_view,
+    index_dtype,
     read_stream,
     scatter_sum,
     sparse_views,
@@ -31,7 +32,7 @@ from .streams import (
 )
 from .vector import _Union as Union
 
-__all__ = ["SPARSE_KERNELS", "partition"]
+__all__ = ["SPARSE_KERNELS", "assemble", "partition", "reduce_block"]
 
 
 def partition(size: int, world_size: int) -> list[tuple[int, int]]:
@@ -136,6 +137,13 @@ def _k_reduce(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     """Sum the pieces of this rank's range into the block stream ``out``."""
     n, dt, delta = _plan(params)
     pieces, lo, hi = _pieces(inputs, params, msgs)
+    return reduce_block(out, pieces, lo, hi, n, dt, delta)
+
+
+def reduce_block(out: np.ndarray, pieces: Sequence[SparseVector | np.ndarray], lo: int, hi: int,
+                 n: int, dt: np.dtype[Any], delta: float) -> Payload:
+    """Sum ``pieces`` (of the range ``lo:hi``, in rank order) into the block stream ``out``:
+    sparse while the sum has at most the range's share of ``delta`` entries, else dense."""
     rd = _range_delta(delta, n, lo, hi)
     sparse = [x for x in pieces if isinstance(x, SparseVector)]
     total = sum(x.nnz for x in sparse)
@@ -174,8 +182,15 @@ def _k_assemble(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     got = {j: decode_piece(m, n, parts[j][0], parts[j][1], dt)
            for j, m in zip(others, msgs, strict=True)}
     got[int(params["pos"])] = read_stream(inputs[0], n, dt)
-    ordered = [got[j] for j in range(world)]
-    # the result is sparse when the sum has at most delta nonzeros, whichever ranges went dense
+    assemble(out, [got[j] for j in range(world)], n, dt, delta)
+
+
+def assemble(out: np.ndarray, ordered: Sequence[SparseVector | np.ndarray], n: int,
+             dt: np.dtype[Any], delta: float) -> None:
+    """Concatenate the reduced ranges ``ordered`` (of :func:`partition`'s ranges, in order)
+    into the result stream ``out``: sparse when the sum has at most ``delta`` nonzeros,
+    whichever ranges went dense."""
+    parts = partition(n, len(ordered))
     counts = [b.nnz if isinstance(b, SparseVector) else int(np.count_nonzero(b))
               for b in ordered]
     total = sum(counts)
@@ -192,13 +207,91 @@ def _k_assemble(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
                 ov[at:at + m] = b[nz]
             at += m
         return
-    d = dense_view(out, n, dt)
-    for (lo, hi), b in zip(parts, ordered, strict=True):
+    _fill_dense(dense_view(out, n, dt), ordered)
+
+
+def _fill_dense(d: np.ndarray, ordered: Sequence[SparseVector | np.ndarray]) -> None:
+    """Write the reduced ranges ``ordered`` (sparse or dense) into the dense vector ``d``."""
+    for (lo, hi), b in zip(partition(d.size, len(ordered)), ordered, strict=True):
         if isinstance(b, SparseVector):
             d[lo:hi] = 0
             d[b.indices] = b.values
         else:
             d[lo:hi] = b
+
+
+# -- the shared-memory split allgather (:mod:`.shm`) ---------------------------------------------
+
+def _region_stream(region: np.ndarray, n: int, dt: np.dtype[Any], q: int, what: str
+                   ) -> SparseVector | np.ndarray:
+    """The stream rank ``q`` wrote into ``region`` of its segment, its header checked (form,
+    count within the region); ``ValueError`` naming ``q`` otherwise."""
+    if region.size < 16:
+        raise ValueError(f"rank {q}'s {what} region is too small for a stream")
+    flag, count = (int(v) for v in region[:16].view(np.int64))
+    per = dt.itemsize if flag == 1 else index_dtype(n).itemsize + dt.itemsize
+    if flag not in (0, 1) or count < 0 or count > n or 16 + count * per > region.size:
+        raise ValueError(f"rank {q} wrote a malformed {what} stream into its segment "
+                         f"(form {flag}, {count} entries, for a vector of {n})")
+    x = read_stream(region, n, dt)
+    if isinstance(x, SparseVector) and x.nnz and (x.indices[0] < 0 or x.indices[-1] >= n):
+        # outside every range: no rank's window would see it (the ranges tile 0..n-1)
+        raise ValueError(f"rank {q}'s {what} has indices outside 0..{n - 1}")
+    return x
+
+
+def _checked_range(x: SparseVector | np.ndarray, lo: int, hi: int, length: int, q: int,
+                   what: str) -> SparseVector | np.ndarray:
+    """The part in ``lo:hi`` of ``x``, which rank ``q`` wrote: ``length`` is the whole
+    vector's (``x`` is an input) or the range's (``x`` is a block: then every index must be in
+    the range). A dense ``x`` must have ``length`` entries, a sparse one's indices in the range
+    must be sorted and unique; ``ValueError`` naming ``q`` otherwise."""
+    if isinstance(x, np.ndarray):
+        if x.size != length:
+            raise ValueError(f"rank {q}'s dense {what} has {x.size} entries, expected {length}")
+        return x if length == hi - lo else x[lo:hi]
+    part = _slice(x, lo, hi)
+    assert isinstance(part, SparseVector)
+    idx = part.indices
+    if (length == hi - lo and part.nnz != x.nnz) or (idx.size and (
+            idx[0] < lo or idx[-1] >= hi
+            or (idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1]))))):
+        raise ValueError(f"rank {q}'s {what} has indices that are not sorted, unique and "
+                         f"inside {lo}..{hi - 1}")
+    return part
+
+
+def _k_shm_reduce(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+                  msgs: Sequence[Any]) -> None:
+    """Sum range ``lo:hi`` of every rank's input region (``inputs``: the segments in rank
+    order) into this rank's block region ``out``."""
+    n, dt, delta = _plan(params)
+    lo, hi, cap = int(params["lo"]), int(params["hi"]), int(params["input_bytes"])
+    pieces = []
+    for q, seg in enumerate(inputs):
+        x = _region_stream(seg[:cap], n, dt, q, "input")
+        pieces.append(_checked_range(x, lo, hi, n, q, "input"))
+    if params.get("dense"):
+        scatter_sum(dense_view(out, hi - lo, dt), pieces, lo)
+    else:
+        reduce_block(out, pieces, lo, hi, n, dt, delta)
+
+
+def _k_shm_assemble(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+                    msgs: Sequence[Any]) -> None:
+    """Concatenate every rank's block region (``inputs``: the segments in rank order) into
+    the result: the stream ``out``, or with ``dense`` the dense array ``out``."""
+    n, dt, delta = _plan(params)
+    at = int(params["input_bytes"])
+    end = at + int(params["block_bytes"])
+    parts = partition(n, len(inputs))
+    blocks = [_checked_range(_region_stream(seg[at:end], n, dt, q, "block"), lo, hi, hi - lo,
+                             q, "block")
+              for q, (seg, (lo, hi)) in enumerate(zip(inputs, parts, strict=True))]
+    if params.get("dense"):
+        _fill_dense(out, blocks)
+    else:
+        assemble(out, blocks, n, dt, delta)
 
 
 def _k_reduce_dense(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
@@ -226,4 +319,5 @@ def _k_dequantize(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
 SPARSE_KERNELS = BUILTIN_KERNELS.extended({
     "sparse.emit": _k_emit, "sparse.store": _k_store, "sparse.merge": _k_merge,
     "sparse.piece": _k_piece, "sparse.reduce": _k_reduce, "sparse.assemble": _k_assemble,
-    "sparse.reduce_dense": _k_reduce_dense, "sparse.dequantize": _k_dequantize}).freeze()
+    "sparse.reduce_dense": _k_reduce_dense, "sparse.dequantize": _k_dequantize,
+    "sparse.shm_reduce": _k_shm_reduce, "sparse.shm_assemble": _k_shm_assemble}).freeze()
