@@ -171,3 +171,26 @@ async def test_ranks_that_disagree_get_an_error_and_go_on() -> None:
             for c, v in zip(comms, xs, strict=True))), 20)
         for r in rs:
             assert np.array_equal(to_dense(r), np.sum(xs, axis=0))
+
+
+@pytest.mark.timeout(60)
+async def test_groups_take_shared_memory_side_by_side() -> None:
+    # two groups of a world at once (their segments named per group), then the world itself
+    before = _ours()
+    async with local_world(4, "tcp", timeout=20) as comms:
+        subs = await asyncio.wait_for(asyncio.gather(*(c.split(c.rank % 2) for c in comms)), 20)
+        for t in range(3):
+            xs = [_case(q, 500, 0.1, 10 + t) for q in range(4)]
+            rs = await asyncio.wait_for(asyncio.gather(*(
+                s.sparse_allreduce(from_dense(xs[c.rank]), algorithm="ssar_split_allgather")
+                for s, c in zip(subs, comms, strict=True))), 20)
+            for c, r in zip(comms, rs, strict=True):
+                want = np.sum([xs[q] for q in range(4) if q % 2 == c.rank % 2], axis=0)
+                assert np.array_equal(to_dense(r), want)
+        assert all(_paths(s) == ["sparse_allreduce/ssar_split_allgather/shm"] for s in subs)
+        xs = [_case(q, 500, 0.1, 20) for q in range(4)]
+        rs = await asyncio.wait_for(asyncio.gather(*(
+            c.sparse_allreduce(from_dense(x), algorithm="ssar_split_allgather")
+            for c, x in zip(comms, xs, strict=True))), 20)
+        assert all(np.array_equal(to_dense(r), np.sum(xs, axis=0)) for r in rs)
+    assert _ours() <= before
