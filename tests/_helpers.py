@@ -7,6 +7,7 @@ and spawned children inherit the parent's ``sys.path``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import multiprocessing as mp
@@ -34,15 +35,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def free_low_port() -> int:
+def free_low_port(span: int = 1) -> int:
     """A port free now, below the ephemeral range, so that no outgoing connection of another
-    process takes it before the process under test binds it."""
+    process takes it before the process under test binds it; with ``span``, the ``span - 1``
+    ports after it are free too."""
     rng = random.Random()
     while True:
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
+        port = rng.randrange(20000, 32000 - span)
+        with contextlib.ExitStack() as stack:
             try:
-                s.bind(("127.0.0.1", port))
+                for p in range(port, port + span):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", p))
             except OSError:
                 continue
             return port

@@ -56,6 +56,8 @@ from ..collectives import KERNELS, dense
 from ..collectives._plan import check_op
 from ..collectives.dense import block_bounds
 from ..collectives.partial import check_deadline, check_kind
+from ..collectives.sparse.schedules import choose_algorithm
+from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS, shm_layout
 from ..collectives.sparse.streams import SparseVector
 from ..errors import CollectiveTimeoutError, PeerLostError, TransportClosedError
 from ..results import PartialResult
@@ -201,6 +203,7 @@ class Communicator:
         self._dense = DenseOps(transport, lambda: next(self._next_id), kernels=self.kernels,
                                live=self.live, writer=self._writer, stall_warn=self.stall_warn)
         self._sparse.dense = self._dense  # its host layout and segments (shared memory)
+        self._dense.lost = lambda: self.membership.lost
         self._dump_signal: DumpSignal | None = None
         if not _child and threading.current_thread() is threading.main_thread() \
                 and hasattr(signal, "SIGUSR1"):
@@ -797,7 +800,13 @@ class Communicator:
         ``"shm_two_shot"``): always, ``ValueError`` if the ranks are on several hosts;
         ``False``: never. Creating the handle stays free of collectives: this rank's segments
         are made at once, its peers' mapped at the first execution (docs/collectives.md).
-        A handle that survives a lost rank goes on over the network.
+        A handle that survives a lost rank goes on over the network. For sparse handles
+        (``like`` a SparseVector): with the split algorithms only (``ssar_split_allgather``,
+        ``dsar_split_allgather``; ``shm=True`` without ``algorithm`` takes the first), their
+        sparse allreduce through shared memory; ``None`` takes it when every rank is on this
+        host, the algorithm (chosen or given) is a split one and ``/dev/shm`` could hold every
+        rank's segment twice over, at any size; the activation keeps its broadcast
+        (docs/sparse.md).
 
         Raises ``ValueError`` naming ``kind``, ``quorum``, ``op``, ``algorithm``, ``name`` (in
         use), ``like``, ``deadline``, ``mad_factor``, ``deadline_window`` or ``shm``;
@@ -835,10 +844,20 @@ class Communicator:
                                  or seed < 0):
             raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
         token: int | None = None
+        # before the name is taken: a refusal must not shift the automatic names
         if sparse:
-            if shm:
-                raise ValueError("shm: sparse handles move their data over the network")
-        else:  # before the name is taken: a refusal must not shift the automatic names
+            sdt = np.dtype(like.values.dtype)
+            if algorithm is None:
+                algorithm = choose_algorithm(density, self.size, like.size, sdt, delta)
+                if shm is True and algorithm not in SHM_SPARSE_ALGORITHMS:
+                    # shared memory asked for: the split allgather, whatever the chooser's
+                    # preference for the network's recursive doubling
+                    algorithm = "ssar_split_allgather"
+            elif density is not None:
+                choose_algorithm(density, self.size, like.size, sdt, delta)  # checks density
+            in_cap, blk_cap, _ = shm_layout(like.size, sdt, delta, self.size)
+            token = self._dense.sparse_partial_plan(in_cap + blk_cap, algorithm, shm)
+        else:
             token, algorithm = self._dense.partial_plan(like, algorithm, shm)
         name = self._handle_name(name, "partial")
         if name in self._handles:
@@ -847,7 +866,8 @@ class Communicator:
         s = stable_id(name, 2) if seed is None else int(seed)
         t = self.timeout if timeout is None else timeout
         contribution: Contribution = (
-            SparseContribution(op, algorithm, density=density, delta=delta) if sparse
+            SparseContribution(op, algorithm, density=density, delta=delta,
+                               shm=token is not None) if sparse
             else DenseContribution(op, algorithm))
         h = self._engine.call(lambda: TensorPartialAllreduce(
             self._engine, self.transport, contribution, kind=kind, like=like,

@@ -287,7 +287,8 @@ class SparseContribution(Contribution):
     label = "SparsePartialAllreduce"
 
     def __init__(self, op: str = "sum", algorithm: str | None = None, *,
-                 density: float | None = None, delta: float | None = None) -> None:
+                 density: float | None = None, delta: float | None = None,
+                 shm: bool = False) -> None:
         if op != "sum":
             raise ValueError(f"op must be 'sum' for sparse contributions, got {op!r}")
         if delta is not None and (math.isnan(delta) or delta < 0):
@@ -296,6 +297,9 @@ class SparseContribution(Contribution):
         self.algorithm = algorithm
         self._density = density
         self._delta_arg = delta
+        #: whether the data phase goes through shared memory (the split algorithms, every
+        #: rank on one host: :mod:`asynccoll.collectives.sparse.partial`)
+        self.shm = bool(shm)
 
     def build(self, like: Any, rank: int, world_size: int, kind: str,
               quorum: int | None) -> tuple[Schedule, dict[str, Any]]:
@@ -314,7 +318,8 @@ class SparseContribution(Contribution):
         elif self._density is not None:
             choose_algorithm(self._density, P, size, dt, self._delta_arg)  # validates density
         sched = build_sparse_partial_allreduce(rank, P, size, dt, kind=kind, quorum=quorum,
-                                               algorithm=algorithm, delta=self._delta_arg)
+                                               algorithm=algorithm, delta=self._delta_arg,
+                                               shm=self.shm)
         self.algorithm = algorithm
         self.delta = float(sched.meta["delta"])
         bufs: dict[str, Any] = {name: np.zeros(spec.count or 0, np.dtype(spec.dtype or "u1"))
@@ -322,7 +327,8 @@ class SparseContribution(Contribution):
         bufs.update(scratch_buffers(sched))
         self._acc = bufs["acc"]  # zeros: the empty sparse stream
         self._result = bufs[sched.meta["result"]]
-        self.signature = sparse_signature(kind, quorum, size, dt, algorithm, self.delta)
+        self.signature = sparse_signature(kind, quorum, size, dt, algorithm, self.delta,
+                                          self.shm)
         return sched, bufs
 
     def unpack_meta(self) -> None:

@@ -179,6 +179,9 @@ class DenseOps:
         self._host: tuple[bool, int] | None = None  # (every rank on this host, job token)
         self._groups: list[list[int]] = []  # the ranks of each host, after _hosts()
         self._hashes: list[int] = []  # each rank's host hash, after _hosts()
+        #: the first lost rank this rank learned of, or None (set by the communicator): an
+        #: execution a call starts after it raises at once (:meth:`_execute`)
+        self.lost: Callable[[], PeerLostError | None] = lambda: None
         #: ASYNCCOLL_SHM=0 keeps the default allreduce off shared memory (``algorithm="shm"``
         #: still takes it)
         self._auto_shm = os.environ.get("ASYNCCOLL_SHM", "1").strip() != "0"
@@ -383,6 +386,41 @@ class DenseOps:
             raise ValueError(f"shm=True (or algorithm={algorithm!r}) needs every rank on "
                              f"one host: {why}")
         return self._host[1], algorithm if asked else "shm"
+
+    def sparse_partial_plan(self, segment_bytes: int, algorithm: str,
+                            shm: bool | None) -> int | None:
+        """How a new sparse partial handle moves its data: the job's segment token when
+        through shared memory (its split allgather, :mod:`asynccoll.collectives.sparse.shm`),
+        else None (the network). No collective, as :meth:`partial_plan`. ``shm=None``: through
+        shared memory when every rank is on this host (known beforehand), ``algorithm`` is one
+        of the split ones, the default is on (``ASYNCCOLL_SHM``) and ``/dev/shm`` could hold
+        every rank's segment (``segment_bytes``) twice over; ``shm=True`` asks for it
+        (``ValueError`` naming ``shm`` where it cannot be); ``shm=False`` refuses it."""
+        from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS
+
+        if shm is not None and not isinstance(shm, (bool, np.bool_)):
+            raise ValueError(f"shm must be True, False or None, got {shm!r}")
+        shm = None if shm is None else bool(shm)  # np.False_ is not False
+        if shm is False:
+            return None
+        split = algorithm in SHM_SPARSE_ALGORITHMS
+        if shm is None:
+            if not split or not self._auto_shm or self.size < 2 or self._host is None \
+                    or not self._host[0] or _tmpfs_bytes() < 2 * self.size * segment_bytes:
+                return None
+            return self._host[1]
+        if not split:
+            raise ValueError(f"shm=True: a sparse handle's data goes through shared memory with "
+                             f"the split algorithms {SHM_SPARSE_ALGORITHMS} only, not "
+                             f"{algorithm!r}")
+        if self._host is None and self.size == 1:
+            return new_token()
+        if self._host is None or not self._host[0]:
+            why = ("the host layout is not known yet (connect() learns it; else call "
+                   "'await comm.sync_clocks()' first)" if self._host is None
+                   else "the ranks are on several hosts")
+            raise ValueError(f"shm=True needs every rank on one host: {why}")
+        return self._host[1]
 
     async def _shm_allreduce(self, buf: Any, op: str, timeout: float | None,
                              hier: bool = False, algorithm: str | None = None) -> None:
@@ -670,7 +708,15 @@ class DenseOps:
 
     async def _execute(self, ex: Executor, timeout: float | None, what: str) -> None:
         """Run one execution of ``ex`` and wait for it, warning while it stalls; a timeout
-        raises the executor's CollectiveTimeoutError (naming what is awaited)."""
+        raises the executor's CollectiveTimeoutError (naming what is awaited).
+
+        A rank lost before it starts fails it at once with PeerLostError: the loss failed the
+        executions under way when it was learned, but a call of several steps (the segments'
+        setup: a barrier, the mapping, a flag allreduce) may start one after that, and then
+        waited, seen, for a survivor that had given up already, until its timeout."""
+        err = self.lost()
+        if err is not None:
+            raise PeerLostError(err.rank, err.reason)
         try:
             await wait_or_warn(ex.start(), timeout, self._stall_warn,
                                lambda: f"rank {self.rank}: {what}", ex.pending_text)

@@ -95,7 +95,7 @@ from ..results import PartialResult
 from ..sched import Executor, Kernel, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
 from . import clock
-from .contribution import Combine, Contribution, DenseContribution
+from .contribution import Combine, Contribution, DenseContribution, SparseContribution
 from .progress import ProgressEngine
 from .shm import SHM_ATTACH, PartialSegments
 from .stall import wait_or_warn
@@ -234,14 +234,18 @@ class PartialAllreduce:
                                           self._lock, self._snapped)
         #: the shared-memory segments of the data phase (:mod:`.shm`), or None (network)
         self._segments: PartialSegments | None = None
-        if isinstance(contribution, DenseContribution) and contribution.shm:
+        if isinstance(contribution, (DenseContribution, SparseContribution)) \
+                and contribution.shm:
             if shm_token is None:
                 raise ValueError("a shared-memory partial allreduce needs the job's segment "
                                  "token (shm_token)")
             spec = sched.slots["mine"]
             assert spec.count is not None
-            self._segments = PartialSegments(shm_token, self.sched_id, self.rank, P, spec.count,
-                                             spec.dtype)
+            # one set for sparse data: its two wake-up rounds make a second unnecessary
+            # (asynccoll.collectives.sparse.shm, "Reuse")
+            self._segments = PartialSegments(
+                shm_token, self.sched_id, self.rank, P, spec.count, spec.dtype,
+                parts=1 if isinstance(contribution, SparseContribution) else 2)
             bufs.update(self._segments.buffers(0))
             self._kernels[SHM_ATTACH] = self._attach
         self._bufs = bufs
@@ -538,7 +542,8 @@ class PartialAllreduce:
         assert segs is not None
         if e >= 1 and not segs.unlinked:
             segs.unlink_own()
-        self._ex.bind({**self._bufs, **segs.buffers((e + 1) % 2)})
+        if segs.parts > 1:  # one set: bound already (by the attach, the first time)
+            self._ex.bind({**self._bufs, **segs.buffers((e + 1) % 2)})
 
     def _shm_failed(self, err: BaseException | None) -> None:
         """The executor failed: nobody maps this rank's segments any more, so unlink them, and

@@ -398,9 +398,11 @@ class PartialSegments:
     Executions alternate between two sets (part ``e % 2`` for execution ``e``), for the reason
     the dense path alternates two executors (module doc: rank r writes part p again at
     execution e + 2 only after completing e + 1, which needs every peer's "written" of e + 1,
-    sent after that peer completed e and so after its last read of r's part p).
+    sent after that peer completed e and so after its last read of r's part p). ``parts=1``:
+    one set, for a data phase whose own two rounds make reuse safe (the sparse split allgather
+    of :mod:`asynccoll.collectives.sparse.shm`); the handle then binds it once.
 
-    * This rank's two segments are created here, synchronously, with names every rank can
+    * This rank's segments (one per set) are created here, synchronously, with names every rank can
       derive (:func:`segment_path` of the job ``token``, the handle's schedule id, the rank
       and the part), ``O_EXCL`` and mode 0600 as always.
     * A peer's segments are mapped by :meth:`attach`, which the schedule's :data:`SHM_ATTACH`
@@ -418,14 +420,18 @@ class PartialSegments:
     """
 
     def __init__(self, token: int, sched_id: int, rank: int, world_size: int, count: int,
-                 dtype: Any) -> None:
+                 dtype: Any, parts: int = 2) -> None:
         self._token, self._sid, self.rank, self.world_size = token, sched_id, rank, world_size
+        if parts not in (1, 2):
+            raise ValueError(f"parts must be 1 or 2, got {parts!r}")
+        #: how many sets alternate (1: a schedule whose own rounds make reuse safe)
+        self.parts = parts
         self.count = count
         self.dtype = np.dtype(dtype)
         self._nbytes = count * self.dtype.itemsize
         self._own: list[Segment] = []
         try:
-            for part in (0, 1):
+            for part in range(parts):
                 self._own.append(Segment.create(self.path(rank, part), self._nbytes))
         except BaseException:
             for seg in self._own:
@@ -450,7 +456,9 @@ class PartialSegments:
         return segment_path(self._token, self._sid, rank, part)
 
     def buffers(self, part: int) -> dict[str, np.ndarray[Any, Any]]:
-        """The arrays to bind to ``mine`` and ``peer{q}`` for an execution of ``part``."""
+        """The arrays to bind to ``mine`` and ``peer{q}`` for an execution of ``part`` (modulo
+        :attr:`parts`)."""
+        part %= self.parts
         out = {"mine": self._own_arrays[part]}
         for q in range(self.world_size):
             if q != self.rank:
@@ -463,7 +471,7 @@ class PartialSegments:
         if not self._missing:
             return False
         for q in self._missing:
-            for part in (0, 1):
+            for part in range(self.parts):
                 seg = Segment.attach(self.path(q, part), self._nbytes)
                 self._peer_segs.append(seg)
                 self._peer_arrays[(q, part)] = seg.array(self.dtype, self.count)
@@ -480,7 +488,7 @@ class PartialSegments:
         """Unlink a lost ``rank``'s segments by name (it cannot any more); no error if they
         are gone already."""
         if 0 <= rank < self.world_size and rank != self.rank:
-            for part in (0, 1):
+            for part in range(self.parts):
                 with contextlib.suppress(OSError):
                     os.unlink(self.path(rank, part))
 

@@ -36,7 +36,7 @@ from ..collectives.sparse.schedules import (
 )
 from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS, build_sparse_shm_allreduce
 from ..collectives.sparse.streams import SparseVector
-from ..errors import BusyError, TransportClosedError
+from ..errors import BusyError, PeerLostError, TransportClosedError
 from ..sched import Executor, Kernel, LiveOps, Schedule
 from ..transport.base import Transport
 from .dense import ShmUnavailable
@@ -364,6 +364,9 @@ class SparseOps:
                     if entry.shm_pending:
                         entry.shm_pending = False
                         entry.shm = await self._try_shm(entry.op, timeout)
+                    lost = None if self.dense is None else self.dense.lost()
+                    if lost is not None:  # learned during the steps above (see DenseOps)
+                        raise PeerLostError(lost.rank, lost.reason)
                     if entry.shm is not None:
                         return await entry.shm.run(entry.op.check(x), timeout=timeout)
                     return await entry.op.run(x, timeout=timeout)

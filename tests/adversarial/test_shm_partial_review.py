@@ -83,7 +83,9 @@ async def badarg(comm, res):
             res[str(i)] = [type(e).__name__, str(e)]
     sv = asynccoll.SparseVector(np.array([0]), np.array([1.0], np.float32), 8)
     try:
-        comm.partial_allreduce("solo", like=sv, shm=True, name="sparse")
+        # shared memory asked for with the network-only algorithm: refused, the name free
+        comm.partial_allreduce("solo", like=sv, shm=True, algorithm="ssar_recursive_double",
+                               name="sparse")
         res["sparse"] = ["created"]
     except Exception as e:
         res["sparse"] = [type(e).__name__, str(e)]

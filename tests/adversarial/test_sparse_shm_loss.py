@@ -3,7 +3,8 @@ PeerLostError within 2 s, and nothing is left in /dev/shm.
 
 Two moments: while it maps its peers' segments at the first call (its own segment created, not
 yet unlinked by it), and in the middle of later calls (every segment unlinked since the setup;
-the survivors wait for it in a wake-up round). Real processes over tcp; the job's segment
+the survivors wait for it in a wake-up round); and a sparse partial handle (solo) whose data
+phase goes through shared memory, between its calls. Real processes over tcp; the job's segment
 token is fixed by the test so that the check for leftovers looks at this job's segments only.
 """
 from __future__ import annotations
@@ -52,12 +53,19 @@ async def main():
         idx = np.sort(rng.choice(n, 600, replace=False)).astype(np.int32)
         x = asynccoll.SparseVector(idx, rng.standard_normal(600).astype(np.float32), n)
         got = {"rank": None, "msg": "every call completed"}
+        h = None
+        if when == "partial":  # a sparse partial handle: its data phase through shared memory
+            h = comm.partial_allreduce("solo", like=x, algorithm="ssar_split_allgather")
+            assert h._segments is not None
         try:
             for i in range(40):
-                if VICTIM and when == "later" and i == 5:
+                if VICTIM and when in ("later", "partial") and i == 5:
                     await asyncio.sleep(0.05)  # the others are in the call's first round
                     die()
-                await comm.sparse_allreduce(x, algorithm="ssar_split_allgather")
+                if h is None:
+                    await comm.sparse_allreduce(x, algorithm="ssar_split_allgather")
+                else:
+                    await h(x)
         except asynccoll.PeerLostError as exc:
             got = {"rank": exc.rank, "msg": str(exc)}
         got["t"] = time.time()
@@ -80,7 +88,7 @@ def _left(token: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("when", ["attach", "later"])
+@pytest.mark.parametrize("when", ["attach", "later", "partial"])
 def test_sigkill_during_a_shared_memory_sparse_allreduce(tmp_path: Path, when: str) -> None:
     token = secrets.randbits(62)
     try:

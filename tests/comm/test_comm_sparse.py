@@ -260,12 +260,16 @@ def handles(comms: Sequence[Any], kind: str, quorum: int | None = None,
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("kind", "quorum"), KINDS)
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize(("algorithm", "shm"), [(a, False) for a in ALGORITHMS] + [
+    ("ssar_split_allgather", True), ("dsar_split_allgather", True)])
 async def test_partial_no_stragglers_equals_the_sum(kind: str, quorum: int | None,
-                                                    algorithm: str) -> None:
+                                                    algorithm: str, shm: bool) -> None:
     P = 4
     async with local_world(P, progress="inline") as comms:
-        hs = handles(comms, kind, quorum, algorithm=algorithm)
+        if shm:  # the host layout, known: the data phase through shared memory
+            await gather(*(c.sync_clocks() for c in comms))
+        hs = handles(comms, kind, quorum, algorithm=algorithm, shm=shm)
+        assert all((h._segments is not None) == shm for h in hs)
         for rnd in range(2):
             rs = await gather(*(h(sv(r, rnd + 1)) for r, h in enumerate(hs)))
             for res in rs:
@@ -363,14 +367,19 @@ async def test_partial_activated_from_outside_before_the_call() -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("shm", [False, True])
 @pytest.mark.parametrize(("kind", "quorum"), KINDS)
-async def test_partial_conservation_after_flush(kind: str, quorum: int | None) -> None:
+async def test_partial_conservation_after_flush(kind: str, quorum: int | None,
+                                                shm: bool) -> None:
     P, T = 4, 8
     rng = random.Random(7)
     pauses = [[rng.uniform(0, 0.004) for _ in range(T)] for _ in range(P)]
     contributed = sum(total([r], t + 1) for r in range(P) for t in range(T))
     async with local_world(P, progress="inline") as comms:
-        hs = handles(comms, kind, quorum, accumulate=True)
+        if shm:
+            await gather(*(c.sync_clocks() for c in comms))
+        hs = handles(comms, kind, quorum, accumulate=True, shm=shm)
+        assert all((h._segments is not None) == shm for h in hs)
 
         async def rank_main(r: int) -> list[PartialResult]:
             got = []

@@ -194,3 +194,49 @@ async def test_groups_take_shared_memory_side_by_side() -> None:
             for c, x in zip(comms, xs, strict=True))), 20)
         assert all(np.array_equal(to_dense(r), np.sum(xs, axis=0)) for r in rs)
     assert _ours() <= before
+
+
+# -- sparse partial handles: the data phase through shared memory ------------------------------
+
+async def _partial_main(rank: int, P: int, port: int, kind: str, algorithm: str
+                        ) -> dict[str, Any]:
+    comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
+                                   transport="tcp", timeout=60)
+    n, T = 600, 12
+    got: dict[str, Any] = {}
+    async with comm:
+        h = comm.partial_allreduce(kind, like=SparseVector(np.empty(0, np.int32),
+                                                           np.empty(0, np.float32), n),
+                                   algorithm=algorithm, accumulate=True,
+                                   quorum=2 if kind == "quorum" else None)
+        got["shm"] = h._segments is not None  # chosen by default: every rank on this host
+        total = np.zeros(n, np.float32)
+        summed = np.zeros(n, np.float32)
+        for t in range(T):
+            await asyncio.sleep(0.001 * ((rank + t) % 3))
+            x = from_dense(_case(rank, n, 0.05, t))
+            total += to_dense(x)  # this rank's contributions (the parent sums the ranks')
+            summed += to_dense((await h(x, timeout=30)).value)
+        summed += to_dense((await h.flush(timeout=30)).value)
+        got["mine"], got["sum"] = total.tolist(), summed.tolist()
+        got["name"] = h._ex.schedule.name
+        await comm.barrier(timeout=30)
+        await asyncio.sleep(0.1)
+    return got
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("kind", "algorithm"), [("majority", "ssar_split_allgather"),
+                                                 ("solo", "dsar_split_allgather"),
+                                                 ("quorum", "ssar_split_allgather")])
+def test_partial_handles_conserve_through_shared_memory(kind: str, algorithm: str) -> None:
+    before = _ours()
+    got = spawn_world(async_child, 4, (_partial_main, free_port(), kind, algorithm), 120)
+    contributed = np.sum([np.array(g["mine"], np.float32) for g in got], axis=0)
+    for g in got:
+        assert g["shm"]
+        assert g["name"] == f"sparse_partial_allreduce.{kind}.shm"
+        # accumulate=True and a flush: every contribution reached every rank exactly once
+        assert np.allclose(np.array(g["sum"], np.float32), contributed, atol=1e-4)
+    assert _ours() <= before, "segments left in /dev/shm"

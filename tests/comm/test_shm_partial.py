@@ -168,8 +168,20 @@ async def test_shm_arguments_are_checked() -> None:
         h = comms[0].partial_allreduce("solo", like=x)
         assert h._segments is None  # 32 bytes: the network's
         sv = asynccoll.SparseVector(np.array([0]), np.array([1.0], np.float32), 8)
-        with pytest.raises(ValueError, match="sparse"):
-            comms[0].partial_allreduce("solo", like=sv, shm=True)
+        # sparse handles: through shared memory with the split algorithms only
+        with pytest.raises(ValueError, match="split algorithms"):
+            comms[0].partial_allreduce("solo", like=sv, shm=True,
+                                       algorithm="ssar_recursive_double")
+        with pytest.raises(ValueError, match="shm must be True, False or None"):
+            comms[0].partial_allreduce("solo", like=sv, shm="yes")
+        assert comms[0].partial_allreduce("solo", like=sv, shm=False,
+                                          name="sparse-net")._segments is None
+        assert comms[0].partial_allreduce("solo", like=sv, shm=np.False_,
+                                          name="sparse-net-np")._segments is None
+        # at P = 2 the chooser prefers recursive doubling; shm=True takes the split allgather
+        h = comms[0].partial_allreduce("solo", like=sv, shm=True, density=0.1, name="sp-shm")
+        assert h._segments is not None
+        assert h._ex.schedule.name == "sparse_partial_allreduce.solo.shm"
 
 
 @pytest.mark.timeout(60)

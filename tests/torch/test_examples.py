@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import free_low_port
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -48,9 +49,13 @@ def test_example_under_asynccoll_run(script: str, opts: list[str]) -> None:
                                               ("torch_adam.py", ["--mode", "odsgd"])])
 def test_example_under_torchrun(script: str, opts: list[str]) -> None:
     assert TORCHRUN is not None
-    p = subprocess.run([TORCHRUN, "--nproc_per_node", "2", f"examples/{script}", *opts,
-                        *SMALL], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=100)
+    # torchrun's own store on a port below the ephemeral range, and asynccoll's on the next
+    # one (MASTER_PORT + 1): left to torchrun, both fell in the ephemeral range, where an
+    # outgoing connection of another process took the second once (a CI failure)
+    port = free_low_port(span=2)
+    p = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                        "--master_port", str(port), f"examples/{script}", *opts, *SMALL],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=100)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "final test accuracy" in p.stdout, p.stdout
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ...buffers import dtype_to_wire
-from ...sched import Schedule, SlotSpec
+from ...sched import BufRef, Schedule, SlotSpec
 from ..dense import build_allreduce
 from ..partial import (
     STATE_LEN,
@@ -41,6 +41,7 @@ from ..partial import (
 )
 from .kernels import SPARSE_KERNELS
 from .schedules import ALGORITHMS, append_sparse_allreduce, sparse_tags
+from .shm import SHM_SPARSE_ALGORITHMS, append_sparse_shm_allreduce, shm_layout
 from .streams import default_delta, index_dtype, stream_capacity
 
 __all__ = ["PREFIX", "SPARSE_PARTIAL_KERNELS", "build_sparse_partial_allreduce",
@@ -48,15 +49,20 @@ __all__ = ["PREFIX", "SPARSE_PARTIAL_KERNELS", "build_sparse_partial_allreduce",
 
 #: the prefix of the sparse allreduce's slots in the schedule
 PREFIX = "sp_"
+#: the kernel a partial handle whose data goes through shared memory maps its peers'
+#: segments in (:data:`asynccoll.comm.shm.SHM_ATTACH`, named here too: no import of the runtime)
+SHM_ATTACH = "partial_shm_attach"
 
 _HDR = 16  # a stream buffer's header: int64 flag (0 sparse, 1 dense), int64 count
 
 
 def sparse_signature(kind: str, quorum: int | None, size: int, dtype: Any, algorithm: str,
-                     delta: float) -> int:
+                     delta: float, shm: bool = False) -> int:
     """:func:`~.partial.signature` of a sparse partial allreduce (never equal to a dense one's
-    of the same name by design: the algorithm field says ``sparse``)."""
-    return signature(kind, "sum", quorum, size, dtype, f"sparse:{algorithm}:{delta!r}")
+    of the same name by design: the algorithm field says ``sparse``; nor to its network
+    form's when ``shm``, as the dense handles' names their path)."""
+    return signature(kind, "sum", quorum, size, dtype,
+                     f"sparse:{algorithm}:{delta!r}" + (":shm" if shm else ""))
 
 
 def stream_nbytes(buf: np.ndarray, size: int, dtype: Any) -> int:
@@ -69,7 +75,7 @@ def stream_nbytes(buf: np.ndarray, size: int, dtype: Any) -> int:
 def build_sparse_partial_allreduce(rank: int, world_size: int, size: int, dtype: Any, *,
                                    kind: str = "solo", quorum: int | None = None,
                                    algorithm: str = "ssar_split_allgather",
-                                   delta: float | None = None) -> Schedule:
+                                   delta: float | None = None, shm: bool = False) -> Schedule:
     """The committed persistent schedule of one rank of a sparse partial allreduce (module doc).
 
     Slots to bind: ``acc`` (the send buffer: a stream buffer of ``meta["capacity"]`` bytes,
@@ -77,15 +83,19 @@ def build_sparse_partial_allreduce(rank: int, world_size: int, size: int, dtype:
     ``state`` (:data:`~.partial.STATE_LEN` int64, zeros), the sparse allreduce's slots (named
     ``sp_*``; ``meta["result"]`` names the one holding the result, read it with
     :func:`~.sparse_sched.read_result`) and the meta allreduce's scratch slots
-    (:func:`~.dense.scratch_buffers`). Raises ``ValueError`` naming a bad ``kind``,
-    ``quorum``, ``algorithm``, ``size`` or ``delta``, ``TypeError`` for a dtype that is not
-    float or integer.
+    (:func:`~.dense.scratch_buffers`). ``shm``: the data phase through shared memory
+    (:func:`~.shm.append_sparse_shm_allreduce`, the split algorithms only: every rank on one
+    host), its segments in slots ``mine`` and ``peer{q}`` (bound by the handle, which maps the
+    peers' in the kernel :data:`SHM_ATTACH`), the result in ``sp_res`` or ``sp_out``. Raises
+    ``ValueError`` naming a bad ``kind``, ``quorum``, ``algorithm``, ``size`` or ``delta``,
+    ``TypeError`` for a dtype that is not float or integer.
     """
     k = check_kind(kind, world_size, quorum)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     dt = np.dtype(dtype)
-    s = Schedule(rank, world_size, name=f"sparse_partial_allreduce.{kind}")
+    s = Schedule(rank, world_size,
+                 name=f"sparse_partial_allreduce.{kind}" + (".shm" if shm else ""))
     m = meta_len(world_size)
     d = float(default_delta(size, dt) if delta is None else delta)
     cap = stream_capacity(size, dt, d)
@@ -93,26 +103,45 @@ def build_sparse_partial_allreduce(rank: int, world_size: int, size: int, dtype:
     s.declare("meta", SlotSpec(m, "<i8"))
     s.declare("state", SlotSpec(STATE_LEN, "<i8"))
     activated = append_activation_front(s, k)
-    sig = sparse_signature(kind, quorum, size, dt, algorithm, d)
-    # The sparse allreduce's input slot is named by the builder; the snapshot must exist first
-    # (the allreduce's first ops wait for it), so it names the slot the builder will declare,
-    # and the name is checked right after.
-    inp = PREFIX + ("s0" if algorithm == "ssar_recursive_double" else "in")
-    snap = s.compute("partial_sparse_snapshot", ["acc", inp, "meta", "state"],
-                     deps=activated, label="snapshot", rank=rank, world_size=world_size,
-                     sig=sig, n=int(size), dtype=dtype_to_wire(dt))
-    done, src, res = append_sparse_allreduce(s, size, dt, algorithm=algorithm, delta=delta,
-                                             prefix=PREFIX, tag_base=TAG_DATA, after=[snap])
-    if src != inp:  # pragma: no cover - guards against a change of the sparse builder
-        raise AssertionError(f"sparse allreduce input slot is {src!r}, expected {inp!r}")
+    sig = sparse_signature(kind, quorum, size, dt, algorithm, d, shm)
+    snap_args: dict[str, Any] = {"label": "snapshot", "rank": rank, "world_size": world_size,
+                                 "sig": sig, "n": int(size), "dtype": dtype_to_wire(dt)}
+    if shm:
+        if algorithm not in SHM_SPARSE_ALGORITHMS:
+            raise ValueError(f"shm: the sparse data phase goes through shared memory for "
+                             f"{SHM_SPARSE_ALGORITHMS} only, got algorithm {algorithm!r}")
+        dense = algorithm == "dsar_split_allgather"
+        segs = ["mine" if q == rank else f"peer{q}" for q in range(world_size)]
+        in_cap, blk_cap, _ = shm_layout(int(size), dt, delta, world_size)
+        for slot in segs:
+            s.declare(slot, SlotSpec(in_cap + blk_cap, "|u1"))
+        snap = s.compute("partial_sparse_snapshot", ["acc", BufRef("mine", 0, in_cap), "meta",
+                                                     "state"], deps=activated, **snap_args)
+        done, _inp, res = append_sparse_shm_allreduce(
+            s, size, dt, delta=delta, dense=dense, segments=segs,
+            result=PREFIX + ("out" if dense else "res"), after=[snap], tag_base=TAG_DATA,
+            attach=SHM_ATTACH)
+        ntags = 2
+    else:
+        # The sparse allreduce's input slot is named by the builder; the snapshot must exist
+        # first (the allreduce's first ops wait for it), so it names the slot the builder will
+        # declare, and the name is checked right after.
+        inp_slot = PREFIX + ("s0" if algorithm == "ssar_recursive_double" else "in")
+        snap = s.compute("partial_sparse_snapshot", ["acc", inp_slot, "meta", "state"],
+                         deps=activated, **snap_args)
+        done, src, res = append_sparse_allreduce(s, size, dt, algorithm=algorithm, delta=delta,
+                                                 prefix=PREFIX, tag_base=TAG_DATA, after=[snap])
+        if src != inp_slot:  # pragma: no cover - guards against a change of the sparse builder
+            raise AssertionError(f"sparse allreduce input slot is {src!r}, expected {inp_slot!r}")
+        ntags = sparse_tags(world_size)
     meta_done = build_allreduce(s, m, np.int64, "sum", None, slot="meta",
-                                scratch_prefix="meta_",
-                                tag_base=TAG_DATA + sparse_tags(world_size), after=[snap])
+                                scratch_prefix="meta_", tag_base=TAG_DATA + ntags, after=[snap])
     s.final = s.nop(deps=[done, meta_done], label="final")
     s.meta["partial"] = {"kind": kind, "op": "sum", "quorum": k, "count": int(size),
-                         "dtype": dtype_to_wire(dt), "packed": False, "sparse": True}
+                         "dtype": dtype_to_wire(dt), "packed": False, "sparse": True,
+                         **({"shm": algorithm} if shm else {})}
     s.meta.update(result=res, capacity=cap, algorithm=algorithm, delta=d)
-    return s.commit(SPARSE_PARTIAL_KERNELS)
+    return s.commit([*SPARSE_PARTIAL_KERNELS, SHM_ATTACH] if shm else SPARSE_PARTIAL_KERNELS)
 
 
 def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],

@@ -40,6 +40,7 @@ quantisation, whose point is fewer bytes on a network).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,8 @@ from ...sched import BufRef, Schedule, SlotSpec
 from .kernels import SPARSE_KERNELS, partition
 from .streams import default_delta, index_dtype, stream_capacity
 
-__all__ = ["SHM_SPARSE_ALGORITHMS", "build_sparse_shm_allreduce", "shm_layout"]
+__all__ = ["SHM_SPARSE_ALGORITHMS", "append_sparse_shm_allreduce", "build_sparse_shm_allreduce",
+           "shm_layout"]
 
 #: the algorithms whose shared-memory form this module builds
 SHM_SPARSE_ALGORITHMS = ("ssar_split_allgather", "dsar_split_allgather")
@@ -71,13 +73,22 @@ def shm_layout(size: int, dtype: Any, delta: float | None, world_size: int
     return in_cap, blk_cap, d
 
 
-def build_sparse_shm_allreduce(rank: int, world_size: int, size: int, dtype: Any = np.float32,
-                               *, delta: float | None = None, dense: bool = False) -> Schedule:
-    """The committed schedule of ``rank`` (module doc). Slots: ``seg{q}`` for every rank q
-    (its whole segment as bytes; ``seg{rank}`` this rank's own, writable), and the result:
-    ``res`` (a stream) or, with ``dense``, ``out`` (``size`` values). ``meta``: ``input``
-    (this rank's segment slot), ``result``, ``input_bytes``, ``block_bytes``, ``delta``.
-    Raises ``ValueError`` naming a bad argument."""
+def append_sparse_shm_allreduce(s: Schedule, size: int, dtype: Any = np.float32, *,
+                                delta: float | None = None, dense: bool = False,
+                                segments: Sequence[str], result: str, after: Sequence[int] = (),
+                                tag_base: int = 0, attach: str | None = None
+                                ) -> tuple[int, BufRef, str]:
+    """Append the shared-memory split allgather to the uncommitted schedule ``s`` (module doc), for
+    composing it with other ops (a partial collective's activation and snapshot).
+
+    ``segments``: the slot of every rank's segment, in rank order (declared here unless already,
+    :func:`shm_layout`'s two regions as bytes each); ``result``: the result slot to declare (a
+    stream, or with ``dense`` ``size`` values). Its first sends wait for every op in ``after``;
+    tags ``tag_base`` and ``tag_base + 1``. ``attach``: a kernel (no inputs, no output) run once
+    every peer has said its input is in and before anything reads a peer's segment (a partial
+    handle maps its peers' segments there the first time). Returns ``(done, input, result)``:
+    the op after which the result is in place and every send done, the region of this rank's
+    segment to write the input stream into before ``after`` completes, and ``result``."""
     if not isinstance(size, (int, np.integer)) or size < 0:
         raise ValueError(f"size must be a non-negative int, got {size!r}")
     dt = np.dtype(dtype)
@@ -85,18 +96,20 @@ def build_sparse_shm_allreduce(rank: int, world_size: int, size: int, dtype: Any
         raise TypeError(f"dtype must be a float or integer dtype, got {dt}")
     if delta is not None and (math.isnan(delta) or delta < 0):
         raise ValueError(f"delta must be >= 0 (math.inf: never switch to dense), got {delta!r}")
-    in_cap, blk_cap, d = shm_layout(int(size), dt, delta, world_size)
-    P, r = world_size, rank
-    algorithm = SHM_SPARSE_ALGORITHMS[1 if dense else 0]
-    s = Schedule(r, P, name=f"sparse_allreduce/{algorithm}/shm")
-    segs = [f"seg{q}" for q in range(P)]
-    for slot in segs:
-        s.declare(slot, SlotSpec(in_cap + blk_cap, "|u1"))
+    P, r = s.world_size, s.rank
+    if len(segments) != P:
+        raise ValueError(f"segments must name {P} slots, one per rank, got {len(segments)}")
+    in_cap, blk_cap, d = shm_layout(int(size), dt, delta, P)
+    seg_spec = SlotSpec(in_cap + blk_cap, "|u1")
+    for slot in segments:
+        if slot not in s.slots:  # (a caller that writes the input region first declared it)
+            s.declare(slot, seg_spec)
+        elif s.slots[slot] != seg_spec:
+            raise ValueError(f"slot {slot!r} is declared as {s.slots[slot]}, the segment needs "
+                             f"{seg_spec}")
     if dense:
-        result = "out"
         s.declare(result, SlotSpec(int(size), dtype_to_wire(dt)))
     else:
-        result = "res"
         s.declare(result, SlotSpec(stream_capacity(int(size), dt, d), "|u1"))
     lo, hi = partition(int(size), P)[r]
     p: dict[str, Any] = {"n": int(size), "dtype": dtype_to_wire(dt),
@@ -104,15 +117,38 @@ def build_sparse_shm_allreduce(rank: int, world_size: int, size: int, dtype: Any
                          "input_bytes": in_cap, "block_bytes": blk_cap, "dense": dense}
     others = [q for q in range(P) if q != r]
     for q in others:
-        s.send(q, None, _TAG_IN, label="input in")
-    got = [s.recv(q, None, _TAG_IN, label="input in") for q in others]
-    red = s.compute("sparse.shm_reduce", segs, BufRef(segs[r], in_cap, blk_cap), deps=got,
-                    label=f"reduce range {r}", lo=lo, hi=hi, **p)
-    told = [s.send(q, None, _TAG_REDUCED, deps=red, label="block in") for q in others]
-    reduced = [s.recv(q, None, _TAG_REDUCED, label="block in") for q in others]
-    asm = s.compute("sparse.shm_assemble", segs, result, deps=[red, *reduced],
+        s.send(q, None, tag_base + _TAG_IN, deps=after, label="input in")
+    got = [s.recv(q, None, tag_base + _TAG_IN, label="input in") for q in others]
+    if attach is not None and others:
+        got = [s.compute(attach, [], None, deps=got, label="map the peers' segments")]
+    red = s.compute("sparse.shm_reduce", list(segments), BufRef(segments[r], in_cap, blk_cap),
+                    deps=[*got, *after], label=f"reduce range {r}", lo=lo, hi=hi, **p)
+    told = [s.send(q, None, tag_base + _TAG_REDUCED, deps=red, label="block in")
+            for q in others]
+    reduced = [s.recv(q, None, tag_base + _TAG_REDUCED, label="block in") for q in others]
+    asm = s.compute("sparse.shm_assemble", list(segments), result, deps=[red, *reduced],
                     label="assemble", **p)
-    s.final = s.nop(deps=[asm, *told], label="final")
+    done = s.nop(deps=[asm, *told], label="sparse allreduce done")
+    return done, BufRef(segments[r], 0, in_cap), result
+
+
+def build_sparse_shm_allreduce(rank: int, world_size: int, size: int, dtype: Any = np.float32,
+                               *, delta: float | None = None, dense: bool = False) -> Schedule:
+    """The committed schedule of ``rank`` (module doc). Slots: ``seg{q}`` for every rank q
+    (its whole segment as bytes; ``seg{rank}`` this rank's own, writable), and the result:
+    ``res`` (a stream) or, with ``dense``, ``out`` (``size`` values). ``meta``: ``input``
+    (this rank's segment slot), ``result``, ``input_bytes``, ``block_bytes``, ``delta``.
+    Raises ``ValueError`` naming a bad argument."""
+    P, r = world_size, rank
+    algorithm = SHM_SPARSE_ALGORITHMS[1 if dense else 0]
+    s = Schedule(r, P, name=f"sparse_allreduce/{algorithm}/shm")
+    segs = [f"seg{q}" for q in range(P)]
+    done, _inp, result = append_sparse_shm_allreduce(s, size, dtype, delta=delta, dense=dense,
+                                                     segments=segs,
+                                                     result="out" if dense else "res")
+    s.final = done
+    dt = np.dtype(dtype)
+    in_cap, blk_cap, d = shm_layout(int(size), dt, delta, P)
     s.meta.update(input=segs[r], result=result, input_bytes=in_cap, block_bytes=blk_cap,
                   delta=None if math.isinf(d) else d, algorithm=algorithm, size=int(size),
                   dtype=dtype_to_wire(dt))
