@@ -232,3 +232,29 @@ def cma_allowed() -> bool:
 #: :func:`cma_allowed` says no (asked once, at the first such test: not at import, which every
 #: spawned rank of every test does)
 needs_cma = pytest.mark.cma
+
+
+#: the start of a rank script for :func:`run_killed_job` whose rank 2 dies in a shared-memory
+#: collective: argv ``token out when``, the job's segment token fixed (so that
+#: :func:`shm_left` sees this job's segments only), ``VICTIM`` and ``die()`` (writes the time
+#: into ``out/killed``, then SIGKILLs itself)
+SHM_VICTIM_PREAMBLE = """
+import asyncio, json, os, signal, sys, time, numpy as np, asynccoll
+from asynccoll.comm import dense, shm
+
+token, out, when = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dense.new_token = lambda: token
+VICTIM = os.environ["ASYNCCOLL_RANK"] == "2"
+
+
+def die():
+    with open(out + "/killed", "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def shm_left(token: int) -> list[str]:
+    """This user's segments of the job with segment ``token`` left in /dev/shm."""
+    prefix = f"asynccoll-{os.getuid()}-{token:016x}-"
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(prefix))

@@ -94,6 +94,7 @@ from .select import choose_allreduce
 
 __all__ = [
     "ARRIVAL_KINDS",
+    "SHM_ATTACH",
     "ARRIVAL_MOD",
     "ARRIVED",
     "COUNT",
@@ -137,6 +138,11 @@ __all__ = [
     "signature",
     "write_meta",
 ]
+
+#: the kernel of a partial allreduce whose data goes through shared memory that maps the peers'
+#: segments the first time (the handle's, :class:`asynccoll.comm.shm.PartialSegments`): named
+#: here, where the schedules are built, and registered by the runtime
+SHM_ATTACH = "partial_shm_attach"
 
 #: the partial allreduce kinds, by the name of their initiator set.
 KINDS: tuple[str, ...] = ("solo", "majority", "two_choice", "quorum", "deadline")

@@ -67,6 +67,14 @@ class Contribution(abc.ABC):
     dtype: np.dtype[Any]
     #: what every rank's snapshot writes for this handle; the sum over P ranks checks agreement
     signature: int
+    #: how many sets of segments executions alternate between (:class:`~.shm.PartialSegments`)
+    segment_sets: ClassVar[int] = 2
+
+    @property
+    def shm(self) -> bool:
+        """Whether the data phase goes through shared memory (the handle then makes the
+        segments, :attr:`segment_sets` of them)."""
+        return False
 
     @abc.abstractmethod
     def build(self, like: Any, rank: int, world_size: int, kind: str,
@@ -285,6 +293,9 @@ class SparseContribution(Contribution):
     """
 
     label = "SparsePartialAllreduce"
+    #: one set: the split allgather's two wake-up rounds make reuse safe
+    #: (:mod:`asynccoll.collectives.sparse.shm`, "Reuse")
+    segment_sets = 1
 
     def __init__(self, op: str = "sum", algorithm: str | None = None, *,
                  density: float | None = None, delta: float | None = None,
@@ -297,9 +308,11 @@ class SparseContribution(Contribution):
         self.algorithm = algorithm
         self._density = density
         self._delta_arg = delta
-        #: whether the data phase goes through shared memory (the split algorithms, every
-        #: rank on one host: :mod:`asynccoll.collectives.sparse.partial`)
-        self.shm = bool(shm)
+        self._shm = bool(shm)  # the split algorithms, every rank on one host
+
+    @property
+    def shm(self) -> bool:
+        return self._shm
 
     def build(self, like: Any, rank: int, world_size: int, kind: str,
               quorum: int | None) -> tuple[Schedule, dict[str, Any]]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..collectives import dense
 from ..collectives.dense import REDUCE_OPS, scratch_buffers
+from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS
 from ..errors import ExecutionError, PeerLostError
 from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
@@ -63,6 +64,15 @@ _AGREE_KEY: tuple[Any, ...] = ("agree",)
 #: below this many bytes a cached collective copies through its own buffer instead of
 #: rebinding the executor to the caller's array (rebinding costs O(ops) Python work).
 _SMALL = 64 << 10
+
+
+def _shm_flag(shm: Any) -> bool | None:
+    """A handle's ``shm=``: a bool or None only (``shm="no"`` is truthy, ``shm=0`` falsy:
+    "automatic", not "never": either would silently mean something else than written);
+    ``np.bool_`` made a bool (``np.False_ is False`` is false)."""
+    if shm is not None and not isinstance(shm, (bool, np.bool_)):
+        raise ValueError(f"shm must be True, False or None, got {shm!r}")
+    return None if shm is None else bool(shm)
 
 
 class ShmUnavailable(ExecutionError):
@@ -351,11 +361,7 @@ class DenseOps:
         ``shm`` or ``algorithm`` when asked for where it cannot be, for an ``shm`` that is not
         a bool or None, and for ``shm=True`` with a network ``algorithm``; ``TypeError`` for
         data that is not a NumPy array."""
-        # a bool or None only: ``shm="no"`` (truthy) or ``shm=0`` (falsy: "automatic", not
-        # "never") would silently mean something else than written
-        if shm is not None and not isinstance(shm, (bool, np.bool_)):
-            raise ValueError(f"shm must be True, False or None, got {shm!r}")
-        shm = None if shm is None else bool(shm)
+        shm = _shm_flag(shm)
         asked = algorithm is not None and algorithm in SHM_NAMES
         if shm is False:
             if asked:
@@ -377,15 +383,8 @@ class DenseOps:
         if not isinstance(like, np.ndarray):
             raise TypeError("a partial allreduce through shared memory needs NumPy data "
                             f"(shared memory is host memory), got {type(like).__name__}")
-        if self._host is None and self.size == 1:
-            return new_token(), algorithm if asked else "shm"
-        if self._host is None or not self._host[0]:
-            why = ("the host layout is not known yet (connect() learns it; else call "
-                   "'await comm.sync_clocks()' first)" if self._host is None
-                   else "the ranks are on several hosts")
-            raise ValueError(f"shm=True (or algorithm={algorithm!r}) needs every rank on "
-                             f"one host: {why}")
-        return self._host[1], algorithm if asked else "shm"
+        return self._one_host_token(f"shm=True (or algorithm={algorithm!r})"), \
+            algorithm if asked else "shm"
 
     def sparse_partial_plan(self, segment_bytes: int, algorithm: str,
                             shm: bool | None) -> int | None:
@@ -396,11 +395,7 @@ class DenseOps:
         of the split ones, the default is on (``ASYNCCOLL_SHM``) and ``/dev/shm`` could hold
         every rank's segment (``segment_bytes``) twice over; ``shm=True`` asks for it
         (``ValueError`` naming ``shm`` where it cannot be); ``shm=False`` refuses it."""
-        from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS
-
-        if shm is not None and not isinstance(shm, (bool, np.bool_)):
-            raise ValueError(f"shm must be True, False or None, got {shm!r}")
-        shm = None if shm is None else bool(shm)  # np.False_ is not False
+        shm = _shm_flag(shm)
         if shm is False:
             return None
         split = algorithm in SHM_SPARSE_ALGORITHMS
@@ -413,13 +408,18 @@ class DenseOps:
             raise ValueError(f"shm=True: a sparse handle's data goes through shared memory with "
                              f"the split algorithms {SHM_SPARSE_ALGORITHMS} only, not "
                              f"{algorithm!r}")
+        return self._one_host_token("shm=True")
+
+    def _one_host_token(self, asked: str) -> int:
+        """The job's segment token for a handle that asked for shared memory (``asked`` says
+        how); ``ValueError`` unless every rank is known to be on this host."""
         if self._host is None and self.size == 1:
             return new_token()
         if self._host is None or not self._host[0]:
             why = ("the host layout is not known yet (connect() learns it; else call "
                    "'await comm.sync_clocks()' first)" if self._host is None
                    else "the ranks are on several hosts")
-            raise ValueError(f"shm=True needs every rank on one host: {why}")
+            raise ValueError(f"{asked} needs every rank on one host: {why}")
         return self._host[1]
 
     async def _shm_allreduce(self, buf: Any, op: str, timeout: float | None,
@@ -706,17 +706,20 @@ class DenseOps:
         async with arena.lock:
             await self._execute(ex, timeout, "allreduce (shared array)")
 
-    async def _execute(self, ex: Executor, timeout: float | None, what: str) -> None:
-        """Run one execution of ``ex`` and wait for it, warning while it stalls; a timeout
-        raises the executor's CollectiveTimeoutError (naming what is awaited).
-
-        A rank lost before it starts fails it at once with PeerLostError: the loss failed the
-        executions under way when it was learned, but a call of several steps (the segments'
-        setup: a barrier, the mapping, a flag allreduce) may start one after that, and then
-        waited, seen, for a survivor that had given up already, until its timeout."""
+    def raise_if_lost(self) -> None:
+        """PeerLostError naming the lost rank once one is known. A loss fails the executions
+        under way when it is learned, but a call of several steps (the segments' setup: a
+        barrier, the mapping, a flag allreduce) may start one after that, and then waited,
+        seen, for a survivor that had given up already, until its timeout."""
         err = self.lost()
         if err is not None:
             raise PeerLostError(err.rank, err.reason)
+
+    async def _execute(self, ex: Executor, timeout: float | None, what: str) -> None:
+        """Run one execution of ``ex`` and wait for it, warning while it stalls; a timeout
+        raises the executor's CollectiveTimeoutError (naming what is awaited). A rank lost
+        before it starts fails it at once (:meth:`raise_if_lost`)."""
+        self.raise_if_lost()
         try:
             await wait_or_warn(ex.start(), timeout, self._stall_warn,
                                lambda: f"rank {self.rank}: {what}", ex.pending_text)

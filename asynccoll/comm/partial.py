@@ -95,7 +95,7 @@ from ..results import PartialResult
 from ..sched import Executor, Kernel, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
 from . import clock
-from .contribution import Combine, Contribution, DenseContribution, SparseContribution
+from .contribution import Combine, Contribution, DenseContribution
 from .progress import ProgressEngine
 from .shm import SHM_ATTACH, PartialSegments
 from .stall import wait_or_warn
@@ -234,18 +234,14 @@ class PartialAllreduce:
                                           self._lock, self._snapped)
         #: the shared-memory segments of the data phase (:mod:`.shm`), or None (network)
         self._segments: PartialSegments | None = None
-        if isinstance(contribution, (DenseContribution, SparseContribution)) \
-                and contribution.shm:
+        if contribution.shm:
             if shm_token is None:
                 raise ValueError("a shared-memory partial allreduce needs the job's segment "
                                  "token (shm_token)")
             spec = sched.slots["mine"]
             assert spec.count is not None
-            # one set for sparse data: its two wake-up rounds make a second unnecessary
-            # (asynccoll.collectives.sparse.shm, "Reuse")
-            self._segments = PartialSegments(
-                shm_token, self.sched_id, self.rank, P, spec.count, spec.dtype,
-                parts=1 if isinstance(contribution, SparseContribution) else 2)
+            self._segments = PartialSegments(shm_token, self.sched_id, self.rank, P, spec.count,
+                                             spec.dtype, parts=contribution.segment_sets)
             bufs.update(self._segments.buffers(0))
             self._kernels[SHM_ATTACH] = self._attach
         self._bufs = bufs

@@ -89,6 +89,7 @@ from ..collectives.activation import add_triggers
 from ..collectives.dense import REDUCE_OPS, build_allreduce
 from ..collectives.partial import (
     PARTIAL_KERNELS,
+    SHM_ATTACH,
     STATE_LEN,
     TAG_DATA,
     append_activation_front,
@@ -329,9 +330,6 @@ def build_shm_allreduce(rank: int, world_size: int, count: int, dtype: Any,
     return _commit(s, count, wire, op, "shm" if algo == "two_shot" else "shm-one-shot")
 
 
-#: the kernel of a shared-memory partial allreduce that maps the peers' segments the first time
-#: (the handle's: :class:`PartialSegments`)
-SHM_ATTACH = "partial_shm_attach"
 
 
 def build_shm_partial_allreduce(rank: int, world_size: int, count: int, dtype: Any, *,

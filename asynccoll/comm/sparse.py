@@ -36,7 +36,7 @@ from ..collectives.sparse.schedules import (
 )
 from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS, build_sparse_shm_allreduce
 from ..collectives.sparse.streams import SparseVector
-from ..errors import BusyError, PeerLostError, TransportClosedError
+from ..errors import BusyError, TransportClosedError
 from ..sched import Executor, Kernel, LiveOps, Schedule
 from ..transport.base import Transport
 from .dense import ShmUnavailable
@@ -198,9 +198,10 @@ class ShmSparseAllreduce:
                         for q, seg in enumerate(segments)}
         self._input = self._arrays[str(schedule.meta["input"])][
             :int(schedule.meta["input_bytes"])]
-        self._out: np.ndarray | None = self._result_buffer()
+        # bound again at every run, with a fresh result buffer (this one is never touched)
         self.executor = Executor(schedule, transport, {**self._arrays,
-                                                       schedule.meta["result"]: self._out},
+                                                       schedule.meta["result"]:
+                                                       self._result_buffer()},
                                  sched_id=sched_id,
                                  kernels=SPARSE_KERNELS if kernels is None else kernels)
         self._live = live
@@ -216,8 +217,7 @@ class ShmSparseAllreduce:
                   ) -> SparseVector | np.ndarray:
         """As :meth:`SparseAllreduce.run` (``x`` checked by the caller)."""
         load_stream(self._input, x, self.size, self.dtype, self.delta)
-        out, self._out = (self._out, None) if self._out is not None else \
-            (self._result_buffer(), None)
+        out = self._result_buffer()
         self.executor.bind({**self._arrays, self.schedule.meta["result"]: out})
         self.executor.start()
         await self.executor.wait(timeout)
@@ -230,7 +230,6 @@ class ShmSparseAllreduce:
             self._live.discard(self.executor)
         self._arrays.clear()
         self._input = np.empty(0, np.uint8)
-        self._out = None
         for seg in self._segments:
             seg.close()
 
@@ -364,9 +363,8 @@ class SparseOps:
                     if entry.shm_pending:
                         entry.shm_pending = False
                         entry.shm = await self._try_shm(entry.op, timeout)
-                    lost = None if self.dense is None else self.dense.lost()
-                    if lost is not None:  # learned during the steps above (see DenseOps)
-                        raise PeerLostError(lost.rank, lost.reason)
+                    if self.dense is not None:  # a loss learned during the steps above
+                        self.dense.raise_if_lost()
                     if entry.shm is not None:
                         return await entry.shm.run(entry.op.check(x), timeout=timeout)
                     return await entry.op.run(x, timeout=timeout)

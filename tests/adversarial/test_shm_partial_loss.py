@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import SECRET, free_port
+from _helpers import SECRET, SHM_VICTIM_PREAMBLE, free_port, shm_left
 
 from asynccoll.comm.shm import SHM_DIR
 
@@ -27,20 +27,7 @@ ROOT = str(Path(__file__).parents[2])
 
 pytestmark = [pytest.mark.multiprocess]
 
-RANK = """
-import asyncio, json, os, signal, sys, time, numpy as np, asynccoll
-from asynccoll.comm import dense, shm
-
-token, out, when = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-dense.new_token = lambda: token
-VICTIM = os.environ["ASYNCCOLL_RANK"] == "2"
-
-
-def die():
-    with open(out + "/killed", "w") as f:
-        f.write(repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
-
+RANK = SHM_VICTIM_PREAMBLE + """
 
 if VICTIM and when == "attach":
     attach = shm.PartialSegments.attach
@@ -73,11 +60,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def _left(token: int) -> list[str]:
-    prefix = f"asynccoll-{os.getuid()}-{token:016x}-"
-    return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(prefix))
 
 
 @pytest.mark.slow
@@ -114,13 +96,13 @@ def test_sigkill_during_a_shared_memory_partial_allreduce(tmp_path: Path, when: 
             mine = [f for f in got["left"] if f.rsplit("-", 1)[1].split(".")[0] in
                     (str(r), "2")]
             assert mine == [], (r, got["left"])
-        assert not _left(token), "left in /dev/shm after a SIGKILL"
+        assert not shm_left(token), "left in /dev/shm after a SIGKILL"
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for name in _left(token):  # do not leave the machine dirtier than the test found it
+        for name in shm_left(token):  # do not leave the machine dirtier than the test found it
             os.unlink(os.path.join(SHM_DIR, name))
 
 
@@ -182,7 +164,7 @@ def test_a_surviving_handle_goes_on_over_the_network(tmp_path: Path, kind: str) 
             counts = counts or n
             assert n == counts, "the survivors disagree on what was counted"
             assert o["lost"] == [3], o
-        assert not _left(token)
+        assert not shm_left(token)
     finally:
-        for name in _left(token):
+        for name in shm_left(token):
             os.unlink(os.path.join(SHM_DIR, name))

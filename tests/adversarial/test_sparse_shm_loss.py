@@ -14,26 +14,13 @@ import secrets
 from pathlib import Path
 
 import pytest
-from _helpers import run_killed_job
+from _helpers import SHM_VICTIM_PREAMBLE, run_killed_job, shm_left
 
 from asynccoll.comm.shm import SHM_DIR
 
 pytestmark = [pytest.mark.multiprocess]
 
-RANK = """
-import asyncio, json, os, signal, sys, time, numpy as np, asynccoll
-from asynccoll.comm import dense, shm
-
-token, out, when = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-dense.new_token = lambda: token
-VICTIM = os.environ["ASYNCCOLL_RANK"] == "2"
-
-
-def die():
-    with open(out + "/killed", "w") as f:
-        f.write(repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
-
+RANK = SHM_VICTIM_PREAMBLE + """
 
 if VICTIM and when == "attach":
     attach = shm.Segment.attach.__func__
@@ -81,11 +68,6 @@ asyncio.run(main())
 """
 
 
-def _left(token: int) -> list[str]:
-    prefix = f"asynccoll-{os.getuid()}-{token:016x}-"
-    return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(prefix))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("when", ["attach", "later", "partial"])
@@ -97,7 +79,7 @@ def test_sigkill_during_a_shared_memory_sparse_allreduce(tmp_path: Path, when: s
         for r, g in got.items():
             assert g["rank"] == 2, (r, g)
             assert g["t"] - killed < 2.0, (r, g["t"] - killed)
-        assert not _left(token), "left in /dev/shm after a SIGKILL"
+        assert not shm_left(token), "left in /dev/shm after a SIGKILL"
     finally:
-        for name in _left(token):  # do not leave the machine dirtier than the test found it
+        for name in shm_left(token):  # do not leave the machine dirtier than the test found it
             os.unlink(os.path.join(SHM_DIR, name))

@@ -240,20 +240,22 @@ def _region_stream(region: np.ndarray, n: int, dt: np.dtype[Any], q: int, what: 
     return x
 
 
-def _checked_range(x: SparseVector | np.ndarray, lo: int, hi: int, length: int, q: int,
+def _checked_range(x: SparseVector | np.ndarray, n: int, lo: int, hi: int, q: int,
                    what: str) -> SparseVector | np.ndarray:
-    """The part in ``lo:hi`` of ``x``, which rank ``q`` wrote: ``length`` is the whole
-    vector's (``x`` is an input) or the range's (``x`` is a block: then every index must be in
-    the range). A dense ``x`` must have ``length`` entries, a sparse one's indices in the range
-    must be sorted and unique; ``ValueError`` naming ``q`` otherwise."""
+    """The part in ``lo:hi`` of ``x``, which rank ``q`` wrote: its input (the whole vector of
+    ``n`` entries) or, ``what == "block"``, its reduced range (every entry in the range). A
+    dense ``x`` must have that many entries, a sparse one's indices in the range must be
+    sorted and unique; ``ValueError`` naming ``q`` otherwise."""
+    block = what == "block"
     if isinstance(x, np.ndarray):
+        length = hi - lo if block else n
         if x.size != length:
             raise ValueError(f"rank {q}'s dense {what} has {x.size} entries, expected {length}")
-        return x if length == hi - lo else x[lo:hi]
+        return x if block else x[lo:hi]
     part = _slice(x, lo, hi)
     assert isinstance(part, SparseVector)
     idx = part.indices
-    if (length == hi - lo and part.nnz != x.nnz) or (idx.size and (
+    if (block and part.nnz != x.nnz) or (idx.size and (
             idx[0] < lo or idx[-1] >= hi
             or (idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1]))))):
         raise ValueError(f"rank {q}'s {what} has indices that are not sorted, unique and "
@@ -270,7 +272,7 @@ def _k_shm_reduce(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     pieces = []
     for q, seg in enumerate(inputs):
         x = _region_stream(seg[:cap], n, dt, q, "input")
-        pieces.append(_checked_range(x, lo, hi, n, q, "input"))
+        pieces.append(_checked_range(x, n, lo, hi, q, "input"))
     if params.get("dense"):
         scatter_sum(dense_view(out, hi - lo, dt), pieces, lo)
     else:
@@ -285,8 +287,8 @@ def _k_shm_assemble(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     at = int(params["input_bytes"])
     end = at + int(params["block_bytes"])
     parts = partition(n, len(inputs))
-    blocks = [_checked_range(_region_stream(seg[at:end], n, dt, q, "block"), lo, hi, hi - lo,
-                             q, "block")
+    blocks = [_checked_range(_region_stream(seg[at:end], n, dt, q, "block"), n, lo, hi, q,
+                             "block")
               for q, (seg, (lo, hi)) in enumerate(zip(inputs, parts, strict=True))]
     if params.get("dense"):
         _fill_dense(out, blocks)

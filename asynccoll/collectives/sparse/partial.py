@@ -31,6 +31,7 @@ from ...buffers import dtype_to_wire
 from ...sched import BufRef, Schedule, SlotSpec
 from ..dense import build_allreduce
 from ..partial import (
+    SHM_ATTACH,
     STATE_LEN,
     TAG_DATA,
     append_activation_front,
@@ -49,9 +50,6 @@ __all__ = ["PREFIX", "SPARSE_PARTIAL_KERNELS", "build_sparse_partial_allreduce",
 
 #: the prefix of the sparse allreduce's slots in the schedule
 PREFIX = "sp_"
-#: the kernel a partial handle whose data goes through shared memory maps its peers'
-#: segments in (:data:`asynccoll.comm.shm.SHM_ATTACH`, named here too: no import of the runtime)
-SHM_ATTACH = "partial_shm_attach"
 
 _HDR = 16  # a stream buffer's header: int64 flag (0 sparse, 1 dense), int64 count
 
@@ -86,9 +84,9 @@ def build_sparse_partial_allreduce(rank: int, world_size: int, size: int, dtype:
     (:func:`~.dense.scratch_buffers`). ``shm``: the data phase through shared memory
     (:func:`~.shm.append_sparse_shm_allreduce`, the split algorithms only: every rank on one
     host), its segments in slots ``mine`` and ``peer{q}`` (bound by the handle, which maps the
-    peers' in the kernel :data:`SHM_ATTACH`), the result in ``sp_res`` or ``sp_out``. Raises
-    ``ValueError`` naming a bad ``kind``, ``quorum``, ``algorithm``, ``size`` or ``delta``,
-    ``TypeError`` for a dtype that is not float or integer.
+    peers' in the kernel :data:`~.partial.SHM_ATTACH`), the result in ``sp_res`` or
+    ``sp_out``. Raises ``ValueError`` naming a bad ``kind``, ``quorum``, ``algorithm``,
+    ``size`` or ``delta``, ``TypeError`` for a dtype that is not float or integer.
     """
     k = check_kind(kind, world_size, quorum)
     if algorithm not in ALGORITHMS:
