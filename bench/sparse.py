@@ -33,8 +33,10 @@ from _harness import free_port, peer_missing, spawn_world, stats, write_json
 SECRET = b"bench-sparse-secret-0123456789ab"
 IMPLS = ["ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "dense"]
 #: the rows through a Communicator (``comm.sparse_allreduce``, algorithm ssar_split_allgather):
-#: its default on one host, through shared memory, and the same with ``ASYNCCOLL_SHM=0``
-COMM_IMPLS = ["ssar_split_allgather-shm", "ssar_split_allgather-comm-tcp"]
+#: its default on one host, through shared memory, and the same with ``ASYNCCOLL_SHM=0``; then
+#: the same two worlds through a persistent handle (``comm.sparse_allreduce_handle``)
+COMM_IMPLS = ["ssar_split_allgather-shm", "ssar_split_allgather-comm-tcp",
+              "ssar_split_allgather-handle-shm", "ssar_split_allgather-handle-tcp"]
 SPARSE_ROWS = [*IMPLS[:3], *COMM_IMPLS]
 DENSITIES = [0.0001, 0.001, 0.00781, 0.03, 0.1]
 
@@ -204,24 +206,37 @@ def run_ours(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any
 
 
 async def _comm_main(rank: int, P: int, port: int, N: int, reps: int,
-                     densities: list[float]) -> dict[float, list[float]]:
+                     densities: list[float], shm: bool
+                     ) -> dict[str, dict[float, list[float]]]:
+    """Times by form (``comm``: ``comm.sparse_allreduce``; ``handle``: a persistent handle,
+    made once per density) and density."""
     import asynccoll
 
     comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
                                    transport="tcp", timeout=120)
-    out: dict[float, list[float]] = {}
+    out: dict[str, dict[float, list[float]]] = {"comm": {}, "handle": {}}
     async with comm:
         for d in densities:
             idx, vals = _data(rank, N, d)
             x = asynccoll.SparseVector(idx, vals, N)
-            times = []
-            for rep in range(reps + 1):
-                await comm.barrier(timeout=120)
-                t0 = time.perf_counter()
-                await comm.sparse_allreduce(x, algorithm="ssar_split_allgather", timeout=300)
-                if rep:
-                    times.append(time.perf_counter() - t0)
-            out[d] = times
+            h = comm.sparse_allreduce_handle(N, algorithm="ssar_split_allgather",
+                                             name=f"bench-{d}")
+            if h.shm != shm:
+                raise AssertionError(f"the handle's shm is {h.shm}, the world's {shm}")
+            for form in ("comm", "handle"):
+                times = []
+                for rep in range(reps + 1):
+                    await comm.barrier(timeout=120)
+                    t0 = time.perf_counter()
+                    if form == "comm":
+                        await comm.sparse_allreduce(x, algorithm="ssar_split_allgather",
+                                                    timeout=300)
+                    else:
+                        await h(x, timeout=300)
+                    if rep:
+                        times.append(time.perf_counter() - t0)
+                out[form][d] = times
+            await h.close()
         await comm.barrier(timeout=120)
     return out
 
@@ -235,16 +250,17 @@ def _comm_worker(rank: int, P: int, port: int, N: int, reps: int, densities: lis
             import uvloop
 
             uvloop.install()
-        q.put((rank, "ok", asyncio.run(_comm_main(rank, P, port, N, reps, densities))))
+        q.put((rank, "ok", asyncio.run(_comm_main(rank, P, port, N, reps, densities, shm))))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
 
 
 def run_comm(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any]:
     got: dict[Any, Any] = {}
-    for impl, shm in zip(COMM_IMPLS, (True, False), strict=True):
+    for shm, (comm_row, handle_row) in ((True, COMM_IMPLS[::2]), (False, COMM_IMPLS[1::2])):
         by_rank = spawn_world(_comm_worker, P, (free_port(), N, reps, densities, shm), 1800)
-        got.update({(impl, d): [times[d] for times in by_rank] for d in densities})
+        for form, impl in (("comm", comm_row), ("handle", handle_row)):
+            got.update({(impl, d): [times[form][d] for times in by_rank] for d in densities})
     return got
 
 

@@ -66,7 +66,7 @@ from ..transport.base import Transport
 from . import clock, groups
 from .blocking import BlockingCollectives
 from .contribution import Contribution, DenseContribution, SparseContribution
-from .dense import DenseOps
+from .dense import DenseOps, _shm_flag
 from .membership import DEFAULT_CLOSE_TIMEOUT, Membership
 from .partial import PartialAllreduce, stable_id
 from .progress import ProgressEngine
@@ -697,7 +697,8 @@ class Communicator:
                                 name: str | None = None, density: float | None = None,
                                 algorithm: str | None = None, quantize: int | None = None,
                                 delta: float | None = None, bucket: int = 512, seed: int = 0,
-                                timeout: float | None = None) -> SparseAllreduceHandle:
+                                timeout: float | None = None,
+                                shm: bool | None = None) -> SparseAllreduceHandle:
         """A persistent sparse allreduce ``h`` of length-``size`` vectors of ``dtype``:
         ``await h(x)`` sums ``x`` as :meth:`sparse_allreduce` does, with the schedule built
         once for the handle's life (for a training loop's every step).
@@ -707,20 +708,46 @@ class Communicator:
         creation of sparse handles). ``density``, ``algorithm``, ``quantize``, ``delta``,
         ``bucket``, ``seed``: as for :meth:`sparse_allreduce`, fixed per handle; ``timeout``:
         the default per call (default: the communicator's). ``await h.close()`` frees it;
-        ``comm.close()`` closes it. Raises ``ValueError`` naming ``name`` (in use),
-        ``density``, ``algorithm``, ``quantize``, ``delta`` or ``size``. Costs the schedule's
-        construction, no I/O.
+        ``comm.close()`` closes it.
+
+        ``shm``: whether the data goes through this host's shared memory, as
+        :meth:`sparse_allreduce`'s does (docs/sparse.md, *On one host: shared memory*), with a
+        partial handle's segments (made here, mapped at the first call, nothing left in
+        ``/dev/shm`` after it or after a SIGKILL once a survivor learns of it). ``None`` (the
+        default): when every rank is on this host, the algorithm is a split one and not
+        quantised, ``ASYNCCOLL_SHM`` is not ``0`` and ``/dev/shm`` has room. ``True``: asks
+        for it (the split allgather when no ``algorithm`` is given; ``ValueError`` naming
+        ``shm`` where it cannot be). ``False``: over the network. ``h.shm`` says which.
+
+        Raises ``ValueError`` naming ``name`` (in use), ``density``, ``algorithm``,
+        ``quantize``, ``delta``, ``size`` or ``shm``. Costs the schedule's construction and,
+        through shared memory, creating this rank's segment; no I/O with the peers.
         """
         self._check_open()
         dt = np.dtype(dtype)
+        shm = _shm_flag(shm)
+        if shm is True and algorithm is None and quantize is None:
+            # shared memory asked for: the split allgather, whatever the chooser prefers
+            if density is not None:
+                choose_algorithm(density, self.size, int(size), dt, delta)  # checks density
+            algorithm = "ssar_split_allgather"
         alg = self._sparse.resolve(int(size), dt, density, algorithm, quantize, delta)
+        token: int | None = None
+        if quantize is not None:
+            if shm is True:
+                raise ValueError("shm=True: a quantised sparse allreduce goes over the network "
+                                 "(quantisation is for fewer bytes on a network); give "
+                                 "quantize=None or shm=None")
+        elif alg in SHM_SPARSE_ALGORITHMS or shm is not None:
+            in_cap, blk_cap, _ = shm_layout(int(size), dt, delta, self.size)
+            token = self._dense.sparse_partial_plan(in_cap + blk_cap, alg, shm)
         name = self._handle_name(name, "sparse")
         sid = stable_id(name, 3)
-        op = self._engine.call(lambda: self._sparse.named(
+        entry = self._engine.call(lambda: self._sparse.named(
             name, sid, int(size), dt, algorithm=alg, quantize=quantize, delta=delta,
-            bucket=bucket, seed=seed))
+            bucket=bucket, seed=seed, shm_token=token))
         t = self.timeout if timeout is None else timeout
-        return SparseAllreduceHandle(op, name, run=self._run, release=self._sparse.release,
+        return SparseAllreduceHandle(entry, name, run=self._run, release=self._sparse.release,
                                      timeout=t)
 
     def _handle_name(self, name: str | None, kind: str) -> str:

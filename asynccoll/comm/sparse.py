@@ -12,6 +12,9 @@
   fresh one under a new id, as the dense collectives do.
 * :class:`SparseAllreduceHandle` (``Communicator.sparse_allreduce_handle``) is a named,
   persistent one, its schedule id derived from its name.
+* On one host the split algorithms go through shared memory: :class:`ShmSparseAllreduce` for
+  ``comm.sparse_allreduce`` (segments mapped by a collective step at a key's first call),
+  :class:`HandleShmSparseAllreduce` for handles (segments made without one).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 from ..buffers import is_cupy
+from ..collectives.partial import SHM_ATTACH
 from ..collectives.sparse import quantize as qsgd
 from ..collectives.sparse.kernels import SPARSE_KERNELS
 from ..collectives.sparse.schedules import (
@@ -36,16 +40,17 @@ from ..collectives.sparse.schedules import (
 )
 from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS, build_sparse_shm_allreduce
 from ..collectives.sparse.streams import SparseVector
-from ..errors import BusyError, TransportClosedError
+from ..errors import BusyError, PeerLostError, TransportClosedError
 from ..sched import Executor, Kernel, LiveOps, Schedule
 from ..transport.base import Transport
 from .dense import ShmUnavailable
+from .shm import PartialSegments
 
 if TYPE_CHECKING:
     from .dense import DenseOps
 
-__all__ = ["ShmSparseAllreduce", "SparseAllreduce", "SparseAllreduceHandle", "SparseOps", "as_host",
-           "sparse_allreduce", "to_device"]
+__all__ = ["HandleShmSparseAllreduce", "ShmSparseAllreduce", "SparseAllreduce",
+           "SparseAllreduceHandle", "SparseOps", "as_host", "sparse_allreduce", "to_device"]
 
 T = TypeVar("T")
 log = logging.getLogger("asynccoll.comm")
@@ -194,19 +199,26 @@ class ShmSparseAllreduce:
         md = schedule.meta["delta"]
         self.delta = math.inf if md is None else float(md)
         self._segments = segments
-        self._arrays = {f"seg{q}": seg.array(np.uint8, schedule.slots[f"seg{q}"].count)
-                        for q, seg in enumerate(segments)}
-        self._input = self._arrays[str(schedule.meta["input"])][
-            :int(schedule.meta["input_bytes"])]
+        self._arrays = self._segment_arrays()
         # bound again at every run, with a fresh result buffer (this one is never touched)
+        self._out = self._result_buffer()
         self.executor = Executor(schedule, transport, {**self._arrays,
-                                                       schedule.meta["result"]:
-                                                       self._result_buffer()},
+                                                       schedule.meta["result"]: self._out},
                                  sched_id=sched_id,
                                  kernels=SPARSE_KERNELS if kernels is None else kernels)
         self._live = live
         if live is not None:
             live.add(self.executor)
+
+    def _segment_arrays(self) -> dict[str, np.ndarray]:
+        """The arrays to bind to ``seg{q}`` for every rank q."""
+        return {f"seg{q}": seg.array(np.uint8, self.schedule.slots[f"seg{q}"].count)
+                for q, seg in enumerate(self._segments)}
+
+    def _input(self) -> np.ndarray:
+        """This rank's input region (where the stream goes before an execution)."""
+        return self._arrays[str(self.schedule.meta["input"])][
+            :int(self.schedule.meta["input_bytes"])]
 
     def _result_buffer(self) -> np.ndarray:
         spec = self.schedule.slots[self.schedule.meta["result"]]
@@ -216,8 +228,8 @@ class ShmSparseAllreduce:
     async def run(self, x: SparseVector | np.ndarray, *, timeout: float | None = None
                   ) -> SparseVector | np.ndarray:
         """As :meth:`SparseAllreduce.run` (``x`` checked by the caller)."""
-        load_stream(self._input, x, self.size, self.dtype, self.delta)
-        out = self._result_buffer()
+        load_stream(self._input(), x, self.size, self.dtype, self.delta)
+        out = self._out = self._result_buffer()
         self.executor.bind({**self._arrays, self.schedule.meta["result"]: out})
         self.executor.start()
         await self.executor.wait(timeout)
@@ -229,9 +241,65 @@ class ShmSparseAllreduce:
         if self._live is not None:
             self._live.discard(self.executor)
         self._arrays.clear()
-        self._input = np.empty(0, np.uint8)
         for seg in self._segments:
             seg.close()
+
+
+class HandleShmSparseAllreduce(ShmSparseAllreduce):
+    """The shared-memory form of a persistent sparse handle
+    (:meth:`Communicator.sparse_allreduce_handle
+    <asynccoll.Communicator.sparse_allreduce_handle>`), whose segments are made without a
+    collective step, as a partial handle's (:class:`~.shm.PartialSegments`, one set): a
+    handle's schedule id comes from its name and stays out of the communicator's order, which
+    the collective mapping of :meth:`SparseOps.run` (a barrier and a flag allreduce, in that
+    order) would break.
+
+    * This rank's segment is created with the handle (``segments``); a peer's is mapped by the
+      schedule's :data:`~asynccoll.collectives.partial.SHM_ATTACH` op, in the first execution,
+      once every peer said its input is in (a peer does so only after creating its segment).
+    * This rank unlinks its own after its first completed execution: that completion needed
+      every peer's "block in", which a peer sends after its reduce, so after its attach had
+      mapped every segment.
+    * On a failure or at :meth:`close`, this rank's is unlinked and a lost peer's, which it
+      cannot unlink itself, by name (``lost``: the first rank the communicator knows lost).
+    """
+
+    def __init__(self, schedule: Schedule, transport: Transport, segments: PartialSegments, *,
+                 sched_id: int, kernels: Mapping[str, Kernel] | None, live: LiveOps | None,
+                 lost: Callable[[], PeerLostError | None]) -> None:
+        self._parts = segments
+        self._rank = transport.rank
+        self._lost = lost
+        own = dict(SPARSE_KERNELS if kernels is None else kernels)
+        own[SHM_ATTACH] = self._attach
+        super().__init__(schedule, transport, [], sched_id=sched_id, kernels=own, live=live)
+
+    def _segment_arrays(self) -> dict[str, np.ndarray]:
+        bufs = self._parts.buffers(0)
+        return {f"seg{q}": bufs["mine"] if q == self._rank else bufs[f"peer{q}"]
+                for q in range(self._parts.world_size)}
+
+    def _attach(self, out: Any, inputs: Any, params: Any, msgs: Any) -> None:
+        """The schedule's attach op: map the peers' segments (the first time) and bind them."""
+        if self._parts.attach():
+            self._arrays = self._segment_arrays()
+            self.executor.bind({**self._arrays, self.schedule.meta["result"]: self._out})
+
+    async def run(self, x: SparseVector | np.ndarray, *, timeout: float | None = None
+                  ) -> SparseVector | np.ndarray:
+        res = await super().run(x, timeout=timeout)
+        if not self._parts.unlinked:
+            self._parts.unlink_own()
+        return res
+
+    def close(self) -> None:
+        """Stop the executor, unlink this rank's segment and a lost peer's, unmap them."""
+        err = self.executor.error
+        super().close()
+        for e in (err, self._lost()):
+            if isinstance(e, PeerLostError):
+                self._parts.forget(e.rank)
+        self._parts.close()
 
 
 async def sparse_allreduce(transport: Transport, x: SparseVector | np.ndarray, *,
@@ -290,7 +358,7 @@ class SparseOps:
         self._kernels = kernels  # the communicator's registries, passed to every executor
         self._live = live
         self._entries: dict[tuple[Any, ...], _Entry] = {}
-        self._named: dict[str, SparseAllreduce] = {}
+        self._named: dict[str, _Entry] = {}
         #: the communicator's dense collectives, whose host layout and segment setup the
         #: shared-memory path uses (set by the communicator; None: never shared memory)
         self.dense: DenseOps | None = None
@@ -418,31 +486,49 @@ class SparseOps:
             raise
 
     def named(self, name: str, sched_id: int, size: int, dtype: Any, *, algorithm: str,
-              quantize: int | None, delta: float | None, bucket: int, seed: int
-              ) -> SparseAllreduce:
-        """A persistent SparseAllreduce under ``name`` (closed with the others until
-        :meth:`release`). Raises ``ValueError`` naming ``name`` when it is in use."""
+              quantize: int | None, delta: float | None, bucket: int, seed: int,
+              shm_token: int | None = None) -> _Entry:
+        """A persistent sparse allreduce under ``name`` (closed with the others until
+        :meth:`release`): its SparseAllreduce, and with ``shm_token`` (the job's segment token,
+        every rank on this host) its shared-memory form, this rank's segment created now
+        (:class:`HandleShmSparseAllreduce`; ``OSError`` when it cannot be). Raises
+        ``ValueError`` naming ``name`` when it is in use."""
         if name in self._named:
             raise ValueError(f"name {name!r} is already used by a sparse allreduce handle of "
                              "this communicator")
-        op = self._make(size, dtype, sched_id, algorithm=algorithm, quantize=quantize,
-                        delta=delta, bucket=bucket, seed=seed)
-        self._named[name] = op
-        return op
+        entry = _Entry(self._make(size, dtype, sched_id, algorithm=algorithm, quantize=quantize,
+                                  delta=delta, bucket=bucket, seed=seed))
+        if shm_token is not None:
+            t = self._transport
+            sched = build_sparse_shm_allreduce(
+                t.rank, t.world_size, size, dtype, delta=entry.op.delta,
+                dense=algorithm == "dsar_split_allgather", attach=SHM_ATTACH)
+            nbytes = int(sched.meta["input_bytes"]) + int(sched.meta["block_bytes"])
+            segs = PartialSegments(shm_token, sched_id, t.rank, t.world_size, nbytes, np.uint8,
+                                   parts=1)
+            try:
+                entry.shm = HandleShmSparseAllreduce(
+                    sched, t, segs, sched_id=sched_id, kernels=self._kernels, live=self._live,
+                    lost=(lambda: None) if self.dense is None else self.dense.lost)
+            except BaseException:
+                segs.close()
+                raise
+        self._named[name] = entry
+        return entry
 
     def release(self, name: str) -> None:
-        """Close the persistent SparseAllreduce under ``name`` and free the name."""
-        op = self._named.pop(name, None)
-        if op is not None:
-            op.close()
+        """Close the persistent sparse allreduce under ``name`` and free the name."""
+        entry = self._named.pop(name, None)
+        if entry is not None:
+            entry.close()
 
     def close(self) -> None:
         """Stop every executor (a waiting call fails with TransportClosedError)."""
         for e in self._entries.values():
             e.close()
         self._entries.clear()
-        for op in self._named.values():
-            op.close()
+        for entry in self._named.values():
+            entry.close()
         self._named.clear()
 
 
@@ -463,9 +549,15 @@ class SparseAllreduceHandle:
     ``comm.close()``.
     """
 
-    def __init__(self, op: SparseAllreduce, name: str, *, run: _Run,
+    def __init__(self, entry: _Entry, name: str, *, run: _Run,
                  release: Callable[[str], None], timeout: float | None) -> None:
+        op = entry.op
         self._op, self._run, self._release = op, run, release
+        #: the form that runs: through shared memory when every rank is on this host
+        self._runner: SparseAllreduce | ShmSparseAllreduce = \
+            op if entry.shm is None else entry.shm
+        #: whether the data goes through this host's shared memory
+        self.shm = entry.shm is not None
         self._busy = self._closed = False
         self.name = name
         self.algorithm = op.algorithm
@@ -489,7 +581,7 @@ class SparseAllreduceHandle:
 
     def __repr__(self) -> str:
         return (f"SparseAllreduceHandle(name={self.name!r}, size={self._op.size}, "
-                f"dtype={self._op.dtype}, algorithm={self.algorithm!r})")
+                f"dtype={self._op.dtype}, algorithm={self.algorithm!r}, shm={self.shm})")
 
     async def _call(self, x: SparseVector | np.ndarray, timeout: float | None
                     ) -> SparseVector | np.ndarray:
@@ -501,7 +593,7 @@ class SparseAllreduceHandle:
         x = self._op.check(x)
         self._busy = True
         try:
-            return await self._op.run(x, timeout=timeout)
+            return await self._runner.run(x, timeout=timeout)
         except BaseException:
             await self._close()  # the executor is left mid-way
             raise

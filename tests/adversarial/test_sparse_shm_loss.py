@@ -3,9 +3,11 @@ PeerLostError within 2 s, and nothing is left in /dev/shm.
 
 Two moments: while it maps its peers' segments at the first call (its own segment created, not
 yet unlinked by it), and in the middle of later calls (every segment unlinked since the setup;
-the survivors wait for it in a wake-up round); and a sparse partial handle (solo) whose data
-phase goes through shared memory, between its calls. Real processes over tcp; the job's segment
-token is fixed by the test so that the check for leftovers looks at this job's segments only.
+the survivors wait for it in a wake-up round); a sparse partial handle (solo) whose data
+phase goes through shared memory, between its calls; a persistent sparse allreduce handle
+between its calls, and before its first (its segment made and never unlinked by it). Real
+processes over tcp; the job's segment token is fixed by the test so that the check for
+leftovers looks at this job's segments only.
 """
 from __future__ import annotations
 
@@ -44,9 +46,15 @@ async def main():
         if when == "partial":  # a sparse partial handle: its data phase through shared memory
             h = comm.partial_allreduce("solo", like=x, algorithm="ssar_split_allgather")
             assert h._segments is not None
+        elif when.startswith("handle"):  # a persistent sparse allreduce handle: the same
+            h = comm.sparse_allreduce_handle(n, algorithm="ssar_split_allgather", name="g")
+            assert h.shm
         try:
             for i in range(40):
-                if VICTIM and when in ("later", "partial") and i == 5:
+                if VICTIM and (when in ("later", "partial", "handle") and i == 5
+                               or when == "handle-first" and i == 0):
+                    # (handle-first: its segment made, never mapped by the others nor
+                    # unlinked by it: the survivors unlink it)
                     await asyncio.sleep(0.05)  # the others are in the call's first round
                     die()
                 if h is None:
@@ -70,7 +78,7 @@ asyncio.run(main())
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("when", ["attach", "later", "partial"])
+@pytest.mark.parametrize("when", ["attach", "later", "partial", "handle", "handle-first"])
 def test_sigkill_during_a_shared_memory_sparse_allreduce(tmp_path: Path, when: str) -> None:
     token = secrets.randbits(62)
     try:

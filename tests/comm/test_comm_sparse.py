@@ -232,6 +232,41 @@ async def test_handle_closes_after_a_timeout_and_with_the_communicator() -> None
             await h1(np.ones(8, np.float32))
 
 
+@pytest.mark.timeout(60)
+async def test_handle_through_shared_memory_and_its_arguments() -> None:
+    P, n = 4, 600
+    async with local_world(P, progress="inline") as comms:
+        # before the host layout is known (connect() learns it; local worlds do not)
+        with pytest.raises(ValueError, match="shm=True needs every rank on one host"):
+            comms[0].sparse_allreduce_handle(n, shm=True)
+        assert not comms[0].sparse_allreduce_handle(n, algorithm="ssar_split_allgather").shm
+        await gather(*(c.sync_clocks() for c in comms))
+        for kw, form in [({"algorithm": "ssar_split_allgather"}, SparseVector),
+                         ({"algorithm": "dsar_split_allgather"}, np.ndarray),
+                         ({"shm": True, "density": 0.001}, SparseVector)]:
+            hs = [c.sparse_allreduce_handle(n, name="h", **kw) for c in comms]
+            assert all(h.shm and h.algorithm.endswith("split_allgather") for h in hs), hs
+            for ci, xs in enumerate(cases(P, n, 5)):
+                rs = await gather(*(h(x) for h, x in zip(hs, xs, strict=True)))
+                assert_same_everywhere(rs)
+                assert np.array_equal(to_dense(rs[0]), np.sum(xs, axis=0)), (kw, ci)
+                if ci == 0:  # (sparse inputs: a SparseVector back unless DSAR)
+                    assert isinstance(rs[0], form), (kw, type(rs[0]))
+            await gather(*(h.close() for h in hs))
+        # not through shared memory: asked not to, or quantised, or another algorithm
+        assert not comms[0].sparse_allreduce_handle(n, algorithm="ssar_split_allgather",
+                                                    shm=False).shm
+        assert not comms[0].sparse_allreduce_handle(n, quantize=4).shm
+        assert not comms[0].sparse_allreduce_handle(n, algorithm="ssar_recursive_double").shm
+        for kw, what in [({"shm": True, "quantize": 4}, "quantised"),
+                         ({"shm": True, "algorithm": "ssar_recursive_double"}, "split"),
+                         ({"shm": "yes"}, "shm must be")]:
+            with pytest.raises(ValueError, match=what):
+                comms[0].sparse_allreduce_handle(n, name="refused", **kw)
+        # a refusal took no name: the next handle gets it
+        comms[0].sparse_allreduce_handle(n, name="refused")
+
+
 # -- sparse contributions in partial collectives ----------------------------------------------
 
 N = 16  # delta = 8 for float64 with int32 indices: accumulated data turns dense

@@ -1,9 +1,10 @@
-"""``comm.sparse_allreduce`` through shared memory between the ranks of one host
-(asynccoll.collectives.sparse.shm): real processes, real segments in /dev/shm, the two wake-up
-rounds over real tcp connections. Every case equals the sum, bitwise the same on every rank,
-in the network schedule's form; the calls really take shared memory (the executor's schedule
-says so) unless ``ASYNCCOLL_SHM=0``; segments that cannot be had send the calls over the
-network instead; nothing is left in /dev/shm.
+"""``comm.sparse_allreduce`` and its persistent handles through shared memory between the ranks of
+one host (asynccoll.collectives.sparse.shm): real processes, real segments in /dev/shm, the two
+wake-up rounds over real tcp connections. Every case equals the sum, bitwise the same on every
+rank, in the network schedule's form; the calls really take shared memory (the executor's
+schedule says so) unless ``ASYNCCOLL_SHM=0``; segments that cannot be had send the calls over
+the network instead; nothing is left in /dev/shm. The handles' segments, made without a
+collective, are gone after their first call.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from asynccoll.testing import local_world
 
 def _ours() -> set[str]:
     return {f for f in os.listdir(SHM_DIR) if f.startswith(f"asynccoll-{os.getuid()}-")}
+
+
+def _existing(paths: list[str]) -> list[str]:
+    return [p for p in paths if os.path.exists(p)]
 
 
 def _case(rank: int, n: int, density: float, seed: int, dtype: Any = np.float32) -> np.ndarray:
@@ -76,6 +81,26 @@ async def _rank_main(rank: int, P: int, port: int, off: bool) -> dict[str, Any]:
                                        or isinstance(r, np.ndarray)))
                 seen["digests"].append(_digest(r))
         seen["paths"] = _paths(comm)
+        # persistent handles (a training loop's form): through shared memory as well, their
+        # segments made without a collective and gone after the first call
+        seen["handles"] = []
+        for alg in ("ssar_split_allgather", "dsar_split_allgather"):
+            n = 3000
+            h = comm.sparse_allreduce_handle(n, algorithm=alg, name=f"grads-{alg}")
+            assert h.shm == (not off), h
+            files = [] if off else [h._runner._parts.path(q, 0) for q in range(P)]
+            assert _existing(files[rank:rank + 1]) == files[rank:rank + 1]
+            for t in range(3):
+                xs = [_case(q, n, 0.03, 7000 + t) for q in range(P)]
+                r = await h(from_dense(xs[rank]))
+                seen["ok"].append(bool(np.array_equal(
+                    to_dense(r) if isinstance(r, SparseVector) else r, np.sum(xs, axis=0))))
+                seen["digests"].append(_digest(r))
+                if t == 0:
+                    await comm.barrier(timeout=30)  # every rank's first call is done
+                    seen["ok"].append(not _existing(files))
+            seen["handles"].append(repr(h))
+            await h.close()
         await comm.barrier(timeout=30)
         await asyncio.sleep(0.1)
     return seen
@@ -93,6 +118,7 @@ def test_equals_the_sum_across_processes_and_leaves_nothing(P: int) -> None:
         # one entry per distinct (size, dtype, algorithm, delta): the first two cases share one
         assert r["paths"] == ["sparse_allreduce/dsar_split_allgather/shm"] + \
             ["sparse_allreduce/ssar_split_allgather/shm"] * 4, r["paths"]
+        assert all("shm=True" in h for h in r["handles"]), r["handles"]
     assert _ours() <= before, "segments left in /dev/shm"
 
 
@@ -103,6 +129,7 @@ def test_turned_off_goes_over_the_network() -> None:
     for r in got:
         assert all(r["ok"])
         assert not any(p.endswith("/shm") for p in r["paths"]), r["paths"]
+        assert all("shm=False" in h for h in r["handles"]), r["handles"]
         assert "sparse_allreduce/ssar_split_allgather" in r["paths"]
 
 

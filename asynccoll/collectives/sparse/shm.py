@@ -133,11 +133,14 @@ def append_sparse_shm_allreduce(s: Schedule, size: int, dtype: Any = np.float32,
 
 
 def build_sparse_shm_allreduce(rank: int, world_size: int, size: int, dtype: Any = np.float32,
-                               *, delta: float | None = None, dense: bool = False) -> Schedule:
+                               *, delta: float | None = None, dense: bool = False,
+                               attach: str | None = None) -> Schedule:
     """The committed schedule of ``rank`` (module doc). Slots: ``seg{q}`` for every rank q
     (its whole segment as bytes; ``seg{rank}`` this rank's own, writable), and the result:
     ``res`` (a stream) or, with ``dense``, ``out`` (``size`` values). ``meta``: ``input``
     (this rank's segment slot), ``result``, ``input_bytes``, ``block_bytes``, ``delta``.
+    ``attach``: as :func:`append_sparse_shm_allreduce`'s (a persistent handle's, whose peer
+    segments are mapped at its first execution; the kernel is the executor's to provide).
     Raises ``ValueError`` naming a bad argument."""
     P, r = world_size, rank
     algorithm = SHM_SPARSE_ALGORITHMS[1 if dense else 0]
@@ -145,7 +148,8 @@ def build_sparse_shm_allreduce(rank: int, world_size: int, size: int, dtype: Any
     segs = [f"seg{q}" for q in range(P)]
     done, _inp, result = append_sparse_shm_allreduce(s, size, dtype, delta=delta, dense=dense,
                                                      segments=segs,
-                                                     result="out" if dense else "res")
+                                                     result="out" if dense else "res",
+                                                     attach=attach)
     s.final = done
     dt = np.dtype(dtype)
     in_cap, blk_cap, d = shm_layout(int(size), dt, delta, P)
@@ -155,4 +159,4 @@ def build_sparse_shm_allreduce(rank: int, world_size: int, size: int, dtype: Any
     s.meta["collectives"] = [{"kind": "sparse_allreduce", "size": int(size),
                               "dtype": dtype_to_wire(dt), "algorithm": algorithm, "shm": True,
                               "delta": None if math.isinf(d) else d}]
-    return s.commit(SPARSE_KERNELS)
+    return s.commit(SPARSE_KERNELS if attach is None else [*SPARSE_KERNELS, attach])
