@@ -713,25 +713,31 @@ class Communicator:
         ``shm``: whether the data goes through this host's shared memory, as
         :meth:`sparse_allreduce`'s does (docs/sparse.md, *On one host: shared memory*), with a
         partial handle's segments (made here, mapped at the first call, nothing left in
-        ``/dev/shm`` after it or after a SIGKILL once a survivor learns of it). ``None`` (the
-        default): when every rank is on this host, the algorithm is a split one and not
-        quantised, ``ASYNCCOLL_SHM`` is not ``0`` and ``/dev/shm`` has room. ``True``: asks
-        for it (the split allgather when no ``algorithm`` is given; ``ValueError`` naming
-        ``shm`` where it cannot be). ``False``: over the network. ``h.shm`` says which.
+        ``/dev/shm`` after it, nor after a SIGKILL of one rank once a survivor learns of it).
+        ``None`` (the default): when every rank is on this host, the algorithm is a split one
+        and not quantised, ``ASYNCCOLL_SHM`` is not ``0`` and ``/dev/shm`` is large enough for
+        every rank's segment twice over (its size, the same on every rank, not what is free).
+        ``True``: asks for it (``ssar_split_allgather`` when no ``algorithm`` is given and the
+        chooser's pick is not a split one; ``ValueError`` naming ``shm`` where it cannot be).
+        ``False``: over the network. ``h.shm`` says which. As for partial handles, nothing
+        checks that the ranks chose alike: give every rank the same ``shm``, ``algorithm`` and
+        ``ASYNCCOLL_SHM`` (ranks that differ time out at the first call).
 
         Raises ``ValueError`` naming ``name`` (in use), ``density``, ``algorithm``,
-        ``quantize``, ``delta``, ``size`` or ``shm``. Costs the schedule's construction and,
-        through shared memory, creating this rank's segment; no I/O with the peers.
+        ``quantize``, ``delta``, ``size`` or ``shm``; ``OSError`` (ENOSPC naming the fix) where
+        this rank's segment cannot be created (``/dev/shm`` full of other segments: give
+        ``shm=False``). Costs the schedule's construction and, through shared memory, creating
+        this rank's segment; no I/O with the peers.
         """
         self._check_open()
         dt = np.dtype(dtype)
         shm = _shm_flag(shm)
-        if shm is True and algorithm is None and quantize is None:
-            # shared memory asked for: the split allgather, whatever the chooser prefers
-            if density is not None:
-                choose_algorithm(density, self.size, int(size), dt, delta)  # checks density
-            algorithm = "ssar_split_allgather"
         alg = self._sparse.resolve(int(size), dt, density, algorithm, quantize, delta)
+        if shm is True and algorithm is None and quantize is None \
+                and alg not in SHM_SPARSE_ALGORITHMS:
+            # shared memory asked for: a split allgather, whatever the chooser's preference
+            # for the network's recursive doubling
+            alg = "ssar_split_allgather"
         token: int | None = None
         if quantize is not None:
             if shm is True:

@@ -260,11 +260,15 @@ async def test_handle_through_shared_memory_and_its_arguments() -> None:
         assert not comms[0].sparse_allreduce_handle(n, algorithm="ssar_recursive_double").shm
         for kw, what in [({"shm": True, "quantize": 4}, "quantised"),
                          ({"shm": True, "algorithm": "ssar_recursive_double"}, "split"),
-                         ({"shm": "yes"}, "shm must be")]:
+                         ({"shm": "yes"}, "shm must be"),
+                         ({"shm": True, "density": "x"}, "density must be")]:
             with pytest.raises(ValueError, match=what):
                 comms[0].sparse_allreduce_handle(n, name="refused", **kw)
         # a refusal took no name: the next handle gets it
         comms[0].sparse_allreduce_handle(n, name="refused")
+        # shm=True keeps the chooser's pick where it is a split one (dense data: DSAR)
+        assert comms[0].sparse_allreduce_handle(n, shm=True, density=0.5).algorithm == \
+            "dsar_split_allgather"
 
 
 # -- sparse contributions in partial collectives ----------------------------------------------
