@@ -1,6 +1,7 @@
 """Sparse allreduce time vs density (SparCML Fig. 3, right) on this machine.
 
     python bench/sparse.py [--quick] [--out FILE.json] [--plot FILE.png] [--P 4,8] [--N 16777216]
+                           [--densities D,...] [--reps R] [--partial solo|majority|two_choice]
 
 P real processes on one host over ``tcp://127.0.0.1`` (on a 2-core machine the P ranks share
 two cores: times include that contention). Each rank holds ``k = density * N`` float32 values
@@ -9,6 +10,13 @@ SSAR_Split_allgather, DSAR_Split_allgather and asynccoll's dense allreduce of th
 vector, plus Gloo's dense allreduce (torch.distributed) when torch is importable. A repetition
 starts after a barrier; its time is the slowest rank's; rows carry the median, min and max
 over repetitions after one warm-up. ``--quick``: N = 1M and 3 repetitions; full: N = 16M, 5.
+
+Through a Communicator, in two worlds (shared memory on, the default on one host, and
+``ASYNCCOLL_SHM=0``): ``comm.sparse_allreduce`` and a persistent handle with
+``ssar_split_allgather`` (rows ``ssar_split_allgather-shm``/``-comm-tcp`` and
+``-handle-shm``/``-handle-tcp``), and with ``--partial KIND`` a sparse partial handle of that
+kind (``partial-KIND-shm``/``-tcp``: a call's time to its result, its last round flushed after
+the timed calls).
 """
 
 from __future__ import annotations
@@ -206,15 +214,16 @@ def run_ours(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any
 
 
 async def _comm_main(rank: int, P: int, port: int, N: int, reps: int,
-                     densities: list[float], shm: bool
+                     densities: list[float], shm: bool, partial: str | None = None
                      ) -> dict[str, dict[float, list[float]]]:
     """Times by form (``comm``: ``comm.sparse_allreduce``; ``handle``: a persistent handle,
-    made once per density) and density."""
+    made once per density; ``partial``: a partial handle of kind ``partial``, when given) and
+    density."""
     import asynccoll
 
     comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
                                    transport="tcp", timeout=120)
-    out: dict[str, dict[float, list[float]]] = {"comm": {}, "handle": {}}
+    out: dict[str, dict[float, list[float]]] = {"comm": {}, "handle": {}, "partial": {}}
     async with comm:
         for d in densities:
             idx, vals = _data(rank, N, d)
@@ -237,12 +246,27 @@ async def _comm_main(rank: int, P: int, port: int, N: int, reps: int,
                         times.append(time.perf_counter() - t0)
                 out[form][d] = times
             await h.close()
+            if partial is not None:  # its sparse allreduce the split allgather, as above
+                ph = comm.partial_allreduce(partial, like=x, algorithm="ssar_split_allgather",
+                                            name=f"bench-partial-{d}")
+                if (ph._segments is not None) != shm:
+                    raise AssertionError(f"the partial handle's shm is not the world's {shm}")
+                times = []
+                for rep in range(reps + 1):
+                    await comm.barrier(timeout=120)
+                    t0 = time.perf_counter()
+                    await ph(x, timeout=300)
+                    if rep:
+                        times.append(time.perf_counter() - t0)
+                out["partial"][d] = times
+                await ph.flush(timeout=300)
+                await ph.close()
         await comm.barrier(timeout=120)
     return out
 
 
 def _comm_worker(rank: int, P: int, port: int, N: int, reps: int, densities: list[float],
-                 shm: bool, q: Any) -> None:
+                 shm: bool, partial: str | None, q: Any) -> None:
     try:
         os.environ["ASYNCCOLL_SECRET"] = SECRET.decode()
         os.environ["ASYNCCOLL_SHM"] = "1" if shm else "0"
@@ -250,16 +274,22 @@ def _comm_worker(rank: int, P: int, port: int, N: int, reps: int, densities: lis
             import uvloop
 
             uvloop.install()
-        q.put((rank, "ok", asyncio.run(_comm_main(rank, P, port, N, reps, densities, shm))))
+        q.put((rank, "ok", asyncio.run(_comm_main(rank, P, port, N, reps, densities, shm,
+                                                  partial))))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
 
 
-def run_comm(P: int, N: int, reps: int, densities: list[float]) -> dict[Any, Any]:
+def run_comm(P: int, N: int, reps: int, densities: list[float],
+             partial: str | None = None) -> dict[Any, Any]:
     got: dict[Any, Any] = {}
     for shm, (comm_row, handle_row) in ((True, COMM_IMPLS[::2]), (False, COMM_IMPLS[1::2])):
-        by_rank = spawn_world(_comm_worker, P, (free_port(), N, reps, densities, shm), 1800)
-        for form, impl in (("comm", comm_row), ("handle", handle_row)):
+        by_rank = spawn_world(_comm_worker, P, (free_port(), N, reps, densities, shm, partial),
+                              1800)
+        forms = [("comm", comm_row), ("handle", handle_row)]
+        if partial is not None:
+            forms.append(("partial", f"partial-{partial}-{'shm' if shm else 'tcp'}"))
+        for form, impl in forms:
             got.update({(impl, d): [times[form][d] for times in by_rank] for d in densities})
     return got
 
@@ -273,7 +303,11 @@ def rows_of(got: dict[tuple[str, float], list[list[float]]], P: int, N: int
             ) -> list[dict[str, Any]]:
     rows = []
     order = [*IMPLS, *COMM_IMPLS, "gloo"]
-    for (impl, d), per_rank in sorted(got.items(), key=lambda kv: (order.index(kv[0][0]),
+
+    def rank_of(impl: str) -> int:  # the partial rows last
+        return order.index(impl) if impl in order else len(order)
+
+    for (impl, d), per_rank in sorted(got.items(), key=lambda kv: (rank_of(kv[0][0]), kv[0][0],
                                                                       kv[0][1])):
         slowest = [max(ts) * 1e3 for ts in zip(*per_rank, strict=True)]
         rows.append({"impl": impl, "P": P, "N": N, "density": d, **stats("time_ms", slowest),
@@ -290,7 +324,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     Ps = sorted({r["P"] for r in rows})
     fig, axes = plt.subplots(1, len(Ps), figsize=(6 * len(Ps), 4.5), squeeze=False)
     for ax, P in zip(axes[0], Ps, strict=True):
-        for impl in [*IMPLS, *COMM_IMPLS, "gloo"]:
+        extra = sorted({r["impl"] for r in rows} - {*IMPLS, *COMM_IMPLS, "gloo"})
+        for impl in [*IMPLS, *COMM_IMPLS, "gloo", *extra]:
             rs = sorted((r for r in rows if r["P"] == P and r["impl"] == impl),
                         key=lambda r: r["density"])
             if not rs:
@@ -336,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, help="timed repetitions (default 5, --quick 3)")
     p.add_argument("--densities", type=lambda s: [float(x) for x in s.split(",")],
                    default=DENSITIES, help="comma-separated fractions (default %(default)s)")
+    p.add_argument("--partial", choices=["solo", "majority", "two_choice"],
+                   help="also time a sparse partial handle of this kind (rows "
+                        "partial-KIND-shm and partial-KIND-tcp, in the worlds of the "
+                        "Communicator rows)")
     args = p.parse_args(argv)
     N = args.N or (1 << 20 if args.quick else 1 << 24)
     reps = args.reps or (3 if args.quick else 5)
@@ -348,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     for P in args.P:
         t0 = time.monotonic()
         got = run_ours(P, N, reps, args.densities)
-        got.update(run_comm(P, N, reps, args.densities))
+        got.update(run_comm(P, N, reps, args.densities, args.partial))
         if have_torch:
             got.update(run_gloo(P, N, reps, args.densities))
         new = rows_of(got, P, N)
@@ -362,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in summaries:
         print(f"sparse: {json.dumps(s)}", file=sys.stderr)
     params = {"N": N, "P": args.P, "densities": args.densities, "reps": reps,
-              "quick": args.quick, "dtype": "float32", "transport": "tcp://127.0.0.1",
+              "quick": args.quick, "partial": args.partial, "dtype": "float32",
+              "transport": "tcp://127.0.0.1",
               "time": "slowest rank, from a barrier"}
     if args.out:
         write_json(args.out, "sparse", params, rows, packages=("uvloop", "torch", "msgpack"),
