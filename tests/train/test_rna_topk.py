@@ -59,3 +59,40 @@ async def test_topk_sgd_with_qsgd_converges(bits: int) -> None:
     for _, w, _ in out:
         np.testing.assert_array_equal(w, out[0][1])
     assert prob.excess(out[0][1]) < 0.05
+
+
+# -- TopKSGD in real processes: its handle through shared memory, the same bits as the network --
+async def _topk_rank(rank: int, world: int, port: int, shm: bool) -> tuple[bool, str, str]:
+    import hashlib
+    import os
+
+    import asynccoll
+
+    os.environ["ASYNCCOLL_SHM"] = "1" if shm else "0"
+    comm = await asynccoll.connect(rank=rank, world_size=world, store=f"127.0.0.1:{port}",
+                                   transport="tcp", timeout=60)
+    async with comm:
+        w = np.zeros(60_000, np.float32)
+        opt = TopKSGD(comm, w, 0.1, density=0.3, name="topk")
+        for step in range(4):
+            g = np.random.default_rng([rank, step]).standard_normal(w.size).astype(np.float32)
+            await opt.step(g)
+        got = (opt._allreduce.shm, opt._allreduce.algorithm,
+               hashlib.sha1(opt.params.tobytes()).hexdigest())
+        await opt.finish()
+        await comm.barrier(timeout=30)
+    return got
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_topk_sgd_on_one_host_goes_through_shared_memory_with_the_same_bits() -> None:
+    from _helpers import async_child, free_port, spawn_world
+
+    runs = {shm: spawn_world(async_child, 3, (_topk_rank, free_port(), shm), 120)
+            for shm in (True, False)}
+    for shm, got in runs.items():
+        assert all(g[0] is shm for g in got), got
+        assert all(g[1].endswith("split_allgather") for g in got), got
+        assert len({g[2] for g in got}) == 1, got  # every rank's parameters, bit for bit
+    assert runs[True][0][2] == runs[False][0][2]  # and the same bits as over the network
