@@ -721,7 +721,8 @@ class Communicator:
         chooser's pick is not a split one; ``ValueError`` naming ``shm`` where it cannot be).
         ``False``: over the network. ``h.shm`` says which. As for partial handles, nothing
         checks that the ranks chose alike: give every rank the same ``shm``, ``algorithm`` and
-        ``ASYNCCOLL_SHM`` (ranks that differ time out at the first call).
+        ``ASYNCCOLL_SHM`` (ranks that differ time out at the first call, whose
+        ``CollectiveTimeoutError`` says so and names this rank's path).
 
         Raises ``ValueError`` naming ``name`` (in use), ``density``, ``algorithm``,
         ``quantize``, ``delta``, ``size`` or ``shm``; ``OSError`` (ENOSPC naming the fix) where

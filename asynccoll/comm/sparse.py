@@ -40,7 +40,7 @@ from ..collectives.sparse.schedules import (
 )
 from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS, build_sparse_shm_allreduce
 from ..collectives.sparse.streams import SparseVector
-from ..errors import BusyError, PeerLostError, TransportClosedError
+from ..errors import BusyError, CollectiveTimeoutError, PeerLostError, TransportClosedError
 from ..sched import Executor, Kernel, LiveOps, Schedule
 from ..transport.base import Transport
 from .dense import ShmUnavailable
@@ -558,6 +558,7 @@ class SparseAllreduceHandle:
             op if entry.shm is None else entry.shm
         #: whether the data goes through this host's shared memory
         self.shm = entry.shm is not None
+        self._completed = 0  # calls completed (a first call's timeout says more)
         self._busy = self._closed = False
         self.name = name
         self.algorithm = op.algorithm
@@ -593,7 +594,21 @@ class SparseAllreduceHandle:
         x = self._op.check(x)
         self._busy = True
         try:
-            return await self._runner.run(x, timeout=timeout)
+            res = await self._runner.run(x, timeout=timeout)
+            self._completed += 1
+            return res
+        except CollectiveTimeoutError as exc:
+            await self._close()  # the executor is left mid-way
+            if self._completed:
+                raise
+            # The handle's path is chosen at its creation on each rank alone: ranks that chose
+            # differently wait for messages that never come. Say so where it shows.
+            raise CollectiveTimeoutError(
+                f"{exc}; the first call of sparse handle {self.name!r}: every rank must create "
+                "it with the same size, dtype, algorithm, quantize, delta and shm, under the same "
+                f"ASYNCCOLL_SHM (this rank's goes "
+                f"{'through shared memory' if self.shm else 'over the network'})",
+                exc.pending) from exc
         except BaseException:
             await self._close()  # the executor is left mid-way
             raise

@@ -271,6 +271,22 @@ async def test_handle_through_shared_memory_and_its_arguments() -> None:
             "dsar_split_allgather"
 
 
+@pytest.mark.timeout(30)
+async def test_handle_paths_chosen_differently_time_out_saying_so() -> None:
+    async with local_world(2, progress="inline", timeout=5) as comms:
+        await gather(*(c.sync_clocks() for c in comms))
+        hs = [c.sparse_allreduce_handle(64, algorithm="ssar_split_allgather", shm=shm,
+                                        timeout=0.5)
+              for c, shm in zip(comms, (True, False), strict=True)]
+        got = await asyncio.wait_for(asyncio.gather(
+            *(h(np.ones(64, np.float32)) for h in hs), return_exceptions=True), 10)
+        for g, path in zip(got, ("through shared memory", "over the network"), strict=True):
+            assert isinstance(g, CollectiveTimeoutError), g
+            assert "the first call of sparse handle" in str(g), g
+            assert path in str(g), g
+            assert g.pending  # what it waited on, as any timeout says
+
+
 # -- sparse contributions in partial collectives ----------------------------------------------
 
 N = 16  # delta = 8 for float64 with int32 indices: accumulated data turns dense
