@@ -508,12 +508,21 @@ class PartialAllreduce:
             if self._writer is not None:
                 self._writer.write_pending(self._ex, reason=f"timeout after {t} s")
             who = sorted(initiators(self.kind, e, self.world_size, self.seed))
+            # A handle's schedule and data path are chosen at its creation on each rank alone:
+            # ranks that chose differently wait for messages that never come. Say so at the
+            # first execution, where it shows.
+            first = "" if e else (
+                f"; the first execution of {self.name!r}: every rank must create the handle "
+                "alike (kind, like, algorithm, quorum, shm) under the same ASYNCCOLL_SHM (this "
+                f"rank's data goes "
+                f"{'through shared memory' if self._segments is not None else 'over the network'}"
+                ")")
             raise CollectiveTimeoutError(
                 f"rank {self.rank}: {self.kind} allreduce {self.name!r} execution {e} not "
                 f"complete after {t} s (initiators "
                 f"{who if self.kind not in ARRIVAL_KINDS else 'any'}"
                 f"{'' if self.quorum is None else f', quorum {self.quorum}'}); waiting on: "
-                + "; ".join(d for _, _, d in pend), pend) from None
+                + "; ".join(d for _, _, d in pend) + first, pend) from None
 
     def _on_complete(self, e: int) -> None:
         # Runs inside the executor right after execution e completes and before it re-arms:

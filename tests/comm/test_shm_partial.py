@@ -145,6 +145,23 @@ async def test_in_process_world_every_kind(P: int) -> None:
                 assert np.array_equal(np.sum([g.value for g in got], axis=0), want), kind
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("shm", "path"), [(True, "through shared memory"),
+                                           (False, "over the network")])
+async def test_a_first_execution_that_times_out_says_to_create_handles_alike(
+        shm: bool, path: str) -> None:
+    # (ranks that created a handle differently fail at its first execution, with an
+    # ExecutionError where a message does not fit, or time out; here rank 1 has no handle)
+    async with local_world(2, progress="inline", timeout=5) as comms:
+        await asyncio.gather(*(c.sync_clocks() for c in comms))
+        h = comms[0].partial_allreduce("quorum", quorum=2, like=np.zeros(8), shm=shm, name="m")
+        with pytest.raises(asynccoll.CollectiveTimeoutError) as info:
+            await h(np.ones(8), timeout=0.5)
+        assert "the first execution of 'm': every rank must create the handle alike" in \
+            str(info.value)
+        assert f"this rank's data goes {path}" in str(info.value)
+
+
 def test_the_data_round_activates() -> None:
     # no activation broadcast: the "written" messages of the data phase activate a rank
     for P in (2, 3, 4):
