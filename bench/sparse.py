@@ -334,12 +334,14 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
             ax.errorbar(xs, [r["time_ms_median"] for r in rs],
                         yerr=[[r["time_ms_median"] - r["time_ms_min"] for r in rs],
                               [r["time_ms_max"] - r["time_ms_median"] for r in rs]],
-                        marker="o", capsize=3, label=impl)
+                        marker="o", capsize=3, label=impl,
+                        # (more rows than the default colour cycle: the partial ones dashed)
+                        linestyle="--" if impl.startswith("partial") else "-")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("density per rank (%)")
         ax.set_ylabel("allreduce time (ms)")
-        ax.set_title(f"P = {P}, N = {rows[0]['N']:,} float32, tcp loopback")
+        ax.set_title(f"P = {P}, N = {rows[0]['N']:,} float32, one host")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
