@@ -734,20 +734,14 @@ class Communicator:
         dt = np.dtype(dtype)
         shm = _shm_flag(shm)
         alg = self._sparse.resolve(int(size), dt, density, algorithm, quantize, delta)
-        if shm is True and algorithm is None and quantize is None \
-                and alg not in SHM_SPARSE_ALGORITHMS:
-            # shared memory asked for: a split allgather, whatever the chooser's preference
-            # for the network's recursive doubling
-            alg = "ssar_split_allgather"
         token: int | None = None
         if quantize is not None:
             if shm is True:
                 raise ValueError("shm=True: a quantised sparse allreduce goes over the network "
                                  "(quantisation is for fewer bytes on a network); give "
                                  "quantize=None or shm=None")
-        elif alg in SHM_SPARSE_ALGORITHMS or shm is not None:
-            in_cap, blk_cap, _ = shm_layout(int(size), dt, delta, self.size)
-            token = self._dense.sparse_partial_plan(in_cap + blk_cap, alg, shm)
+        else:
+            alg, token = self._sparse_shm_plan(int(size), dt, delta, alg, algorithm, shm)
         name = self._handle_name(name, "sparse")
         sid = stable_id(name, 3)
         entry = self._engine.call(lambda: self._sparse.named(
@@ -756,6 +750,18 @@ class Communicator:
         t = self.timeout if timeout is None else timeout
         return SparseAllreduceHandle(entry, name, run=self._run, release=self._sparse.release,
                                      timeout=t)
+
+    def _sparse_shm_plan(self, size: int, dtype: np.dtype[Any], delta: float | None, alg: str,
+                         asked: str | None, shm: Any) -> tuple[str, int | None]:
+        """A new sparse handle's algorithm and segment token (None: over the network), for
+        ``alg`` (the one given, ``asked``, or else the chooser's) and ``shm=``: with
+        ``shm=True`` and no algorithm given, a split allgather whatever the chooser's preference
+        for the network's recursive doubling (``ValueError`` naming ``shm`` where shared memory
+        cannot be had, :meth:`DenseOps.sparse_partial_plan`)."""
+        if _shm_flag(shm) is True and asked is None and alg not in SHM_SPARSE_ALGORITHMS:
+            alg = "ssar_split_allgather"
+        in_cap, blk_cap, _ = shm_layout(size, dtype, delta, self.size)
+        return alg, self._dense.sparse_partial_plan(in_cap + blk_cap, alg, shm)
 
     def _handle_name(self, name: str | None, kind: str) -> str:
         """``name`` checked, or the next of ``kind#0``, ``kind#1``, ... by order of creation."""
@@ -881,16 +887,9 @@ class Communicator:
         # before the name is taken: a refusal must not shift the automatic names
         if sparse:
             sdt = np.dtype(like.values.dtype)
-            if algorithm is None:
-                algorithm = choose_algorithm(density, self.size, like.size, sdt, delta)
-                if shm is True and algorithm not in SHM_SPARSE_ALGORITHMS:
-                    # shared memory asked for: the split allgather, whatever the chooser's
-                    # preference for the network's recursive doubling
-                    algorithm = "ssar_split_allgather"
-            elif density is not None:
-                choose_algorithm(density, self.size, like.size, sdt, delta)  # checks density
-            in_cap, blk_cap, _ = shm_layout(like.size, sdt, delta, self.size)
-            token = self._dense.sparse_partial_plan(in_cap + blk_cap, algorithm, shm)
+            chosen = choose_algorithm(density, self.size, like.size, sdt, delta)  # checks it
+            algorithm, token = self._sparse_shm_plan(like.size, sdt, delta,
+                                                     algorithm or chosen, algorithm, shm)
         else:
             token, algorithm = self._dense.partial_plan(like, algorithm, shm)
         name = self._handle_name(name, "partial")

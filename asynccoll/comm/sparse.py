@@ -200,6 +200,8 @@ class ShmSparseAllreduce:
         self.delta = math.inf if md is None else float(md)
         self._segments = segments
         self._arrays = self._segment_arrays()
+        #: this rank's input region (its own segment is the same array for the object's life)
+        self._input = self._arrays[str(schedule.meta["input"])][:int(schedule.meta["input_bytes"])]
         # bound again at every run, with a fresh result buffer (this one is never touched)
         self._out = self._result_buffer()
         self.executor = Executor(schedule, transport, {**self._arrays,
@@ -215,11 +217,6 @@ class ShmSparseAllreduce:
         return {f"seg{q}": seg.array(np.uint8, self.schedule.slots[f"seg{q}"].count)
                 for q, seg in enumerate(self._segments)}
 
-    def _input(self) -> np.ndarray:
-        """This rank's input region (where the stream goes before an execution)."""
-        return self._arrays[str(self.schedule.meta["input"])][
-            :int(self.schedule.meta["input_bytes"])]
-
     def _result_buffer(self) -> np.ndarray:
         spec = self.schedule.slots[self.schedule.meta["result"]]
         assert spec.count is not None
@@ -228,7 +225,7 @@ class ShmSparseAllreduce:
     async def run(self, x: SparseVector | np.ndarray, *, timeout: float | None = None
                   ) -> SparseVector | np.ndarray:
         """As :meth:`SparseAllreduce.run` (``x`` checked by the caller)."""
-        load_stream(self._input(), x, self.size, self.dtype, self.delta)
+        load_stream(self._input, x, self.size, self.dtype, self.delta)
         out = self._out = self._result_buffer()
         self.executor.bind({**self._arrays, self.schedule.meta["result"]: out})
         self.executor.start()
@@ -288,8 +285,7 @@ class HandleShmSparseAllreduce(ShmSparseAllreduce):
     async def run(self, x: SparseVector | np.ndarray, *, timeout: float | None = None
                   ) -> SparseVector | np.ndarray:
         res = await super().run(x, timeout=timeout)
-        if not self._parts.unlinked:
-            self._parts.unlink_own()
+        self._parts.unlink_own()  # (idempotent: once, after the first)
         return res
 
     def close(self) -> None:
