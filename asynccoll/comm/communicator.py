@@ -615,12 +615,14 @@ class Communicator:
 
     async def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32,
                     timeout: float | None = None) -> Any:
-        """A new NumPy array in shared memory that every rank of this host can read
+        """A new NumPy array in shared memory that every rank of this host maps
         (collective: every rank calls it with the same shape and dtype, in the same order;
         every rank on one host, else ``ValueError``). ``allreduce(x, out=x)`` of such an array
-        reads it where it is, with no copy in (:mod:`asynccoll.comm.shm`); fill it before
-        the call and do not write it during one. It lives until the communicator closes, its
-        memory freed with the last reference; nothing is left in ``/dev/shm``.
+        reduces it where it is, with no copy in or out: each rank reduces its block of every
+        rank's array and writes it into each (:mod:`asynccoll.comm.shm`), the fastest
+        allreduce on one host; fill it before the call and do not write it during one. The
+        peers write into it only during an allreduce of it. It lives until the communicator
+        closes, its memory freed with the last reference; nothing is left in ``/dev/shm``.
         """
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         self._check_open()

@@ -39,6 +39,7 @@ from .cma import (
 from .shm import (
     SHM_ALGORITHMS,
     SHM_DIR,
+    SHM_INPLACE_OWN_KERNELS,
     SHM_MIN_BYTES,
     SHM_NAMES,
     Segment,
@@ -234,7 +235,9 @@ class DenseOps:
         # the in-place allreduce's schedule ids, one per op and algorithm, taken now in a
         # fixed order
         sids = {(op, a): self._next_id() for op in sorted(REDUCE_OPS) for a in SHM_ALGORITHMS}
-        segs = await self._map_segments([sid], count * dt.itemsize, token, timeout)
+        # peers' arrays mapped writable: each rank writes its reduced block into every one
+        segs = await self._map_segments([sid], count * dt.itemsize, token, timeout,
+                                        writable=True)
         arrays = [seg.array(dt, count) for seg in segs[0]]
         mine = arrays[self.rank]  # writable: this rank's own segment
         arena = _Arena(sids, segs[0], arrays, count, dt)
@@ -268,11 +271,9 @@ class DenseOps:
             if isinstance(buf, np.ndarray) and (algorithm is None or algorithm in SHM_NAMES) \
             else None
         if arena is not None and arena.count == buf.size and arena.dtype == buf.dtype:
-            # Where the single-copy path serves, it beats even an array in shared memory (two
-            # wake-up rounds where the in-place two-shot takes three; docs/benchmarks.md)
-            if self._cma_sized(buf.nbytes, algorithm) \
-                    and await self._cma_allreduce(buf, op, timeout):
-                return
+            # Reduced where it lies, each rank's block pushed into every peer's array: faster
+            # than the single-copy path at every size measured (no system calls, no page
+            # pinning; docs/benchmarks.md), so that path is not asked here
             await self._arena_allreduce(arena, buf, op, shm_algorithm(algorithm), timeout)
             return
         if (algorithm is not None and algorithm in SHM_NAMES) or (
@@ -632,10 +633,12 @@ class DenseOps:
 
     async def _map_segments(self, sids: list[int], nbytes: int, token: int,
                             timeout: float | None,
-                            local: list[int] | None = None) -> list[list[Segment]]:
+                            local: list[int] | None = None, writable: bool = False
+                            ) -> list[list[Segment]]:
         """Per schedule id, the segments of ``nbytes`` of the ranks ``local`` (default: all),
-        in their order: this rank's created here, the others mapped, then every one unlinked
-        by its owner (collective over all ranks). Every rank fails if one cannot map them."""
+        in their order: this rank's created here, the others mapped (read-only unless
+        ``writable``), then every one unlinked by its owner (collective over all ranks). Every
+        rank fails if one cannot map them."""
         members = list(range(self.size)) if local is None else local
         own: list[Segment] = []
         mapped: list[list[Segment]] = [[] for _ in sids]
@@ -654,7 +657,8 @@ class DenseOps:
                 if err is None:
                     for i, sid in enumerate(sids):
                         mapped[i] = [own[i] if q == self.rank else
-                                     Segment.attach(segment_path(token, sid, q), nbytes)
+                                     Segment.attach(segment_path(token, sid, q), nbytes,
+                                                    writable)
                                      for q in members]
             except (OSError, ValueError) as exc:
                 err = exc
@@ -688,7 +692,11 @@ class DenseOps:
 
     async def _arena_allreduce(self, arena: _Arena, buf: Any, op: str, algorithm: str | None,
                                timeout: float | None) -> None:
-        algo = choose_shm(buf.nbytes, self.size, algorithm)
+        # two-shot unless one-shot is asked for: in place it pushes each reduced block into
+        # every peer's array, two wake-up rounds as one-shot's but each rank reads its block of
+        # each array once instead of every whole array (P = 4: 1.1-1.4x faster from 128 KiB,
+        # 2x at 4 MiB; P = 8, 1 MiB: 1.6x; docs/benchmarks.md)
+        algo = "two_shot" if algorithm is None else choose_shm(buf.nbytes, self.size, algorithm)
         ex = arena.executors.get((op, algo))
         if ex is None:
             sched = build_shm_inplace(self.rank, self.size, arena.count, arena.dtype, op, algo)
@@ -700,8 +708,10 @@ class DenseOps:
             sid = arena.sids[(op, algo)]
             sink = None if self._writer is None else self._writer.add_schedule(
                 sched, sid, collective="allreduce")
-            ex = self._live.add(Executor(sched, self.transport, bufs, sched_id=sid,
-                                         trace_sink=sink, kernels=self._kernels), self._writer)
+            ex = self._live.add(Executor(
+                sched, self.transport, bufs, sched_id=sid, trace_sink=sink,
+                kernels=self._kernels.extended(SHM_INPLACE_OWN_KERNELS, replace=True)),
+                self._writer)
             arena.executors[(op, algo)] = ex
         async with arena.lock:
             await self._execute(ex, timeout, "allreduce (shared array)")

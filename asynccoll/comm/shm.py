@@ -43,9 +43,15 @@ two (two-shot) suffice, never a third.
 <asynccoll.Communicator.empty>` (collective) allocates an array in a segment of its own that
 every peer maps; ``allreduce(x, out=x)`` of such an array skips the copy in (peers read it
 where it is) and reduces it in place (:func:`build_shm_inplace`). Here one allocation serves
-every call, so a last round ("copied out" / "read") is needed before the call returns: the
-caller may overwrite its array at once. Two-shot then takes three rounds; one-shot two (the
-sum goes to a scratch buffer, and into the array once every peer said it has read it).
+every call, and the caller may overwrite its array as soon as the call returns. Two-shot (the
+default for these arrays at every size) pushes instead of pulling: each rank reduces its block
+of every array in pieces that stay in the caches and writes each reduced piece at once into
+every peer's array (mapped writable for this), then tells them "reduced into all"; a rank
+whose peers all said so holds the whole sum, and no peer will read or write its array again
+in the call (each read its block there before writing it). Two rounds, and per rank its block
+of each array read once and written once, against a whole vector per array for one-shot
+(forced one-shot takes two rounds too: the sum goes to a scratch buffer, and into the array
+once every peer said it has read it).
 
 **Across hosts** (:func:`build_hier_allreduce`): the ranks of each host sum their data through
 shared memory (two-shot), the lowest rank of each host (its leader) allreduces the host sums
@@ -55,7 +61,9 @@ byte crosses the network once per host instead of once per rank.
 
 **Lifetime and safety.** Segments are created with ``O_EXCL`` and mode 0600, named by user,
 job token (drawn by rank 0 at first use), schedule id and rank, so two jobs on one host never
-share one. A rank maps its peers' segments read-only and refuses one that another user owns,
+share one. A rank maps its peers' segments read-only (writable for the arrays of
+``Communicator.empty``, which the peers write their reduced blocks into) and refuses one that
+another user owns,
 that others may read or write, or of the wrong size. Once every rank has mapped every segment
 (a barrier), each owner unlinks its own: from then on nothing is left in ``/dev/shm`` whatever
 happens to the processes, a SIGKILL included; the memory lives as long as a mapping does. A
@@ -78,11 +86,12 @@ import os
 import secrets
 import socket
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ..buffers import REDUCE_OPS as REDUCE_UFUNCS
 from ..buffers import dtype_to_wire
 from ..collectives._plan import block_bounds, check_op
 from ..collectives.activation import add_triggers
@@ -99,10 +108,11 @@ from ..collectives.partial import (
     packs_meta,
     signature,
 )
-from ..sched import BufRef, Schedule, SlotSpec
+from ..sched import BUILTIN_KERNELS, BufRef, KernelRegistry, Schedule, SlotSpec
 
 __all__ = ["SHM_ALGORITHMS", "SHM_ATTACH", "SHM_DIR", "SHM_MIN_BYTES", "SHM_NAMES",
-           "SHM_ONE_SHOT_READ", "PartialSegments", "Segment", "build_hier_allreduce",
+           "SHM_INPLACE_KERNELS", "SHM_INPLACE_OWN_KERNELS", "SHM_ONE_SHOT_READ",
+           "SHM_PUSH", "SHM_PUSH_PIECE", "PartialSegments", "Segment", "build_hier_allreduce",
            "build_shm_allreduce", "build_shm_inplace", "build_shm_partial_allreduce",
            "choose_shm", "host_groups", "host_hash", "host_id", "new_token", "segment_path",
            "shm_algorithm"]
@@ -115,6 +125,10 @@ SHM_MIN_BYTES = 128 << 10
 #: the shared-memory allreduce is one-shot while the P vectors each rank reads (P times the
 #: message) come to fewer bytes than this, two-shot from it up: at P = 4, below 4 MiB
 SHM_ONE_SHOT_READ = 16 << 20
+
+#: bytes of each piece of the two-shot allreduce of shared arrays (:func:`_k_push`): small
+#: enough that a piece stays in the caches between its reduce and its writes
+SHM_PUSH_PIECE = 256 << 10
 #: the shared-memory algorithms (``algorithm="shm_" + name`` forces one)
 SHM_ALGORITHMS = ("one_shot", "two_shot")
 #: the ``algorithm=`` names of the allreduce through shared memory on one host: ``"shm"`` (by
@@ -193,10 +207,13 @@ class Segment:
         return cls(path, mm, True)
 
     @classmethod
-    def attach(cls, path: str, nbytes: int) -> Segment:
-        """Map a peer's segment read-only; ``PermissionError`` naming it when another user owns
-        it or others may read or write it, ``ValueError`` when its size is not ``nbytes``."""
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    def attach(cls, path: str, nbytes: int, writable: bool = False) -> Segment:
+        """Map a peer's segment, read-only unless ``writable`` (the arrays of
+        :meth:`Communicator.empty <asynccoll.Communicator.empty>`, into which each rank writes
+        its reduced block: :func:`build_shm_inplace`); ``PermissionError`` naming it when
+        another user owns it or others may read or write it, ``ValueError`` when its size is
+        not ``nbytes``."""
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
             if st.st_uid != os.getuid() or st.st_mode & 0o077:
@@ -206,13 +223,14 @@ class Segment:
             if st.st_size != nbytes:
                 raise ValueError(f"shared-memory segment {path} has {st.st_size} bytes, "
                                  f"expected {nbytes}")
-            mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable
+                                                                else 0))
         finally:
             os.close(fd)
         return cls(path, mm, False)
 
     def array(self, dtype: Any, count: int) -> np.ndarray[Any, Any]:
-        """The segment as ``count`` elements of ``dtype`` (read-only when attached)."""
+        """The segment as ``count`` elements of ``dtype`` (read-only when attached so)."""
         assert self._mm is not None
         return np.frombuffer(self._mm, dtype, count)
 
@@ -271,12 +289,12 @@ def build_shm_inplace(rank: int, world_size: int, count: int, dtype: Any,
     """The schedule of an allreduce of an array that already lives in shared memory
     (:meth:`Communicator.empty <asynccoll.Communicator.empty>`): no copy in. Slots ``mine``
     (the caller's array, reduced in place) and ``peer{q}`` (rank q's array of the same
-    allocation, read-only); one-shot adds the scratch slot ``shm_sum`` (``scratch_buffers``).
-    ``algorithm``: :func:`choose_shm`'s. Two-shot takes three wake-up rounds: "written",
-    "reduced", and "copied out" (the caller may overwrite its array as soon as the call
-    returns, and a peer may still be copying this rank's reduced block out of it until then);
-    one-shot two: "written", then "read" (every peer has read this rank's array, so the sum,
-    reduced into scratch meanwhile, may go into it)."""
+    allocation, mapped writable); one-shot adds the scratch slot ``shm_sum``
+    (``scratch_buffers``). ``algorithm``: :func:`choose_shm`'s. Two-shot takes two wake-up
+    rounds: "written", then "reduced into all" (kernel :data:`SHM_PUSH`: this rank's block of
+    every array reduced and written back into each, module doc); one-shot two: "written",
+    then "read" (every peer has read this rank's array, so the sum, reduced into scratch
+    meanwhile, may go into it)."""
     _check(op, count)
     P, r = world_size, rank
     wire = np.dtype(dtype).str
@@ -297,13 +315,23 @@ def build_shm_inplace(rank: int, world_size: int, count: int, dtype: Any,
                         label="the sum into place")
         s.final = s.nop(deps=[put], label="final")
         return _commit(s, count, wire, op, "shm-inplace-one-shot")
-    outs = _two_shot(s, range(P), count, op, start, "mine", "written")
-    copied = s.nop(deps=outs, label="copied out")
+    if not others:
+        s.final = s.nop(deps=[start], label="final")
+        return _commit(s, count, wire, op, "shm-inplace", SHM_INPLACE_KERNELS)
+    ready = _told(s, others, start, "written", None)
+    b = block_bounds(count, P)
+    mine = BufRef("mine", b[r], b[r + 1] - b[r])
+    if mine.count:
+        reduced = s.compute(SHM_PUSH, [BufRef(f"peer{q}", b[r], mine.count) for q in others],
+                            mine, deps=[start, *ready], label=f"reduce block {r} into all",
+                            op=op)
+    else:
+        reduced = s.nop(deps=[start, *ready], label=f"block {r} is empty")
     for q in others:
-        s.send(q, None, _DONE, deps=copied, label="copied out")
-    done = [s.recv(q, None, _DONE, label="copied out") for q in others]
-    s.final = s.nop(deps=[copied, *done], label="final")
-    return _commit(s, count, wire, op, "shm-inplace")
+        s.send(q, None, _REDUCED, deps=reduced, label="reduced into all")
+    done = [s.recv(q, None, _REDUCED, label="reduced into all") for q in others]
+    s.final = s.nop(deps=[reduced, *done], label="final")
+    return _commit(s, count, wire, op, "shm-inplace", SHM_INPLACE_KERNELS)
 
 
 def build_shm_allreduce(rank: int, world_size: int, count: int, dtype: Any,
@@ -659,6 +687,34 @@ def _two_shot(s: Schedule, group: Sequence[int], count: int, op: str, after: int
     return outs
 
 
+def _k_push(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
+            msgs: Sequence[Any]) -> None:
+    """Reduce this rank's block (``out``, in its own shared array) with the same block of each
+    peer's array (``inputs``, in rank order: the bits of the two-shot over segments) and write
+    the result into each of theirs, piece by piece (:data:`SHM_PUSH_PIECE`): each piece is
+    read from every peer and added, then written into every peer while it is still in the
+    caches. Nobody else reads or writes a peer's block of this rank in the call."""
+    fn = REDUCE_UFUNCS[params["op"]]
+    if out.dtype.kind == "b":
+        fn = np.logical_or if params["op"] in ("sum", "max") else np.logical_and
+    per = max(1, SHM_PUSH_PIECE // out.itemsize)
+    for lo in range(0, out.size, per):
+        hi = lo + per
+        mine = out[lo:hi]
+        for x in inputs:
+            fn(mine, x[lo:hi], out=mine)
+        for x in inputs:
+            np.copyto(x[lo:hi], mine)
+
+
+#: the kernel of the two-shot allreduce of shared arrays (:func:`build_shm_inplace`)
+SHM_PUSH = "shm_push"
+#: the kernels :func:`build_shm_inplace` names beside the built-ins (a Communicator extends
+#: its registry with them) and every kernel its schedules name (frozen)
+SHM_INPLACE_OWN_KERNELS: dict[str, Any] = {SHM_PUSH: _k_push}
+SHM_INPLACE_KERNELS: KernelRegistry = BUILTIN_KERNELS.extended(SHM_INPLACE_OWN_KERNELS).freeze()
+
+
 def _check(op: str, count: int) -> None:
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
@@ -666,10 +722,11 @@ def _check(op: str, count: int) -> None:
         raise ValueError(f"count must be >= 1, got {count}")
 
 
-def _commit(s: Schedule, count: int, wire: str, op: str, algorithm: str) -> Schedule:
+def _commit(s: Schedule, count: int, wire: str, op: str, algorithm: str,
+            kernels: KernelRegistry | None = None) -> Schedule:
     s.meta["collectives"] = [{"kind": "allreduce", "count": count, "dtype": wire, "op": op,
                               "algorithm": algorithm}]
-    return s.commit()
+    return s.commit() if kernels is None else s.commit(kernels=kernels)
 
 
 def _embed(s: Schedule, members: Sequence[int], after: int,

@@ -1,5 +1,6 @@
 """Shared-memory segments under loss and contention: a rank SIGKILLed while the segments are
-being set up, two jobs at once on one host, and segment names already taken by another user.
+being set up, or half-way through writing its reduced block into its peers' shared arrays, two
+jobs at once on one host, and segment names already taken by another user.
 
 A SIGKILL *between* calls, once every segment is unlinked, is
 ``tests/adversarial/test_lost_rank.py``; ``Segment`` itself refusing another user's or a
@@ -21,7 +22,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import SECRET, async_child, free_port, spawn_world
+from _helpers import (
+    SECRET,
+    SHM_VICTIM_PREAMBLE,
+    async_child,
+    free_port,
+    run_killed_job,
+    shm_left,
+    spawn_world,
+)
 
 import asynccoll
 from asynccoll.comm.shm import SHM_DIR, SHM_MIN_BYTES
@@ -116,6 +125,63 @@ def test_sigkill_during_segment_setup_is_reported_and_leaves_nothing(tmp_path: P
                 p.kill()
                 p.wait()
         for name in _left(token):  # do not leave the machine dirtier than the test found it
+            os.unlink(os.path.join(SHM_DIR, name))
+
+
+# -- a rank SIGKILLed mid-way through pushing its block into its peers' shared arrays ---------
+
+PUSH_RANK = SHM_VICTIM_PREAMBLE + """
+
+if VICTIM:
+    push = shm.SHM_INPLACE_OWN_KERNELS[shm.SHM_PUSH]
+
+    def push_half_then_die(out_, inputs, params, msgs):
+        half = out_.size // 2  # half the block reduced and written into the peers' arrays
+        push(out_[:half], [x[:half] for x in inputs], params, msgs)
+        die()
+
+    shm.SHM_INPLACE_OWN_KERNELS[shm.SHM_PUSH] = push_half_then_die
+
+
+async def main():
+    comm = await asynccoll.connect(timeout=60, collective_timeout=30)
+    async with comm:
+        x = await comm.empty(4 << 20, np.float32)
+        got = {"rank": None, "msg": "every allreduce completed"}
+        try:
+            for step in range(3):
+                x[...] = comm.rank + step
+                await comm.allreduce(x, out=x)
+                assert x[0] == sum(range(comm.size)) + comm.size * step
+        except asynccoll.PeerLostError as exc:
+            got = {"rank": exc.rank, "msg": str(exc)}
+        got["t"] = time.time()
+        with open(f"{out}/rank-{comm.rank}.json", "w") as f:
+            json.dump(got, f)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigkill_while_pushing_into_shared_arrays_is_reported_and_leaves_nothing(
+        tmp_path: Path) -> None:
+    # Rank 2 dies half-way through writing its reduced block into its peers' arrays (from
+    # comm.empty, 16 MiB, the in-place two-shot): the survivors, waiting for its "reduced"
+    # message or still pushing their own blocks, learn of it within 2 s, and the segments
+    # (unlinked once mapped) leave nothing behind.
+    token = secrets.randbits(62)
+    try:
+        got = run_killed_job(tmp_path, PUSH_RANK, 4, [str(token), str(tmp_path), "push"],
+                             kill="2", timeout=60)
+        killed = float((tmp_path / "killed").read_text())
+        for r, g in got.items():
+            assert g["rank"] == 2, (r, g)
+            assert g["t"] - killed < 2.0, (r, g["t"] - killed)
+        assert not shm_left(token), "left in /dev/shm after a SIGKILL mid-call"
+    finally:
+        for name in shm_left(token):
             os.unlink(os.path.join(SHM_DIR, name))
 
 

@@ -118,8 +118,14 @@ def test_one_shot_is_one_round(P: int) -> None:
                                                     for q in range(P)]
         assert red.output is not None
         assert red.output.slot == "data"
-        # in place: "written" then "read", two rounds (two-shot: three)
+        # in place: "written" then "read" (one-shot), or "written" then "reduced into all"
+        # (two-shot pushes its block into every peer's array: no copy-out round)
         one = build_shm_inplace(r, P, 10, np.float32, algorithm="one_shot")
         two = build_shm_inplace(r, P, 10, np.float32, algorithm="two_shot")
         assert sum(op.kind == "send" for op in one.ops) == 2 * (P - 1)
-        assert sum(op.kind == "send" for op in two.ops) == 3 * (P - 1)
+        assert sum(op.kind == "send" for op in two.ops) == 2 * (P - 1)
+        (push,) = [op for op in two.ops if op.kind == "compute"]
+        assert push.kernel == "shm_push"
+        assert [ref.slot for ref in push.inputs] == [f"peer{q}" for q in range(P) if q != r]
+        assert push.output is not None
+        assert push.output.slot == "mine"
