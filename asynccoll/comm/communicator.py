@@ -47,7 +47,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
@@ -67,6 +67,7 @@ from . import clock, groups
 from .blocking import BlockingCollectives
 from .contribution import Contribution, DenseContribution, SparseContribution
 from .dense import DenseOps, _shm_flag
+from .hier_partial import HierPartialAllreduce
 from .membership import DEFAULT_CLOSE_TIMEOUT, Membership
 from .partial import PartialAllreduce, stable_id
 from .progress import ProgressEngine
@@ -181,6 +182,7 @@ class Communicator:
         self._sparse = SparseOps(transport, lambda: next(self._next_id), kernels=self.kernels,
                                  live=self.live)
         self._handles: dict[str, PartialAllreduce] = {}
+        self._hier_handles: dict[str, HierPartialAllreduce] = {}  # algorithm="hier"
         self._shortcuts: dict[tuple[Any, ...], PartialAllreduce] = {}
         self._auto_names: dict[str, int] = {}
         self._closed = False
@@ -328,6 +330,8 @@ class Communicator:
         self.membership.stop()
         for h in self._handles.values():
             await h.close()
+        for hh in self._hier_handles.values():
+            await hh.close()
         self._dense.close()
         self._sparse.close()
         if self._close_transport:
@@ -778,6 +782,28 @@ class Communicator:
         return name
 
     # -- partial collectives -----------------------------------------------------------------
+    @overload
+    def partial_allreduce(self, kind: str, like: Any, op: str = ...,
+                          accumulate: bool | str = ..., quorum: int | None = ...,
+                          seed: int | None = ..., name: str | None = ..., *,
+                          algorithm: Literal["hier"], timeout: float | None = ...,
+                          density: float | None = ..., delta: float | None = ...,
+                          deadline: float | tuple[float, float] | None = ...,
+                          mad_factor: float | None = ..., deadline_window: int | None = ...,
+                          survive: bool | None = ..., shm: bool | None = ...
+                          ) -> HierPartialAllreduce: ...
+
+    @overload
+    def partial_allreduce(self, kind: str, like: Any, op: str = ...,
+                          accumulate: bool | str = ..., quorum: int | None = ...,
+                          seed: int | None = ..., name: str | None = ...,
+                          algorithm: str | None = ..., timeout: float | None = ..., *,
+                          density: float | None = ..., delta: float | None = ...,
+                          deadline: float | tuple[float, float] | None = ...,
+                          mad_factor: float | None = ..., deadline_window: int | None = ...,
+                          survive: bool | None = ..., shm: bool | None = ...
+                          ) -> PartialAllreduce: ...
+
     def partial_allreduce(self, kind: str, like: Any, op: str = "sum",
                           accumulate: bool | str = False,
                           quorum: int | None = None, seed: int | None = None,
@@ -788,7 +814,7 @@ class Communicator:
                           mad_factor: float | None = None,
                           deadline_window: int | None = None,
                           survive: bool | None = None,
-                          shm: bool | None = None) -> PartialAllreduce:
+                          shm: bool | None = None) -> PartialAllreduce | HierPartialAllreduce:
         """A persistent partial allreduce handle ``h``: ``await h(x) -> PartialResult``.
 
         ``kind``: ``solo`` (any rank's call starts an execution), ``majority`` (one drawn rank
@@ -869,6 +895,10 @@ class Communicator:
         if accumulate not in (False, True, "sum", "mean", "world"):
             raise ValueError(f"accumulate must be False, True, 'sum', 'mean' or 'world', got "
                              f"{accumulate!r}")
+        if algorithm == "hier":
+            return self._hier_partial(kind, like, like_kind, op, accumulate, quorum, seed, name,
+                                      timeout, deadline, mad_factor, deadline_window, survive,
+                                      shm)
         average = op == "avg"
         if average:
             _avg_op(op, like)
@@ -895,7 +925,7 @@ class Communicator:
         else:
             token, algorithm = self._dense.partial_plan(like, algorithm, shm)
         name = self._handle_name(name, "partial")
-        if name in self._handles:
+        if name in self._handles or name in self._hier_handles:
             raise ValueError(f"name {name!r} is already used by a partial allreduce of this "
                              "communicator")
         s = stable_id(name, 2) if seed is None else int(seed)
@@ -921,6 +951,38 @@ class Communicator:
             else:
                 h._survival = Survival(h, self)
         self._handles[name] = h
+        return h
+
+    def _hier_partial(self, kind: str, like: Any, like_kind: Any, op: str,
+                      accumulate: bool | str, quorum: int | None, seed: int | None,
+                      name: str | None, timeout: float | None, deadline: Any,
+                      mad_factor: float | None, deadline_window: int | None,
+                      survive: bool | None, shm: bool | None) -> HierPartialAllreduce:
+        """``partial_allreduce(..., algorithm="hier")``: :mod:`.hier_partial`, each option it
+        does not offer refused by name."""
+        if isinstance(like, SparseVector) or like_kind is not None:
+            raise TypeError("algorithm='hier' takes NumPy arrays (like), got "
+                            f"{type(like).__name__}")
+        if op == "avg" or accumulate in ("mean", "world"):
+            raise ValueError(f"algorithm='hier': op={op!r}, accumulate={accumulate!r}: "
+                             "averaging divisors would count host sums, not ranks (use "
+                             "op='sum' and divide)")
+        check_op(op)
+        if survive:
+            raise ValueError("algorithm='hier' cannot survive a lost rank (survive=True)")
+        if shm is not None:
+            raise ValueError("algorithm='hier' takes shared memory within each host itself "
+                             f"(shm must be None, got {shm!r})")
+        name = self._handle_name(name, "partial")
+        if name in self._handles or name in self._hier_handles:
+            raise ValueError(f"name {name!r} is already used by a partial allreduce of this "
+                             "communicator")
+        options: dict[str, Any] = {
+            "op": op, "accumulate": accumulate, "quorum": quorum, "seed": seed,
+            "timeout": timeout, "deadline": deadline, "mad_factor": mad_factor,
+            "deadline_window": deadline_window, "survive": False}
+        h = HierPartialAllreduce(self, kind, like, name, options)
+        self._hier_handles[name] = h
         return h
 
     def _shortcut(self, kind: str, x: Any, quorum: int | None = None) -> PartialAllreduce:

@@ -1,0 +1,109 @@
+"""The hierarchical partial allreduce (``algorithm="hier"``): a host activates as a unit.
+
+Real processes over tcp, "hosts" made with ``ASYNCCOLL_HOST_ID`` (uneven: 1 + 2 + 3 ranks, and
+2 + 2). Every partial kind, with ``accumulate=True`` and random per-rank delays: every rank of a
+host gets the same result as its leader, bit for bit; contributors are whole hosts; nothing is
+lost or counted twice (the sum of everything a rank was given, flush included, equals the sum
+of every rank's contributions); the host step goes through shared memory.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import numpy as np
+import pytest
+from _helpers import async_child, free_port, spawn_world
+
+import asynccoll
+
+pytestmark = [pytest.mark.multiprocess]
+
+N = 1 << 16  # 256 KiB of float32: the host groups' allreduce takes shared memory
+STEPS = 8
+KINDS = [("solo", {}), ("majority", {}), ("two_choice", {}), ("quorum", {"quorum": 2}),
+         ("deadline", {"deadline": 0.005})]
+
+
+def _x(rank: int, step: int) -> np.ndarray:
+    # small integers: every sum is exact in float32, whatever the order
+    return np.random.default_rng(100 * rank + step).integers(-8, 9, N).astype(np.float32)
+
+
+async def _main(rank: int, P: int, port: int, hosts: list[int]) -> dict[str, object]:
+    os.environ["ASYNCCOLL_HOST_ID"] = f"host-{hosts[rank]}"
+    comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
+                                   transport="tcp", timeout=60)
+    out: dict[str, object] = {}
+    rng = random.Random(rank)
+    async with comm:
+        for kind, kw in KINDS:
+            h = comm.partial_allreduce(kind, np.zeros(N, np.float32), accumulate=True,
+                                       algorithm="hier", name=f"hier-{kind}", **kw)
+            total = np.zeros(N, np.float64)
+            seen = []
+            for step in range(STEPS):
+                await asyncio.sleep(rng.random() * 0.01 * hosts[rank])  # later hosts slower
+                res = await h(_x(rank, step), timeout=30)
+                total += res.value
+                seen.append((res.round, res.included, sorted(res.contributors),
+                             float(res.value.sum())))
+            res = await h.flush(timeout=30)
+            total += res.value
+            seen.append((res.round, res.included, sorted(res.contributors),
+                         float(res.value.sum())))
+            out[kind] = {"total": total.tolist()[:64], "total_sum": float(total.sum()),
+                         "seen": seen, "hosts": h.hosts,
+                         "flushed": res.flushed, "world": res.world_size}
+        await comm.barrier(timeout=30)
+        await asyncio.sleep(0.1)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("hosts", [[0, 1, 1, 2, 2, 2], [0, 0, 1, 1]], ids=["1+2+3", "2x2"])
+def test_every_kind_across_uneven_hosts(hosts: list[int]) -> None:
+    P = len(hosts)
+    out = spawn_world(async_child, P, (_main, free_port(), hosts), 220)
+    groups = sorted({tuple(r for r in range(P) if hosts[r] == h) for h in set(hosts)})
+    want = np.sum([_x(r, s) for r in range(P) for s in range(STEPS)], axis=0, dtype=np.float64)
+    for kind, _ in KINDS:
+        for r in range(P):
+            got = out[r][kind]
+            assert sorted(map(tuple, got["hosts"])) == groups, (kind, r, got["hosts"])
+            # conservation: all given to this rank over the run, flush included
+            assert np.array_equal(np.array(got["total"]), want[:64]), (kind, r)
+            assert got["total_sum"] == float(want.sum()), (kind, r)
+            assert got["flushed"]
+            assert got["world"] == P
+            for _round, _included, contributors, _ in got["seen"]:
+                # contributors are whole hosts
+                assert all(set(g) <= set(contributors) or not set(g) & set(contributors)
+                           for g in groups), (kind, r, contributors)
+        # every rank of a host gets what its leader got, call by call (the same bits)
+        for g in groups:
+            for r in g[1:]:
+                assert out[r][kind]["seen"] == out[g[0]][kind]["seen"], (kind, g, r)
+    # the hosts did not all wait for each other (the later hosts sleep longer before calls)
+    assert any(len(c) < P for kind, _ in KINDS for _r, _i, c, _s in out[0][kind]["seen"])
+
+
+@pytest.mark.timeout(30)
+async def test_options_it_does_not_offer_are_refused_by_name() -> None:
+    from asynccoll.testing import local_world
+
+    like = np.zeros(8, np.float32)
+    async with local_world(2, "inproc", timeout=10) as comms:
+        comm = comms[0]
+        for kw, said in (({"op": "avg"}, "op='avg'"), ({"accumulate": "mean"}, "accumulate"),
+                         ({"survive": True}, "survive"), ({"shm": True}, "shm")):
+            with pytest.raises(ValueError, match=said):
+                comm.partial_allreduce("solo", like, algorithm="hier", **kw)
+        comm.partial_allreduce("solo", like, algorithm="hier", name="a")
+        with pytest.raises(ValueError, match="already used"):
+            comm.partial_allreduce("solo", like, name="a")
+        h = comm.partial_allreduce("solo", like, algorithm="hier")
+        with pytest.raises(ValueError, match="shape"):
+            await h(np.zeros(9, np.float32))
