@@ -227,6 +227,16 @@ class Communicator:
         return self.transport.world_size
 
     @property
+    def hosts(self) -> list[list[int]]:
+        """The ranks of each host, this communicator's ranks, hosts in the order of their
+        lowest rank (its leader, ``hosts[i][0]``, the rank the hierarchical collectives cross
+        the network from); learned at connect (every rank's host identity: host name and
+        boot id, or ``ASYNCCOLL_HOST_ID``), inherited by groups; ``[]`` where it is not known
+        (a communicator made without :func:`~asynccoll.connect` before its first shared-memory
+        collective)."""
+        return [list(g) for g in self._dense._groups]
+
+    @property
     def progress(self) -> str:
         """``"thread"`` or ``"inline"``."""
         return self._engine.mode

@@ -37,14 +37,15 @@ order), and the leaders' partial handle.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..results import PartialResult
 
-if TYPE_CHECKING:
-    from .communicator import Communicator
+# The communicator and its groups are typed Any here: this module is imported by
+# .communicator, and a type-only import back would make the two import each other.
+Communicator = Any
 
 __all__ = ["HierPartialAllreduce"]
 

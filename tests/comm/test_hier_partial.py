@@ -35,7 +35,7 @@ async def _main(rank: int, P: int, port: int, hosts: list[int]) -> dict[str, obj
     os.environ["ASYNCCOLL_HOST_ID"] = f"host-{hosts[rank]}"
     comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
                                    transport="tcp", timeout=60)
-    out: dict[str, object] = {}
+    out: dict[str, object] = {"comm_hosts": comm.hosts}
     rng = random.Random(rank)
     async with comm:
         for kind, kw in KINDS:
@@ -69,6 +69,9 @@ def test_every_kind_across_uneven_hosts(hosts: list[int]) -> None:
     out = spawn_world(async_child, P, (_main, free_port(), hosts), 220)
     groups = sorted({tuple(r for r in range(P) if hosts[r] == h) for h in set(hosts)})
     want = np.sum([_x(r, s) for r in range(P) for s in range(STEPS)], axis=0, dtype=np.float64)
+    for r in range(P):  # the communicator's own view of the topology
+        assert sorted(map(tuple, out[r]["comm_hosts"])) == groups, out[r]["comm_hosts"]
+        assert [g[0] for g in out[r]["comm_hosts"]] == sorted(g[0] for g in groups)
     for kind, _ in KINDS:
         for r in range(P):
             got = out[r][kind]
