@@ -39,6 +39,19 @@ def test_conservation_quorum_kinds(policy: str) -> None:
     assert run.calls == 3 * 128
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("policy", ["quorum:900", "backup:100", "deadline:900"])
+def test_conservation_quorum_kinds_p1000(policy: str) -> None:
+    # the same at the P = 1000: one step and the flush (each execution sends about
+    # P^2 = 1e6 arrival messages, a minute of simulation per kind on the CI machine)
+    run = simulate(policy, 1000, 1, profile=TCPISH, compute=Uniform(0.0, 3e-4), seed=3,
+                   flush=True)
+    assert run.conserved(), run.summary()
+    assert run.leftover == 0
+    assert run.calls == 1000
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", ["solo", "majority", "two_choice", "quorum:5",
                                     "deadline:6"])

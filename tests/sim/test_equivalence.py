@@ -9,6 +9,12 @@ import numpy as np
 import pytest
 
 from asynccoll.collectives import KERNELS
+from asynccoll.collectives.select import (
+    ALLGATHER_ALGORITHMS,
+    ALLREDUCE_ALGORITHMS,
+    BROADCAST_ALGORITHMS,
+    REDUCE_SCATTER_ALGORITHMS,
+)
 from asynccoll.inspect.kinds import build_all
 from asynccoll.sim import SimExecutor, SimWorld
 from asynccoll.testing import inproc_world, run_schedules
@@ -63,7 +69,24 @@ def _buffers(s: Any, rank: int) -> dict[str, Any]:
 @pytest.mark.parametrize("P", [3, 4, 6])
 @pytest.mark.parametrize("size", [16, 4096])
 async def test_collectives_equal_runtime(kind: str, P: int, size: int) -> None:
-    scheds = build_all(kind, P, size)
+    await _compare(kind, P, build_all(kind, P, size))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("kind", "algorithm", "P"), [
+    (kind, a, P) for kind, names in (("allreduce", ALLREDUCE_ALGORITHMS),
+                                     ("broadcast", BROADCAST_ALGORITHMS),
+                                     ("allgather", ALLGATHER_ALGORITHMS),
+                                     ("reduce_scatter", REDUCE_SCATTER_ALGORITHMS))
+    for a in names for P in (3, 4, 8)
+    if not (a == "recursive_halving" and P & (P - 1))])  # powers of two only
+async def test_every_algorithm_equals_runtime(kind: str, algorithm: str, P: int) -> None:
+    # each algorithm by name (the sizes above let the chooser take only some of them), at a
+    # size that gives every rank several elements per block
+    await _compare(kind, P, build_all(kind, P, 1 << 14, algorithm))
+
+
+async def _compare(kind: str, P: int, scheds: list[Any]) -> None:
     rt_bufs = [_buffers(s, r) for r, s in enumerate(scheds)]
     sim_bufs = [{k: v.copy() for k, v in b.items()} for b in rt_bufs]
     async with inproc_world(P) as ts:
