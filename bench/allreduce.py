@@ -9,7 +9,11 @@ Open MPI.
 default allreduce stays off shared memory); ``asynccoll-shm`` is ``algorithm="shm"`` (every
 rank on this host; the data through shared memory, the wake-ups over tcp);
 ``asynccoll-shm-arena`` the same with arrays from ``comm.empty`` (in shared memory already, so
-nothing is copied in: what the shared-memory path is built for). ``--algorithm shm_one_shot``
+nothing is copied in: what the shared-memory path is built for). ``asynccoll-hier`` (P = 4,
+root with ``ip netns``; skipped otherwise) runs the default allreduce across two network
+namespaces of two ranks each, each namespace its own host: shared memory within a host, tcp
+across the veth between the two (``bench/hier.py`` has the same world beside a flat tcp
+one). ``--algorithm shm_one_shot``
 or ``shm_two_shot`` forces one of the shared-memory algorithms for those rows (by default they
 choose by size). ``asynccoll-partial-shm`` and ``asynccoll-partial-tcp`` time a call of a
 persistent partial allreduce handle (``--partial-kind``, default ``majority``) whose data phase
@@ -57,7 +61,8 @@ from _harness import (
 )
 
 SIZES = [4, 4 << 10, 1 << 20, 16 << 20, 64 << 20]
-ALL_IMPLS = ("asynccoll-tcp", "asynccoll-shm", "asynccoll-shm-arena", "asynccoll-ucx", "gloo",
+ALL_IMPLS = ("asynccoll-tcp", "asynccoll-shm", "asynccoll-shm-arena", "asynccoll-hier",
+             "asynccoll-ucx", "gloo",
              "mpi", "asynccoll-partial-shm", "asynccoll-partial-tcp")
 
 
@@ -273,6 +278,30 @@ def run_mpi_world(P: int, sizes: list[int], quick: bool) -> dict[int, list[float
 
 
 # -- driver ----------------------------------------------------------------------------------
+# -- asynccoll-hier: two "hosts" of network namespaces (bench/hier.py) -------------------------
+def run_hier_rows(Ps: list[int], sizes: list[int], quick: bool) -> list[dict[str, Any]]:
+    """Row ``asynccoll-hier`` at P = 4: two network namespaces of two ranks each, each its own
+    host, the default allreduce (hierarchical: shared memory within each host, tcp across the
+    veth between them; ``bench/hier.py``, whose flat tcp row this run's ``asynccoll-tcp`` is
+    not: that one is on loopback). Needs root and ``ip netns``; skipped, saying why, otherwise
+    and at other P."""
+    import hier
+
+    why = hier.netns_missing()
+    if why or 4 not in Ps:
+        print(f"allreduce: skipping asynccoll-hier: {why or 'P = 4 only (2 hosts x 2 ranks)'}",
+              file=sys.stderr)
+        return []
+    t0 = time.time()
+    res: dict[int, list[float]] = {}
+    with hier.Hosts() as hosts:
+        for size in sizes:  # each size with its own calls, as the other rows
+            warm, timed = calls_for(size, quick)
+            res.update(hier.run(hosts, "asynccoll-hier", [size], timed, warm, free_port()))
+    print(f"allreduce: asynccoll-hier P=4 done in {time.time() - t0:.1f} s", file=sys.stderr)
+    return rows_of("asynccoll-hier", 4, res)
+
+
 def rows_of(impl: str, P: int, res: dict[int, list[float]]) -> list[dict[str, Any]]:
     rows = []
     for size, times in res.items():
@@ -371,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {r['impl']:>24} {r['size']:>10} B  {r['time_us_median']:>12.1f} µs",
                       file=sys.stderr)
     for impl in impls:
+        if impl == "asynccoll-hier":
+            rows += run_hier_rows(Ps, sizes, args.quick)
+            continue
         need = {"asynccoll-tcp": None, "asynccoll-shm": None, "asynccoll-shm-arena": None,
                 "asynccoll-ucx": "ucx", "asynccoll-partial-shm": None,
                 "asynccoll-partial-tcp": None,

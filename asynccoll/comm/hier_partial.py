@@ -26,7 +26,8 @@ leaders' contributions (host sums), and ``world_size`` is the world's size. ``qu
 (quorum and deadline kinds) counts hosts. Not offered here, each refused by name:
 ``op="avg"`` and ``accumulate="mean"``/``"world"`` (their divisors count host sums, not
 ranks), ``survive`` (a lost rank would leave its host's ranks waiting), ``shm`` (the host
-step always takes shared memory), sparse and tensor data (NumPy arrays only).
+step always takes shared memory), sparse and tensor data (NumPy arrays only). Its calls are
+awaited only (no ``blocking`` twin, no ``out=``, no ``combine``).
 
 **Setup.** The first call (or flush) of the handle on each rank makes the host groups and the
 leaders' group (``comm.split("host")``, ``comm.group(leaders)``: collective over the whole

@@ -27,8 +27,8 @@ RANK = SHM_VICTIM_PREAMBLE + """
 if VICTIM and when == "attach":
     attach = shm.Segment.attach.__func__
 
-    def attach_then_die(cls, path, nbytes):
-        seg = attach(cls, path, nbytes)
+    def attach_then_die(cls, path, nbytes, *more):
+        seg = attach(cls, path, nbytes, *more)
         die()
 
     shm.Segment.attach = classmethod(attach_then_die)

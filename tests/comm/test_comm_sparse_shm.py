@@ -254,12 +254,17 @@ async def _partial_main(rank: int, P: int, port: int, kind: str, algorithm: str
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(("kind", "algorithm"), [("majority", "ssar_split_allgather"),
-                                                 ("solo", "dsar_split_allgather"),
-                                                 ("quorum", "ssar_split_allgather")])
-def test_partial_handles_conserve_through_shared_memory(kind: str, algorithm: str) -> None:
+@pytest.mark.parametrize(("kind", "algorithm", "P"), [
+    ("majority", "ssar_split_allgather", 4), ("solo", "dsar_split_allgather", 4),
+    ("quorum", "ssar_split_allgather", 4),
+    # every kind at other world sizes too (the issue asks P = 1 .. 8; P = 1 has no peers)
+    ("solo", "ssar_split_allgather", 2), ("two_choice", "ssar_split_allgather", 3),
+    ("deadline", "dsar_split_allgather", 5), ("majority", "dsar_split_allgather", 8),
+    ("two_choice", "dsar_split_allgather", 8)])
+def test_partial_handles_conserve_through_shared_memory(kind: str, algorithm: str,
+                                                        P: int) -> None:
     before = _ours()
-    got = spawn_world(async_child, 4, (_partial_main, free_port(), kind, algorithm), 120)
+    got = spawn_world(async_child, P, (_partial_main, free_port(), kind, algorithm), 120)
     contributed = np.sum([np.array(g["mine"], np.float32) for g in got], axis=0)
     for g in got:
         assert g["shm"]

@@ -182,9 +182,18 @@ def test_segments_are_private(tmp_path: Path) -> None:
     assert not a.flags.writeable  # peers map read-only
     del a
     peer.close()
+    # writable where asked (the arrays of comm.empty: peers write their reduced blocks)
+    peer = Segment.attach(path, 4096, writable=True)
+    a = peer.array(np.uint8, 4096)
+    a[:3] = (7, 8, 9)
+    assert seg.array(np.uint8, 3).tolist() == [7, 8, 9]  # the owner sees the peer's write
+    del a
+    peer.close()
     os.chmod(path, 0o644)
     with pytest.raises(PermissionError, match="mode 644"):
         Segment.attach(path, 4096)
+    with pytest.raises(PermissionError, match="mode 644"):
+        Segment.attach(path, 4096, writable=True)
     os.chmod(path, 0o600)
     if os.geteuid() == 0:  # only root can hand a file to another user
         os.chown(path, 65534, 65534)
