@@ -299,7 +299,10 @@ def run_hier_rows(Ps: list[int], sizes: list[int], quick: bool) -> list[dict[str
             warm, timed = calls_for(size, quick)
             res.update(hier.run(hosts, "asynccoll-hier", [size], timed, warm, free_port()))
     print(f"allreduce: asynccoll-hier P=4 done in {time.time() - t0:.1f} s", file=sys.stderr)
-    return rows_of("asynccoll-hier", 4, res)
+    rows = rows_of("asynccoll-hier", 4, res)
+    for r in rows:
+        print(f"  {r['size']:>10} B  {r['time_us_median']:>12.1f} µs", file=sys.stderr)
+    return rows
 
 
 def rows_of(impl: str, P: int, res: dict[int, list[float]]) -> list[dict[str, Any]]:

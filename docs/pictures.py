@@ -121,7 +121,7 @@ PICTURES: dict[str, Callable[[Path], None]] = {
     "bench-p2p.png": _bench("p2p"),
     "p2p_tcp_full.png": _bench("p2p", "p2p_tcp_full"),
     "bench-sched_overhead.png": _bench("sched_overhead"),
-    "bench-allreduce-shm.png": _bench("allreduce", "allreduce_p4_push_run1"),
+    "bench-allreduce-shm.png": _bench("allreduce", "allreduce_p4_shm_hier"),
     "bench-sim_seeds.png": _bench("sim_seeds"),
     "bench-sim_validate.png": _bench("sim_validate"),
     "bench-wake.png": _bench("wake"),
