@@ -635,8 +635,9 @@ class Communicator:
         reduces it where it is, with no copy in or out: each rank reduces its block of every
         rank's array and writes it into each (:mod:`asynccoll.comm.shm`), the fastest
         allreduce on one host; fill it before the call and do not write it during one. The
-        peers write into it only during an allreduce of it. It lives until the communicator
-        closes, its memory freed with the last reference; nothing is left in ``/dev/shm``.
+        peers write into it only during an allreduce of it (after one that failed or timed out
+        on this rank, peers still in it may write into it until they fail or complete: its
+        contents are undefined until then). It lives until the communicator closes, its memory freed with the last reference; nothing is left in ``/dev/shm``.
         """
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         self._check_open()
@@ -905,6 +906,9 @@ class Communicator:
         if accumulate not in (False, True, "sum", "mean", "world"):
             raise ValueError(f"accumulate must be False, True, 'sum', 'mean' or 'world', got "
                              f"{accumulate!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                                 or seed < 0):
+            raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
         if algorithm == "hier":
             return self._hier_partial(kind, like, like_kind, op, accumulate, quorum, seed, name,
                                       timeout, deadline, mad_factor, deadline_window, survive,
@@ -922,9 +926,6 @@ class Communicator:
                 sparse or op != "sum" or not np.issubdtype(np.dtype(like.dtype), np.floating)):
             raise ValueError(f"accumulate={accumulate!r} needs dense floating-point data and "
                              f"op='sum' (got like={type(like).__name__}, op={op!r})")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                                 or seed < 0):
-            raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
         token: int | None = None
         # before the name is taken: a refusal must not shift the automatic names
         if sparse:
@@ -978,6 +979,8 @@ class Communicator:
                              "averaging divisors would count host sums, not ranks (use "
                              "op='sum' and divide)")
         check_op(op)
+        if self.hosts:  # known (connect() learns them): quorum counts hosts
+            check_kind(kind, len(self.hosts), quorum)
         if survive:
             raise ValueError("algorithm='hier' cannot survive a lost rank (survive=True)")
         if shm is not None:

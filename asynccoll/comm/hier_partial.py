@@ -11,8 +11,9 @@ a call goes like the hierarchical synchronous allreduce (docs/collectives.md):
    every rule of that kind (activation, rule 1, staleness, accumulation);
 3. **within the host** again: the leader hands the result and what it says (round,
    contributors, ...) to its ranks, through shared memory as well (the value as a sum in which
-   the other ranks put zeros: ``v + 0 = v`` exactly, so every rank of the host, the leader
-   included, holds the same bits).
+   the other ranks put ``-0.0``, or 0 for integers: ``v + (-0.0) = v`` bit for bit, ``-0.0``
+   included, so every rank of the host, the leader included, holds the same bits). A leader
+   whose call failed says so instead, and every rank of its host raises.
 
 So a host whose ranks are late is a late host: the fast hosts go on without it, and its sum
 goes into a later execution, as a late rank's data does in the flat handle; a straggler within
@@ -32,7 +33,12 @@ awaited only (no ``blocking`` twin, no ``out=``, no ``combine``).
 **Setup.** The first call (or flush) of the handle on each rank makes the host groups and the
 leaders' group (``comm.split("host")``, ``comm.group(leaders)``: collective over the whole
 communicator, so every rank makes its first call among its other collectives in the same
-order), and the leaders' partial handle.
+order), and the leaders' partial handle; a leader that cannot make it (a ``quorum`` above the
+number of hosts, where the hosts were not known at creation) fails its whole host, and the
+handle raises that error from then on. The hosts are the communicator's (:attr:`Communicator.hosts
+<asynccoll.Communicator.hosts>`, in its own ranks: groups work too). One call at a time per
+handle and rank (:class:`~asynccoll.BusyError`). After a call that failed or was cancelled
+on some rank, a host's ranks and the leaders may be out of step: close the handle.
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import BusyError, ExecutionError, TransportClosedError
 from ..results import PartialResult
+from .shm import host_groups, host_hash
 
 # The communicator and its groups are typed Any here: this module is imported by
 # .communicator, and a type-only import back would make the two import each other.
@@ -51,8 +59,8 @@ Communicator = Any
 __all__ = ["HierPartialAllreduce"]
 
 # the header the leader hands to its host: these fields, then per leader its contributor
-# flag, its fresh flag and its arrival (NaN: none)
-_ROUND, _INCLUDED, _COUNT, _MISSED, _FLUSHED, _EXPIRED, _DEADLINE, _FIELDS = range(8)
+# flag, its fresh flag and its arrival (NaN: none); _FAILED: the leader's call raised
+_ROUND, _INCLUDED, _COUNT, _MISSED, _FLUSHED, _EXPIRED, _DEADLINE, _FAILED, _FIELDS = range(9)
 
 
 class HierPartialAllreduce:
@@ -61,7 +69,7 @@ class HierPartialAllreduce:
     Made by :meth:`Communicator.partial_allreduce
     <asynccoll.Communicator.partial_allreduce>` with ``algorithm="hier"``; the same calls as
     :class:`~asynccoll.comm.partial.PartialAllreduce`: ``await h(x)``, ``await h.flush()``,
-    ``await h.close()``.
+    ``await h.close()``. One call at a time per handle (:class:`~asynccoll.BusyError`).
     """
 
     def __init__(self, comm: Communicator, kind: str, like: np.ndarray[Any, Any], name: str,
@@ -73,78 +81,114 @@ class HierPartialAllreduce:
         self._options = options
         self._setup_lock = asyncio.Lock()
         self._host: Communicator | None = None
-        self._lead: Communicator | None = None
         self._handle: Any = None
-        self._hosts: list[list[int]] = []  # the world ranks of each leader's host, in order
+        self._hosts: list[list[int]] = []  # the ranks of each leader's host, in order
+        self._failed: BaseException | None = None  # the setup's error, raised at every call
+        self._busy = False
         self._closed = False
 
     @property
     def hosts(self) -> list[list[int]]:
-        """The world ranks of each host, in the order of their leaders (after the first
-        call)."""
+        """The ranks of each host (the communicator's ranks), in the order of their leaders
+        (after the first call)."""
         return [list(h) for h in self._hosts]
 
     async def _setup(self, timeout: float | None) -> Communicator:
         async with self._setup_lock:
+            if self._failed is not None:
+                raise self._failed
             if self._host is None:
                 comm = self._comm
+                hosts = comm.hosts
+                if not hosts:  # a communicator made without connect(): learn them here
+                    got = await comm.allgather(np.array([host_hash()], np.int64), timeout)
+                    hosts = host_groups(got[:, 0].tolist())
                 host = await comm.split("host", timeout=timeout)
                 assert host is not None
-                leader = int(host.members[0])  # ordered by rank: the lowest
-                of = (await comm.allgather(np.array([leader], np.int64), timeout))[:, 0]
-                leaders = sorted(set(of.tolist()))
-                self._hosts = [[r for r in range(comm.size) if of[r] == lead]
-                               for lead in leaders]
-                self._lead = await comm.group(leaders, timeout)
-                if self._lead is not None:
-                    self._handle = self._lead.partial_allreduce(
-                        self.kind, self._like, name=f"{self.name}/leaders", **self._options)
+                lead = await comm.group([g[0] for g in hosts], timeout)
+                err: BaseException | None = None
+                if lead is not None:
+                    try:
+                        self._handle = lead.partial_allreduce(
+                            self.kind, self._like, name=f"{self.name}/leaders", **self._options)
+                    except (ValueError, TypeError) as exc:
+                        err = exc
+                # a leader that could not make its handle says so to its host (every leader
+                # fails alike: the same arguments, the same hosts)
+                flag = await host.allreduce(np.array([err is not None], np.int64), "max",
+                                            timeout=timeout)
+                if err is not None or flag[0]:
+                    self._failed = err or ExecutionError(
+                        f"hierarchical partial allreduce {self.name!r}: this host's leader "
+                        "could not make the leaders' handle (see its error)")
+                    raise self._failed
+                self._hosts = hosts
                 self._host = host
             return self._host
 
     async def __call__(self, x: Any, timeout: float | None = None) -> PartialResult:
         """Contribute ``x`` (shape and dtype of ``like``): its host's sum goes to the leaders'
         handle; returns what that call returned, for every rank of the host (module doc).
-        Raises as the flat handle's call does."""
-        self._check_open()
+        Raises as the flat handle's call does; every rank of a host raises when its leader's
+        call failed."""
         x = np.asarray(x)
         if x.shape != self._like.shape or x.dtype != self._like.dtype:
             raise ValueError(f"x must have like's shape {self._like.shape} and dtype "
                              f"{self._like.dtype}, got {x.shape} {x.dtype}")
-        host = await self._setup(timeout)
-        op = self._options.get("op", "sum")
-        summed = await host.allreduce(x, op=op, timeout=timeout)
-        res = None if self._handle is None else await self._handle(summed, timeout)
-        return await self._hand_out(host, res, timeout)
+        async with self._one_at_a_time():
+            host = await self._setup(timeout)
+            op = self._options.get("op", "sum")
+            summed = await host.allreduce(x, op=op, timeout=timeout)
+            return await self._lead_and_hand_out(
+                host, None if self._handle is None else self._handle(summed, timeout), timeout)
 
     async def flush(self, timeout: float | None = None) -> PartialResult:
-        """Collective over the world: every rank calls it after its last call; the leaders
-        flush their handle (docs of :meth:`PartialAllreduce.flush
+        """Collective over the communicator: every rank calls it after its last call; the
+        leaders flush their handle (:meth:`PartialAllreduce.flush
         <asynccoll.comm.partial.PartialAllreduce.flush>`) and hand its result out."""
-        self._check_open()
-        host = await self._setup(timeout)
-        res = None if self._handle is None else await self._handle.flush(timeout)
-        return await self._hand_out(host, res, timeout)
+        async with self._one_at_a_time():
+            host = await self._setup(timeout)
+            return await self._lead_and_hand_out(
+                host, None if self._handle is None else self._handle.flush(timeout), timeout)
 
     async def close(self) -> None:
-        """Stop this handle on this rank (local, as the flat handle's close). Idempotent."""
+        """Stop this handle on this rank (local, as the flat handle's close; a call under way
+        on a host whose leader closed raises on every rank of that host). Idempotent."""
         self._closed = True
         if self._handle is not None:
             await self._handle.close()
 
-    def _check_open(self) -> None:
+    def _one_at_a_time(self) -> Any:
         if self._closed:
-            raise ValueError(f"hierarchical partial allreduce {self.name!r} is closed")
+            raise TransportClosedError(f"hierarchical partial allreduce {self.name!r} is "
+                                       "closed")
+        if self._busy:
+            raise BusyError(f"hierarchical partial allreduce {self.name!r}: a call or flush "
+                            "is under way on this rank (one at a time per handle)")
+        return _Busy(self)
 
-    async def _hand_out(self, host: Communicator, res: PartialResult | None,
-                        timeout: float | None) -> PartialResult:
-        """The leader's result to every rank of its host (module doc, step 3)."""
+    async def _lead_and_hand_out(self, host: Communicator, lead: Any,
+                                 timeout: float | None) -> PartialResult:
+        """Await the leader's call ``lead`` (None elsewhere) and hand its result to every
+        rank of its host (module doc, step 3); a leader whose call failed tells its host so,
+        and every rank of it raises."""
+        res: PartialResult | None = None
+        err: BaseException | None = None
+        if lead is not None:
+            try:
+                res = await lead
+            except Exception as exc:  # told to the host below, then raised here
+                err = exc
         n = len(self._hosts)
         head = np.full(_FIELDS + 3 * n, np.nan)
-        value = np.zeros_like(self._like)
+        head[_FAILED] = err is not None
+        # the leader's value in a sum where the others put -0.0 (floats) or 0: x + -0.0 is
+        # x bit for bit, -0.0 included, so every rank of the host holds the same bits
+        fill = -0.0 if self._like.dtype.kind in "fc" else 0
+        value = np.full_like(self._like, fill)
         if res is not None:
             expired = res.deadline_expired
-            head[:_FIELDS] = (res.round, res.included, res.count, res.missed, res.flushed,
+            head[:_FAILED] = (res.round, res.included, res.count, res.missed, res.flushed,
                               -1 if expired is None else expired,
                               np.nan if res.deadline is None else res.deadline)
             head[_FIELDS:_FIELDS + n] = [i in res.contributors for i in range(n)]
@@ -153,6 +197,11 @@ class HierPartialAllreduce:
                 head[_FIELDS + 2 * n + i] = t
             value[...] = res.value
         head = await host.broadcast(head, 0, timeout)
+        if head[_FAILED]:
+            if err is not None:
+                raise err
+            raise ExecutionError(f"hierarchical partial allreduce {self.name!r}: the call of "
+                                 "this host's leader failed (see its error)")
         value = await host.allreduce(value, timeout=timeout)
         return self._result(value, head)
 
@@ -178,3 +227,16 @@ class HierPartialAllreduce:
     def __repr__(self) -> str:
         return (f"HierPartialAllreduce(kind={self.kind!r}, name={self.name!r}, "
                 f"hosts={self._hosts or 'not yet known'})")
+
+
+class _Busy:
+    """``async with``: the handle's one call at a time."""
+
+    def __init__(self, h: HierPartialAllreduce) -> None:
+        self._h = h
+
+    async def __aenter__(self) -> None:
+        self._h._busy = True
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._h._busy = False

@@ -37,7 +37,15 @@ async def _main(rank: int, P: int, port: int, hosts: list[int]) -> dict[str, obj
                                    transport="tcp", timeout=60)
     out: dict[str, object] = {"comm_hosts": comm.hosts}
     rng = random.Random(rank)
+    checks: list[bool] = []
     async with comm:
+        # quorum counts hosts: more than there are is refused at creation, on every rank
+        try:
+            comm.partial_allreduce("quorum", np.zeros(4, np.float32), quorum=P,
+                                   algorithm="hier")
+            out["quorum refused"] = False
+        except ValueError as exc:
+            out["quorum refused"] = "quorum" in str(exc)
         for kind, kw in KINDS:
             h = comm.partial_allreduce(kind, np.zeros(N, np.float32), accumulate=True,
                                        algorithm="hier", name=f"hier-{kind}", **kw)
@@ -49,6 +57,13 @@ async def _main(rank: int, P: int, port: int, hosts: list[int]) -> dict[str, obj
                 total += res.value
                 seen.append((res.round, res.included, sorted(res.contributors),
                              float(res.value.sum())))
+                mine = set(h.hosts[[rank in g for g in h.hosts].index(True)])
+                # the fields name the right hosts: this call's data in value means this
+                # host among the contributors; fresh ranks contributed; arrivals are theirs
+                checks.append(not res.included or mine <= res.contributors)
+                checks.append(res.fresh <= res.contributors)
+                checks.append(set(res.arrivals) <= set(res.fresh))
+                checks.append((res.lateness is None) == (rank not in res.arrivals))
             res = await h.flush(timeout=30)
             total += res.value
             seen.append((res.round, res.included, sorted(res.contributors),
@@ -56,6 +71,25 @@ async def _main(rank: int, P: int, port: int, hosts: list[int]) -> dict[str, obj
             out[kind] = {"total": total.tolist()[:64], "total_sum": float(total.sum()),
                          "seen": seen, "hosts": h.hosts,
                          "flushed": res.flushed, "world": res.world_size}
+        # op="min" over floats with -0.0 in them: every rank of every host the same bits
+        h = comm.partial_allreduce("solo", np.zeros(N, np.float32), op="min",
+                                   algorithm="hier", name="hier-min")
+        x = np.where(np.arange(N) % 3 == rank % 3, -0.0, 1.0 + rank).astype(np.float32)
+        res = await h(x, timeout=30)
+        fl = await h.flush(timeout=30)
+        out["min bits"] = [res.round, res.value.tobytes().hex()[:4096],
+                           fl.value.tobytes().hex()[:4096]]
+        # on a sub-communicator (ranks 1..P-1): hosts in its own ranks, conservation
+        sub = await comm.group(list(range(1, P)), timeout=30)
+        if sub is not None:
+            h = sub.partial_allreduce("solo", np.zeros(8, np.float32), accumulate=True,
+                                      algorithm="hier", name="hier-sub")
+            got = np.zeros(8, np.float64)
+            for step in range(3):
+                got += (await h(np.full(8, rank + step, np.float32), timeout=30)).value
+            got += (await h.flush(timeout=30)).value
+            out["sub"] = [got.tolist(), h.hosts, sub.hosts]
+        out["checks"] = checks
         await comm.barrier(timeout=30)
         await asyncio.sleep(0.1)
     return out
@@ -89,6 +123,19 @@ def test_every_kind_across_uneven_hosts(hosts: list[int]) -> None:
         for g in groups:
             for r in g[1:]:
                 assert out[r][kind]["seen"] == out[g[0]][kind]["seen"], (kind, g, r)
+    for r in range(P):
+        assert out[r]["quorum refused"], r
+        assert all(out[r]["checks"]), r
+        assert out[r]["min bits"] == out[0]["min bits"], r  # -0.0 kept, on every host
+    assert "8000" in out[0]["min bits"][1]  # (float32 -0.0 is 00000080 little-endian)
+    # the sub-communicator: its own ranks, every contribution once
+    sub_hosts = [[q - 1 for q in g if q > 0] for g in groups]
+    sub_hosts = sorted(g for g in sub_hosts if g)
+    want_sub = sum(r + step for r in range(1, P) for step in range(3))
+    for r in range(1, P):
+        got, h_hosts, s_hosts = out[r]["sub"]
+        assert sorted(h_hosts) == sub_hosts == sorted(s_hosts), (r, h_hosts, s_hosts)
+        assert got == [want_sub] * 8, (r, got)
     # the hosts did not all wait for each other (the later hosts sleep longer before calls)
     assert any(len(c) < P for kind, _ in KINDS for _r, _i, c, _s in out[0][kind]["seen"])
 
@@ -110,3 +157,15 @@ async def test_options_it_does_not_offer_are_refused_by_name() -> None:
         h = comm.partial_allreduce("solo", like, algorithm="hier")
         with pytest.raises(ValueError, match="shape"):
             await h(np.zeros(9, np.float32))
+        # one call at a time per handle, as the flat handle's
+        h1 = comm.partial_allreduce("solo", like, algorithm="hier", name="busy")
+        first = asyncio.ensure_future(h1(like, timeout=5))
+        await asyncio.sleep(0)
+        with pytest.raises(asynccoll.BusyError):
+            await h1(like, timeout=5)
+        first.cancel()
+        # seed and quorum are checked before anything else
+        with pytest.raises(ValueError, match="seed"):
+            comm.partial_allreduce("solo", like, algorithm="hier", seed=-1)
+        with pytest.raises(ValueError, match="quorum"):
+            comm.partial_allreduce("solo", like, algorithm="hier", quorum=1)
