@@ -637,7 +637,8 @@ class Communicator:
         allreduce on one host; fill it before the call and do not write it during one. The
         peers write into it only during an allreduce of it (after one that failed or timed out
         on this rank, peers still in it may write into it until they fail or complete: its
-        contents are undefined until then). It lives until the communicator closes, its memory freed with the last reference; nothing is left in ``/dev/shm``.
+        contents are undefined until then). It lives until the communicator closes, its
+        memory freed with the last reference; nothing is left in ``/dev/shm``.
         """
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         self._check_open()
