@@ -71,9 +71,11 @@ async def _main(rank: int, P: int, port: int, hosts: list[int]) -> dict[str, obj
             out[kind] = {"total": total.tolist()[:64], "total_sum": float(total.sum()),
                          "seen": seen, "hosts": h.hosts,
                          "flushed": res.flushed, "world": res.world_size}
-        # op="min" over floats with -0.0 in them: every rank of every host the same bits
-        h = comm.partial_allreduce("solo", np.zeros(N, np.float32), op="min",
-                                   algorithm="hier", name="hier-min")
+        # op="min" over floats with -0.0 in them: every rank of every host the same bits (a
+        # quorum of every host, so that every rank gets the same execution: under solo a late
+        # host may be handed the next, empty one)
+        h = comm.partial_allreduce("quorum", np.zeros(N, np.float32), op="min",
+                                   quorum=len(comm.hosts), algorithm="hier", name="hier-min")
         x = np.where(np.arange(N) % 3 == rank % 3, -0.0, 1.0 + rank).astype(np.float32)
         res = await h(x, timeout=30)
         fl = await h.flush(timeout=30)
@@ -127,7 +129,9 @@ def test_every_kind_across_uneven_hosts(hosts: list[int]) -> None:
         assert out[r]["quorum refused"], r
         assert all(out[r]["checks"]), r
         assert out[r]["min bits"] == out[0]["min bits"], r  # -0.0 kept, on every host
-    assert "8000" in out[0]["min bits"][1]  # (float32 -0.0 is 00000080 little-endian)
+    # every element has a rank with -0.0 there, so the minimum is -0.0 throughout (float32
+    # -0.0 is 00000080 little-endian; +0.0 would be 00000000)
+    assert out[0]["min bits"][1] == "00000080" * 512
     # the sub-communicator: its own ranks, every contribution once
     sub_hosts = [[q - 1 for q in g if q > 0] for g in groups]
     sub_hosts = sorted(g for g in sub_hosts if g)
