@@ -936,10 +936,7 @@ class Communicator:
                                                      algorithm or chosen, algorithm, shm)
         else:
             token, algorithm = self._dense.partial_plan(like, algorithm, shm)
-        name = self._handle_name(name, "partial")
-        if name in self._handles or name in self._hier_handles:
-            raise ValueError(f"name {name!r} is already used by a partial allreduce of this "
-                             "communicator")
+        name = self._partial_name(name)
         s = stable_id(name, 2) if seed is None else int(seed)
         t = self.timeout if timeout is None else timeout
         contribution: Contribution = (
@@ -965,6 +962,15 @@ class Communicator:
         self._handles[name] = h
         return h
 
+    def _partial_name(self, name: str | None) -> str:
+        """``name`` checked (or the next automatic one) for a new partial handle, flat or
+        hierarchical; ``ValueError`` when one of this communicator's has it already."""
+        name = self._handle_name(name, "partial")
+        if name in self._handles or name in self._hier_handles:
+            raise ValueError(f"name {name!r} is already used by a partial allreduce of this "
+                             "communicator")
+        return name
+
     def _hier_partial(self, kind: str, like: Any, like_kind: Any, op: str,
                       accumulate: bool | str, quorum: int | None, seed: int | None,
                       name: str | None, timeout: float | None, deadline: Any,
@@ -987,10 +993,7 @@ class Communicator:
         if shm is not None:
             raise ValueError("algorithm='hier' takes shared memory within each host itself "
                              f"(shm must be None, got {shm!r})")
-        name = self._handle_name(name, "partial")
-        if name in self._handles or name in self._hier_handles:
-            raise ValueError(f"name {name!r} is already used by a partial allreduce of this "
-                             "communicator")
+        name = self._partial_name(name)
         options: dict[str, Any] = {
             "op": op, "accumulate": accumulate, "quorum": quorum, "seed": seed,
             "timeout": timeout, "deadline": deadline, "mad_factor": mad_factor,
