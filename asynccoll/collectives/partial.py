@@ -66,7 +66,7 @@ One rank's schedule, executed again and again by a persistent executor::
   learns the same contributors and counts, and ranks that disagree on the collective find out.
 * The data allreduce is :func:`~asynccoll.collectives.dense.build_allreduce` (algorithm chosen
   by size and P, or ``algorithm=``), in place on ``data``. On one host the runtime may build
-  :func:`asynccoll.comm.shm.build_shm_partial_allreduce` instead: the same front without the
+  :func:`asynccoll.collectives.shm.build_shm_partial_allreduce` instead: the same front without the
   activation broadcast (``append_activation_front(broadcast=False)``), the data through
   shared memory, whose first message activates.
 

@@ -31,6 +31,7 @@ from ..collectives.partial import (
     packs_meta,
     signature,
 )
+from ..collectives.shm import SHM_NAMES, build_shm_partial_allreduce, shm_algorithm
 from ..collectives.sparse.partial import build_sparse_partial_allreduce, sparse_signature
 from ..collectives.sparse.schedules import choose_algorithm, read_result
 from ..collectives.sparse.streams import (
@@ -43,7 +44,6 @@ from ..collectives.sparse.streams import (
     write_piece,
 )
 from ..sched import Schedule
-from .shm import SHM_NAMES, build_shm_partial_allreduce, shm_algorithm
 
 __all__ = ["Combine", "Contribution", "DenseContribution", "SparseContribution"]
 
@@ -135,8 +135,8 @@ class DenseContribution(Contribution):
 
     Schedule: :func:`~asynccoll.collectives.partial.build_partial_allreduce` (the meta vector
     packed after the data where the dtype carries it exactly), or with ``algorithm`` one of
-    :data:`~asynccoll.comm.shm.SHM_NAMES` the data phase through shared memory
-    (:func:`~asynccoll.comm.shm.build_shm_partial_allreduce`: the handle binds the segments,
+    :data:`~asynccoll.collectives.shm.SHM_NAMES` the data phase through shared memory
+    (:func:`~asynccoll.collectives.shm.build_shm_partial_allreduce`: the handle binds the segments,
     :attr:`shm`). Costs per call one reduction into the send buffer (or ``combine``), per
     execution one copy of the result.
     """

@@ -23,6 +23,18 @@ import numpy as np
 
 from ..collectives import dense
 from ..collectives.dense import REDUCE_OPS, scratch_buffers
+from ..collectives.shm import (
+    SHM_ALGORITHMS,
+    SHM_INPLACE_OWN_KERNELS,
+    SHM_MIN_BYTES,
+    SHM_NAMES,
+    build_hier_allreduce,
+    build_shm_allreduce,
+    build_shm_inplace,
+    choose_shm,
+    host_groups,
+    shm_algorithm,
+)
 from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS
 from ..errors import ExecutionError, PeerLostError
 from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
@@ -36,23 +48,7 @@ from .cma import (
     read_remote,
     write_remote,
 )
-from .shm import (
-    SHM_ALGORITHMS,
-    SHM_DIR,
-    SHM_INPLACE_OWN_KERNELS,
-    SHM_MIN_BYTES,
-    SHM_NAMES,
-    Segment,
-    build_hier_allreduce,
-    build_shm_allreduce,
-    build_shm_inplace,
-    choose_shm,
-    host_groups,
-    host_hash,
-    new_token,
-    segment_path,
-    shm_algorithm,
-)
+from .shm import SHM_DIR, Segment, host_hash, new_token, segment_path
 from .stall import wait_or_warn
 
 __all__ = ["DenseOps", "ShmUnavailable"]

@@ -26,9 +26,20 @@ hosts whose leader was one, ``arrivals`` gives every rank of a host its leader's
 leaders' contributions (host sums), and ``world_size`` is the world's size. ``quorum``
 (quorum and deadline kinds) counts hosts. Not offered here, each refused by name:
 ``op="avg"`` and ``accumulate="mean"``/``"world"`` (their divisors count host sums, not
-ranks), ``survive`` (a lost rank would leave its host's ranks waiting), ``shm`` (the host
-step always takes shared memory), sparse and tensor data (NumPy arrays only). Its calls are
-awaited only (no ``blocking`` twin, no ``out=``, no ``combine``).
+ranks), ``survive`` (see **A lost rank** below), ``shm`` (the host step always takes shared memory),
+sparse and tensor data (NumPy arrays only). Its calls are awaited, or blocking
+(:meth:`HierPartialAllreduce.blocking`, ``comm.blocking.partial_allreduce(...,
+algorithm="hier")``); no ``out=``, no ``combine``.
+
+**A lost rank.** A result of this handle is complete only with every host's leader in the
+leaders' handle and every rank of a host in its host's sum; a lost rank breaks one of them
+while the other hosts could go on among themselves and return sums that lack it. So the handle
+follows the communicator's membership (:mod:`.membership`): from the moment this rank learns
+of a loss (within a round trip of it, DESIGN §10), the call under way and every later one raise
+:class:`~asynccoll.PeerLostError` naming the lost rank in the communicator's numbering, on
+every rank of every host, and no result is returned after it. A handle that goes on without
+the lost rank (``survive``) needs a new leader to take the place of a lost one in the leaders'
+partial handle, which is a join; it is refused by name until joins exist (docs/groups.md).
 
 **Setup.** The first call (or flush) of the handle on each rank makes the host groups and the
 leaders' group (``comm.split("host")``, ``comm.group(leaders)``: collective over the whole
@@ -44,17 +55,48 @@ on some rank, a host's ranks and the leaders may be out of step: close the handl
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ..errors import BusyError, ExecutionError, TransportClosedError
+from ..collectives.shm import host_groups
+from ..errors import BusyError, ExecutionError, PeerLostError, TransportClosedError
 from ..results import PartialResult
-from .shm import host_groups, host_hash
+from .membership import Membership
+from .shm import host_hash
 
-# The communicator and its groups are typed Any here: this module is imported by
-# .communicator, and a type-only import back would make the two import each other.
-Communicator = Any
+T = TypeVar("T")
+
+
+class _Submit(Protocol):
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Any: ...
+
+
+class Communicator(Protocol):
+    """What this handle needs of a :class:`~asynccoll.Communicator` (and of its groups), by
+    shape: the communicator imports this module, so this module names no class of it."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def hosts(self) -> list[list[int]]: ...
+    @property
+    def membership(self) -> Membership: ...
+    @property
+    def blocking(self) -> _Submit: ...
+    async def allgather(self, x: Any, timeout: float | None = None) -> Any: ...
+    async def allreduce(self, x: Any, op: str = "sum", algorithm: str | None = None,
+                        timeout: float | None = None, *, out: Any = None) -> Any: ...
+    async def broadcast(self, x: Any, root: int = 0, timeout: float | None = None) -> Any: ...
+    async def split(self, color: int | str | None, key: int | None = None,
+                    timeout: float | None = None) -> Communicator | None: ...
+    async def group(self, ranks: Any, timeout: float | None = None) -> Communicator | None: ...
+    def partial_allreduce(self, kind: str, like: Any, *args: Any, **kw: Any) -> Any: ...
 
 __all__ = ["HierPartialAllreduce"]
 
@@ -86,6 +128,12 @@ class HierPartialAllreduce:
         self._failed: BaseException | None = None  # the setup's error, raised at every call
         self._busy = False
         self._closed = False
+        # A loss the communicator learned (on the runtime's loop) ends the handle; the call
+        # under way (on the caller's loop) is woken through ``_waiter``.
+        self._lost: PeerLostError | None = comm.membership.lost
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+        self._guard = threading.Lock()
+        comm.membership.listeners.append(self._on_loss)
 
     @property
     def hosts(self) -> list[list[int]]:
@@ -130,42 +178,126 @@ class HierPartialAllreduce:
         """Contribute ``x`` (shape and dtype of ``like``): its host's sum goes to the leaders'
         handle; returns what that call returned, for every rank of the host (module doc).
         Raises as the flat handle's call does; every rank of a host raises when its leader's
-        call failed."""
+        call failed; :class:`~asynccoll.PeerLostError` naming the rank once a rank of the
+        communicator is lost (module doc)."""
         x = np.asarray(x)
         if x.shape != self._like.shape or x.dtype != self._like.dtype:
             raise ValueError(f"x must have like's shape {self._like.shape} and dtype "
                              f"{self._like.dtype}, got {x.shape} {x.dtype}")
         async with self._one_at_a_time():
-            host = await self._setup(timeout)
-            op = self._options.get("op", "sum")
-            summed = await host.allreduce(x, op=op, timeout=timeout)
-            return await self._lead_and_hand_out(
-                host, None if self._handle is None else self._handle(summed, timeout), timeout)
+            return await self._unless_lost(self._call(x, timeout))
+
+    async def _call(self, x: Any, timeout: float | None) -> PartialResult:
+        host = await self._setup(timeout)
+        op = self._options.get("op", "sum")
+        summed = await host.allreduce(x, op=op, timeout=timeout)
+        return await self._lead_and_hand_out(
+            host, None if self._handle is None else self._handle(summed, timeout), timeout)
 
     async def flush(self, timeout: float | None = None) -> PartialResult:
         """Collective over the communicator: every rank calls it after its last call; the
         leaders flush their handle (:meth:`PartialAllreduce.flush
         <asynccoll.comm.partial.PartialAllreduce.flush>`) and hand its result out."""
         async with self._one_at_a_time():
-            host = await self._setup(timeout)
-            return await self._lead_and_hand_out(
-                host, None if self._handle is None else self._handle.flush(timeout), timeout)
+            return await self._unless_lost(self._flush(timeout))
+
+    async def _flush(self, timeout: float | None) -> PartialResult:
+        host = await self._setup(timeout)
+        return await self._lead_and_hand_out(
+            host, None if self._handle is None else self._handle.flush(timeout), timeout)
+
+    def blocking(self, x: Any, timeout: float | None = None) -> PartialResult:
+        """``await h(x)`` for code without an event loop (runs on the progress thread;
+        ``RuntimeError`` with ``progress="inline"``)."""
+        res: PartialResult = self._comm.blocking.submit(self(x, timeout)).result()
+        return res
+
+    def flush_blocking(self, timeout: float | None = None) -> PartialResult:
+        """``await h.flush()`` for code without an event loop."""
+        res: PartialResult = self._comm.blocking.submit(self.flush(timeout)).result()
+        return res
+
+    # -- a lost rank (module doc) ------------------------------------------------------------
+    def _on_loss(self, rank: int) -> None:
+        """A loss listener of the communicator (on the runtime's loop): end the handle and
+        wake the call under way, on whatever loop it awaits."""
+        with self._guard:
+            if self._lost is None:
+                self._lost = PeerLostError(
+                    rank, f"hierarchical partial allreduce {self.name!r}: rank {rank} of its "
+                    "communicator was lost, so no later result would hold its host's data")
+            waiter = self._waiter
+        if waiter is not None:
+            loop, fut = waiter
+            loop.call_soon_threadsafe(_settle, fut)
+
+    def _raise_if_lost(self, cause: BaseException | None = None) -> None:
+        lost = self._lost
+        if lost is not None:
+            raise PeerLostError(lost.rank, lost.reason) from cause
+
+    async def _unless_lost(self, coro: Coroutine[Any, Any, PartialResult]) -> PartialResult:
+        """Run ``coro`` (a call or flush) unless or until the communicator loses a rank: then
+        stop it and raise :class:`~asynccoll.PeerLostError` naming that rank (whatever the
+        call would have raised: a host group's or the leaders' error names their ranks)."""
+        if self._lost is not None:
+            coro.close()
+            self._raise_if_lost()
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+        task = asyncio.ensure_future(coro)
+        with self._guard:
+            self._waiter = (loop, woken)
+            if self._lost is not None:
+                woken.set_result(None)
+        try:
+            waits: set[asyncio.Future[Any]] = {task, woken}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            with self._guard:
+                self._waiter = None
+            woken.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+        if task.cancelled():
+            self._raise_if_lost()
+        exc = task.exception()
+        if exc is not None:
+            self._raise_if_lost(exc)
+            raise exc
+        if self._lost is not None:  # a result made while the loss was under way: not given
+            self._raise_if_lost()
+        res: PartialResult = task.result()
+        return res
 
     async def close(self) -> None:
         """Stop this handle on this rank (local, as the flat handle's close; a call under way
         on a host whose leader closed raises on every rank of that host). Idempotent."""
         self._closed = True
+        with self._guard:
+            listeners = self._comm.membership.listeners
+            if self._on_loss in listeners:
+                listeners.remove(self._on_loss)
         if self._handle is not None:
             await self._handle.close()
 
-    def _one_at_a_time(self) -> Any:
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self) -> AsyncIterator[None]:
         if self._closed:
             raise TransportClosedError(f"hierarchical partial allreduce {self.name!r} is "
                                        "closed")
         if self._busy:
             raise BusyError(f"hierarchical partial allreduce {self.name!r}: a call or flush "
                             "is under way on this rank (one at a time per handle)")
-        return _Busy(self)
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
 
     async def _lead_and_hand_out(self, host: Communicator, lead: Any,
                                  timeout: float | None) -> PartialResult:
@@ -229,14 +361,6 @@ class HierPartialAllreduce:
                 f"hosts={self._hosts or 'not yet known'})")
 
 
-class _Busy:
-    """``async with``: the handle's one call at a time."""
-
-    def __init__(self, h: HierPartialAllreduce) -> None:
-        self._h = h
-
-    async def __aenter__(self) -> None:
-        self._h._busy = True
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self._h._busy = False
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -68,6 +68,7 @@ from ..collectives.partial import (
     FLUSHING,
     FRESH,
     LATE,
+    SHM_ATTACH,
     SNAPSHOTS,
     TAG_FORCE,
     DeadlineConfig,
@@ -97,7 +98,7 @@ from ..transport.base import Transport
 from . import clock
 from .contribution import Combine, Contribution, DenseContribution
 from .progress import ProgressEngine
-from .shm import SHM_ATTACH, PartialSegments
+from .shm import PartialSegments
 from .stall import wait_or_warn
 
 

@@ -23,8 +23,9 @@ import pytest
 from _helpers import SECRET, async_child, free_port, needs_cma, spawn_world
 
 import asynccoll
+from asynccoll.collectives.shm import SHM_ONE_SHOT_READ
 from asynccoll.comm.cma import CMA_MIN_BLOCK
-from asynccoll.comm.shm import SHM_DIR, SHM_ONE_SHOT_READ
+from asynccoll.comm.shm import SHM_DIR
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -33,7 +33,8 @@ from _helpers import (
 )
 
 import asynccoll
-from asynccoll.comm.shm import SHM_DIR, SHM_MIN_BYTES
+from asynccoll.collectives.shm import SHM_MIN_BYTES
+from asynccoll.comm.shm import SHM_DIR
 
 ROOT = str(Path(__file__).parents[2])
 
@@ -132,15 +133,17 @@ def test_sigkill_during_segment_setup_is_reported_and_leaves_nothing(tmp_path: P
 
 PUSH_RANK = SHM_VICTIM_PREAMBLE + """
 
+from asynccoll.collectives import shm as builders
+
 if VICTIM:
-    push = shm.SHM_INPLACE_OWN_KERNELS[shm.SHM_PUSH]
+    push = builders.SHM_INPLACE_OWN_KERNELS[builders.SHM_PUSH]
 
     def push_half_then_die(out_, inputs, params, msgs):
         half = out_.size // 2  # half the block reduced and written into the peers' arrays
         push(out_[:half], [x[:half] for x in inputs], params, msgs)
         die()
 
-    shm.SHM_INPLACE_OWN_KERNELS[shm.SHM_PUSH] = push_half_then_die
+    builders.SHM_INPLACE_OWN_KERNELS[builders.SHM_PUSH] = push_half_then_die
 
 
 async def main():

@@ -149,7 +149,7 @@ async def many(comm, res):
 
 async def sizes(comm, res):
     from asynccoll.collectives.partial import meta_len, packs_meta
-    from asynccoll.comm.shm import SHM_ONE_SHOT_READ
+    from asynccoll.collectives.shm import SHM_ONE_SHOT_READ
 
     assert P == 2
     m = meta_len(P) if packs_meta(np.dtype(np.float32), "sum", P) else 0

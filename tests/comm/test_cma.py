@@ -16,8 +16,9 @@ import pytest
 from _helpers import async_child, free_port, needs_cma, spawn_world
 
 import asynccoll
+from asynccoll.collectives.shm import SHM_ONE_SHOT_READ
 from asynccoll.comm.cma import CMA_MIN_BLOCK, build_cma_allreduce, cma_size, read_remote
-from asynccoll.comm.shm import SHM_DIR, SHM_ONE_SHOT_READ
+from asynccoll.comm.shm import SHM_DIR
 
 pytestmark = [pytest.mark.multiprocess]
 

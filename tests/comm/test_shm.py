@@ -16,13 +16,8 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
-from asynccoll.comm.shm import (
-    SHM_DIR,
-    SHM_MIN_BYTES,
-    Segment,
-    build_hier_allreduce,
-    build_shm_allreduce,
-)
+from asynccoll.collectives.shm import SHM_MIN_BYTES, build_hier_allreduce, build_shm_allreduce
+from asynccoll.comm.shm import SHM_DIR, Segment
 from asynccoll.testing import local_world
 
 pytestmark = [pytest.mark.multiprocess]

@@ -17,13 +17,13 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
-from asynccoll.comm.shm import (
-    SHM_DIR,
+from asynccoll.collectives.shm import (
     SHM_ONE_SHOT_READ,
     build_shm_allreduce,
     build_shm_inplace,
     choose_shm,
 )
+from asynccoll.comm.shm import SHM_DIR
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -19,7 +19,8 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
-from asynccoll.comm.shm import SHM_DIR, build_shm_partial_allreduce
+from asynccoll.collectives.shm import build_shm_partial_allreduce
+from asynccoll.comm.shm import SHM_DIR
 from asynccoll.testing import local_world
 
 pytestmark = [pytest.mark.multiprocess]

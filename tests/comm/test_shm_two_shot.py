@@ -18,7 +18,7 @@ import pytest
 
 from asynccoll.collectives._plan import block_bounds
 from asynccoll.collectives.dense import scratch_buffers
-from asynccoll.comm.shm import build_hier_allreduce, build_shm_allreduce
+from asynccoll.collectives.shm import build_hier_allreduce, build_shm_allreduce
 from asynccoll.sched import BufRef, Schedule
 from asynccoll.testing import inproc_world, run_schedules
 

@@ -208,7 +208,7 @@ def test_calibration_ranks_measure_the_transport_not_shared_memory(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # the default allreduce takes shared memory on one host from 128 KiB up: a calibration of
     # tcp must keep its ranks off it (bench/allreduce.py's asynccoll-tcp row does the same)
-    from asynccoll.comm.shm import SHM_MIN_BYTES
+    from asynccoll.collectives.shm import SHM_MIN_BYTES
     from asynccoll.sim.calibrate import _child_env
 
     monkeypatch.setenv("ASYNCCOLL_SHM", "1")
