@@ -1,8 +1,10 @@
 """Start, watch and stop the local ranks of a job (the engine of ``asynccoll run``).
 
 One launcher runs per node. The launcher of node 0 hosts the job's store; every launcher starts
-its ``nproc`` ranks with ``ASYNCCOLL_*`` variables (:func:`rank_environment`), prefixes each line
-they print with ``[rank]``, and watches them:
+its ``nproc`` ranks with ``ASYNCCOLL_*`` variables and torch's (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: an unchanged
+``torch.distributed.init_process_group("gloo")`` script runs under it; :func:`rank_environment`),
+prefixes each line they print with ``[rank]``, and watches them:
 
 * a rank that exits non-zero stops the others — ``SIGTERM`` to its process group, ``SIGKILL``
   after ``grace`` seconds — and the launcher exits with the failing rank's code (``128 + n`` for
@@ -24,6 +26,10 @@ they print with ``[rank]``, and watches them:
   (at most ``exit_timeout`` after its own);
 * ``SIGINT`` (Ctrl-C) or ``SIGTERM`` to the launcher is passed on to every rank, escalating to
   ``SIGTERM`` then ``SIGKILL`` after ``grace`` seconds each; the launcher exits ``128 + signal``.
+  From the signal on, what the ranks print is dropped (their tracebacks of the interrupt say
+  nothing new) and the launcher prints one line per rank saying how it ended; ``verbose``
+  (``--verbose``) passes everything through.
+* more ranks than this host's cores get a one-line notice (they will share the cores).
 
 Each rank runs in its own process group so that a terminal's Ctrl-C reaches the launcher only
 and the launcher decides the order of shutdown; stopping a rank stops the processes it started.
@@ -44,11 +50,14 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from . import errorfile
+from .env import free_port
 from .store import StoreClient, StoreError, StoreServer, StoreTimeoutError
 
 __all__ = ["LaunchConfig", "launch", "rank_environment"]
 
 ABORT_KEY = "asynccoll/launch/abort"
+#: where node 0's launcher publishes torch's MASTER_PORT for the other nodes
+MASTER_KEY = "asynccoll/launch/master-port"
 T = TypeVar("T")
 
 
@@ -75,6 +84,10 @@ class LaunchConfig:
     join_timeout: float = 300.0
     exit_timeout: float = 300.0
     max_failures: int = 0
+    #: the port torch.distributed's ``env://`` store uses (``MASTER_PORT``); ``None``: node 0's
+    #: launcher picks a free one below the ephemeral range and the others learn it in the store
+    master_port: int | None = None
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         if type(self.nproc) is not int or self.nproc < 1:
@@ -98,9 +111,11 @@ class LaunchConfig:
 
 
 def rank_environment(cfg: LaunchConfig, local_rank: int, store: tuple[str, int],
-                     base: Mapping[str, str], errors: Path | None = None) -> dict[str, str]:
+                     base: Mapping[str, str], errors: Path | None = None,
+                     master: tuple[str, int] | None = None) -> dict[str, str]:
     """The environment of local rank ``local_rank``: ``base`` plus the job's variables
-    (``errors``: the directory its error file goes to, see :mod:`.errorfile`)."""
+    (``errors``: the directory its error file goes to, see :mod:`.errorfile`; ``master``:
+    torch's ``MASTER_ADDR`` and ``MASTER_PORT``, default the store's host and port + 1)."""
     env = dict(base)
     env.update(cfg.env)
     if omp_default(cfg, env):
@@ -121,6 +136,14 @@ def rank_environment(cfg: LaunchConfig, local_rank: int, store: tuple[str, int],
         "ASYNCCOLL_SECRET": cfg.secret.decode("utf-8", "surrogateescape"),
         "ASYNCCOLL_TRANSPORT": cfg.transport,
         "PYTHONUNBUFFERED": "1",
+        # torch.distributed's env:// reads these: an unchanged init_process_group script runs
+        "RANK": str(rank),
+        "WORLD_SIZE": str(cfg.nnodes * cfg.nproc),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(cfg.nproc),
+        "GROUP_RANK": str(cfg.node_rank),
+        "MASTER_ADDR": (master or store)[0],
+        "MASTER_PORT": str(master[1] if master else store[1] + 1),
     })
     if cfg.max_failures:
         env["ASYNCCOLL_MAX_FAILURES"] = str(cfg.max_failures)
@@ -137,8 +160,10 @@ def omp_default(cfg: LaunchConfig, env: Mapping[str, str]) -> bool:
     return cfg.nproc > 1 and "OMP_NUM_THREADS" not in env
 
 
-async def _pump(stream: asyncio.StreamReader | None, prefix: bytes, out: BinaryIO) -> None:
-    """Copy ``stream`` to ``out`` line by line, each line prefixed; a last partial line too."""
+async def _pump(stream: asyncio.StreamReader | None, prefix: bytes, out: BinaryIO,
+                muted: asyncio.Event | None = None) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed; a last partial line too.
+    Once ``muted`` is set, lines are read and dropped (the ranks never block on a full pipe)."""
     if stream is None:
         return
     tail = b""
@@ -146,14 +171,26 @@ async def _pump(stream: asyncio.StreamReader | None, prefix: bytes, out: BinaryI
         chunk = await stream.read(1 << 16)
         if not chunk:
             break
+        if muted is not None and muted.is_set():
+            tail = b""
+            continue
         lines = (tail + chunk).split(b"\n")
         tail = lines.pop()
         if lines:
             out.write(b"".join(prefix + line + b"\n" for line in lines))
             out.flush()
-    if tail:
+    if tail and not (muted is not None and muted.is_set()):
         out.write(prefix + tail + b"\n")
         out.flush()
+
+
+def _ended(returncode: int | None) -> str:
+    """How a rank ended, in words, for the line the launcher prints after a stop signal."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        return f"stopped by {_signame(-returncode)}"
+    return "exited with code 0" if returncode == 0 else f"exited with code {returncode}"
 
 
 def _code(returncode: int) -> int:
@@ -218,6 +255,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     ranks = _Ranks(cfg, Path(errdir.name))
     pumps: list[asyncio.Task[None]] = []
     stop_sig: asyncio.Future[int] = loop.create_future()
+    muted = asyncio.Event()  # set after a stop signal unless verbose
 
     def on_signal(sig: int) -> None:
         if not stop_sig.done():
@@ -237,26 +275,33 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             store = cfg.rdzv
         if cfg.nnodes > 1:
             client = await _unless_stopped(
-                _join(cfg, store, None if server is None else server.refused_secret), stop_sig)
+                _join(cfg, store, server, err), stop_sig)
             if client is None:
                 got = stop_sig.result()
                 _say(err, f"got {_signame(got)} while the nodes met; no rank started")
                 return 128 + got
             abort_task = asyncio.create_task(client.get(ABORT_KEY, timeout=float(1 << 31)))
+        master = await _master(cfg, store, client)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+        if cfg.nproc > cores:
+            _say(err, f"{cfg.nproc} ranks on {cores} cores: ranks share cores, so steps are "
+                      "slower and stall warnings may name ranks that only wait for a core")
         if omp_default(cfg, {**os.environ, **cfg.env}):
             _say(err, "OMP_NUM_THREADS is unset: setting it to 1 for every rank (as torchrun "
                       "does); set it yourself to give each rank more threads")
         for local in range(cfg.nproc):
             rank = cfg.node_rank * cfg.nproc + local
             p = await asyncio.create_subprocess_exec(
-                *cfg.argv, env=rank_environment(cfg, local, store, os.environ, ranks.errors),
+                *cfg.argv, env=rank_environment(cfg, local, store, os.environ, ranks.errors,
+                                                master),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
             ranks.procs[rank] = p
             prefix = f"[{rank}] ".encode()
-            pumps.append(asyncio.create_task(_pump(p.stdout, prefix, out)))
-            pumps.append(asyncio.create_task(_pump(p.stderr, prefix, err)))
-        code = await _watch(cfg, ranks, stop_sig, abort_task, client, err)
+            pumps.append(asyncio.create_task(_pump(p.stdout, prefix, out, muted)))
+            pumps.append(asyncio.create_task(_pump(p.stderr, prefix, err, muted)))
+        code = await _watch(cfg, ranks, stop_sig, abort_task, client, err, muted)
         if client is not None and not stop_sig.done():
             await _unless_stopped(_check_out(cfg, client, err), stop_sig)
         return code
@@ -279,6 +324,19 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
         errdir.cleanup()
 
 
+async def _master(cfg: LaunchConfig, store: tuple[str, int], client: StoreClient | None,
+                  ) -> tuple[str, int]:
+    """torch's ``(MASTER_ADDR, MASTER_PORT)``: the store's host and a port node 0 picks (or
+    ``cfg.master_port``), published in the store for the other nodes."""
+    if cfg.node_rank == 0:
+        port = cfg.master_port or free_port(store[0])
+        if client is not None:
+            await client.set(MASTER_KEY, str(port).encode())
+        return store[0], port
+    assert client is not None
+    return store[0], int(await client.get(MASTER_KEY, timeout=cfg.join_timeout))
+
+
 async def _unless_stopped(coro: Coroutine[Any, Any, T], stop_sig: asyncio.Future[int]
                           ) -> T | None:
     """``await coro``, unless a stop signal comes first: then cancel it and return None."""
@@ -293,12 +351,14 @@ async def _unless_stopped(coro: Coroutine[Any, Any, T], stop_sig: asyncio.Future
     return None
 
 
-async def _join(cfg: LaunchConfig, store: tuple[str, int],
-                refused: asyncio.Event | None = None) -> StoreClient:
+async def _join(cfg: LaunchConfig, store: tuple[str, int], server: StoreServer | None = None,
+                err: BinaryIO | None = None) -> StoreClient:
     """Check in with the job's store: it shares our secret, our node rank is not taken twice
-    and every node runs the same number of ranks. ``refused`` (node 0, which hosts the store):
-    set when another launcher failed the store's handshake with a wrong secret; waiting for the
-    nodes then stops at once instead of at ``join_timeout``."""
+    and every node runs the same number of ranks. A launcher whose secret is wrong learns it
+    from the store's refusal and fails at once. ``server`` (node 0, which hosts the store):
+    refusals decide nothing (a stranger's bad frame looks like a wrong secret), so node 0 keeps
+    waiting for its nodes and says on ``err``, at doubling intervals from 5 s, how many
+    connections the store refused and from where; the join timeout's error says it too."""
     client = await StoreClient.connect(store[0], store[1], cfg.secret,
                                        timeout=cfg.join_timeout)
     try:
@@ -311,23 +371,27 @@ async def _join(cfg: LaunchConfig, store: tuple[str, int],
                              f"the first node to join said {agreed!r} (nnodes x nproc)")
         keys = [f"asynccoll/launch/node/{k}" for k in range(cfg.nnodes)]
         waiting = asyncio.ensure_future(client.wait(keys, cfg.join_timeout))
-        refusal = asyncio.ensure_future((refused or asyncio.Event()).wait())
+        said, every = 0, 5.0
         try:
-            await asyncio.wait({waiting, refusal}, return_when=asyncio.FIRST_COMPLETED)
-            if refusal.done() and not waiting.done():
-                missing = [k for k in range(cfg.nnodes)
-                           if not await client.check([f"asynccoll/launch/node/{k}"])]
-                raise StoreError(f"a launcher failed the store's handshake (wrong secret) while "
-                                 f"nodes {missing} had not joined; is the same job secret set "
-                                 "on every node?")
+            while not (await asyncio.wait({waiting}, timeout=every))[0]:
+                every *= 2
+                refused = sum(server.refusals.values()) if server is not None else 0
+                if refused > said and err is not None:
+                    said = refused
+                    _say(err, f"still waiting for the other nodes; the store refused "
+                              f"{server.refusal_summary() if server else refused} "
+                              "(wrong secret or not asynccoll)")
             await waiting
         except StoreTimeoutError as exc:
+            why = ""
+            if server is not None and server.refusals:
+                why = (f"; the store refused {server.refusal_summary()}: is the same job "
+                       "secret set on every node?")
             raise StoreError(f"nodes {_nodes(exc.missing)} did not join within "
-                             f"{cfg.join_timeout} s") from exc
+                             f"{cfg.join_timeout} s{why}") from exc
         finally:
-            for f in (waiting, refusal):
-                f.cancel()
-            await asyncio.gather(waiting, refusal, return_exceptions=True)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
     except BaseException:
         await client.close()
         raise
@@ -354,7 +418,7 @@ async def _check_out(cfg: LaunchConfig, client: StoreClient, err: BinaryIO) -> N
 
 async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int],
                  abort_task: asyncio.Task[bytes] | None, client: StoreClient | None,
-                 err: BinaryIO) -> int:
+                 err: BinaryIO, muted: asyncio.Event | None = None) -> int:
     waits = {asyncio.ensure_future(p.wait()): r for r, p in ranks.procs.items()}
     extra: set[asyncio.Future[Any]] = {stop_sig}
     failed = 0
@@ -365,8 +429,17 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
             done, _ = await asyncio.wait({*waits, *extra}, return_when=asyncio.FIRST_COMPLETED)
             if stop_sig in done:
                 sig = stop_sig.result()
-                _say(err, f"got {_signame(sig)}; stopping all ranks")
+                quiet = muted is not None and not cfg.verbose
+                _say(err, f"got {_signame(sig)}; stopping all ranks"
+                          + (" (their output from now on is dropped; --verbose shows it)"
+                             if quiet else ""))
+                if quiet:
+                    assert muted is not None
+                    muted.set()
                 await ranks.stop(signal.SIGINT if sig == signal.SIGINT else signal.SIGTERM)
+                if quiet:
+                    for r, p in sorted(ranks.procs.items()):
+                        _say(err, f"rank {r} {_ended(p.returncode)}")
                 return 128 + sig
             if abort_task is not None and abort_task in done:
                 extra.discard(abort_task)

@@ -21,6 +21,21 @@ loop); a blocked ``wait``/``get`` is bounded by its timeout on both sides; frame
 and the store's total size are bounded by :class:`StoreLimits`, and a client that exceeds them
 or fails the handshake is disconnected with a logged reason while the server carries on.
 The store authenticates but does not encrypt: put nothing secret in it.
+
+**Strangers decide nothing.** Anyone who can reach the port can open connections and send
+frames; the server cannot tell a stranger from a node with the wrong secret, so a refusal only
+closes that one connection and is counted (:attr:`StoreServer.refusals`, by address); the node
+with the wrong secret learns it from the ``denied`` answer and fails at once
+(:class:`~asynccoll.AuthenticationError`), while whoever waits for genuine nodes keeps waiting.
+Refusals are logged at most 10 lines per 10 s (then one line saying how many were held back),
+like the transports'. At :meth:`StoreServer.start` the process's soft ``RLIMIT_NOFILE`` is raised
+to the hard limit (as servers do) and :attr:`StoreServer.client_limit` is kept below the
+descriptors that remain, so that a flood never makes ``accept`` fail (``EMFILE``, which would
+stop the server accepting for a second). At the limit a new connection takes the place of the
+oldest one still in its handshake (a genuine client authenticates in a millisecond; a stranger
+that holds a connection open is the one closed), or is closed at once when every connection is
+authenticated; connections in their handshake are bounded on their own too
+(:attr:`StoreLimits.max_handshakes`).
 """
 
 from __future__ import annotations
@@ -28,11 +43,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StoreError, StoreTimeoutError
+from ..transport.logbudget import LogBudget
 from ._store_wire import _CLIENT_LABEL as _CLIENT_LABEL
 from ._store_wire import (
     _HANDSHAKE_MAX,
@@ -65,7 +82,14 @@ class StoreLimits:
     max_value_bytes: int = 1 << 20
     max_keys: int = 1 << 16
     max_total_bytes: int = 256 << 20
+    #: connections at once (authenticated or not); :meth:`StoreServer.start` lowers it to fit
+    #: the descriptors that remain (:attr:`StoreServer.client_limit`)
     max_clients: int = 4096
+    #: connections in their handshake at once; past it the oldest is closed
+    max_handshakes: int = 256
+    #: descriptors left free for the rest of the process (a launcher's pipes to its ranks) and
+    #: for the connections one ``accept`` round takes before the server sees them (up to 100)
+    spare_descriptors: int = 256
     max_wait_keys: int = 65536
     max_waits_per_client: int = 1024
     #: a client whose unread responses exceed this is disconnected rather than buffered
@@ -97,9 +121,13 @@ class StoreServer:
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
-        #: set when a client proved it runs another job (a well-formed handshake with the
-        #: wrong secret): a launcher waiting for its nodes then knows one will never come
-        self.refused_secret = asyncio.Event()
+        # connections in their handshake, oldest first (the first to go when the store is full)
+        self._handshaking: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        #: connections at once; set by :meth:`start` (see the module doc)
+        self.client_limit = self.limits.max_clients
+        #: connections refused (failed or unfinished handshakes, no room), by remote address
+        self.refusals: dict[str, int] = {}
+        self._log_budget = LogBudget()
 
     @property
     def address(self) -> str:
@@ -107,7 +135,11 @@ class StoreServer:
         return f"{self.host}:{self.port}"
 
     async def start(self) -> StoreServer:
-        """Bind and start serving; raise ``OSError`` if the address is taken."""
+        """Bind and start serving; raise ``OSError`` if the address is taken.
+
+        Raises the soft ``RLIMIT_NOFILE`` to the hard limit and sets :attr:`client_limit`.
+        """
+        self.client_limit = client_limit(self.limits)
         self._server = await asyncio.start_server(self._serve, self.host or None, self.port,
                                                   reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -136,14 +168,23 @@ class StoreServer:
         task = asyncio.current_task()
         assert task is not None
         peer = writer.get_extra_info("peername")
-        if len(self._conns) >= self.limits.max_clients:
-            log.warning("store: refusing %s: %d clients already", peer, len(self._conns))
-            writer.close()
-            return
+        if len(self._conns) >= self.client_limit or \
+                len(self._handshaking) >= self.limits.max_handshakes:
+            if not self._handshaking:  # every connection is a genuine client's: no room
+                self._refuse(peer, f"{len(self._conns)} clients already (the limit)")
+                writer.transport.abort()
+                return
+            old = self._handshaking.pop(next(iter(self._handshaking)))
+            old.transport.abort()
+            self._refuse(old.get_extra_info("peername"), "closed to make room: still in its "
+                         "handshake when the store was full")
         self._conns.add(task)
+        self._handshaking[task] = writer
         waits: set[asyncio.Task[None]] = set()
         try:
-            if not await self._handshake(reader, writer, peer):
+            authed = await self._handshake(reader, writer, peer)
+            self._handshaking.pop(task, None)
+            if not authed:
                 return
             frame_limit = self.limits.max_key_bytes + self.limits.max_value_bytes * 2 + 1024
             while True:
@@ -161,7 +202,28 @@ class StoreServer:
             for w in waits:
                 w.cancel()
             self._conns.discard(task)
+            self._handshaking.pop(task, None)
             writer.close()
+
+    def _refuse(self, peer: object, reason: str) -> None:
+        """Count a refused connection by its address; log it within the log budget."""
+        host = peer[0] if isinstance(peer, tuple) and peer else str(peer)
+        if host in self.refusals or len(self.refusals) < 64:
+            self.refusals[host] = self.refusals.get(host, 0) + 1
+        else:
+            self.refusals["(other addresses)"] = self.refusals.get("(other addresses)", 0) + 1
+        say, quiet = self._log_budget.take(asyncio.get_running_loop().time())
+        if say:
+            more = f" ({quiet} more refused, not logged)" if quiet else ""
+            log.warning("store: refusing %s: %s%s", peer, reason, more)
+
+    def refusal_summary(self) -> str:
+        """``"3 connections (127.0.0.1 x3)"``: the refusals so far, for a waiting launcher."""
+        total = sum(self.refusals.values())
+        where = ", ".join(f"{h} x{n}" for h, n in sorted(self.refusals.items(),
+                                                          key=lambda kv: -kv[1])[:8])
+        more = ", ..." if len(self.refusals) > 8 else ""
+        return f"{total} connection{'s' if total != 1 else ''} ({where}{more})"
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                          peer: object) -> bool:
@@ -171,8 +233,10 @@ class StoreServer:
             msg = await asyncio.wait_for(_read_frame(reader, _HANDSHAKE_MAX),
                                          self.limits.handshake_timeout)
         except TimeoutError:
-            log.warning("store: client %s sent no handshake in %.0f s", peer,
-                        self.limits.handshake_timeout)
+            self._refuse(peer, f"no handshake in {self.limits.handshake_timeout:.0f} s")
+            return False
+        except StoreError as exc:  # an over-long or malformed frame
+            self._refuse(peer, f"malformed handshake: {exc}")
             return False
         ok = (isinstance(msg, list) and len(msg) == 3 and msg[0] == "auth"
               and isinstance(msg[1], bytes) and len(msg[1]) == _NONCE
@@ -180,10 +244,10 @@ class StoreServer:
         if ok and hmac.compare_digest(msg[2], _mac(self._secret, _CLIENT_LABEL, nonce_s, msg[1])):
             writer.write(_pack(["ok", _mac(self._secret, _SERVER_LABEL, msg[1], nonce_s)]))
             return True
+        # A stranger's random MAC and a node with the wrong secret look the same: the refusal
+        # closes this connection and is counted, nothing more (the module doc).
         reason = "wrong secret" if ok else "malformed handshake"
-        log.warning("store: refusing client %s: %s", peer, reason)
-        if ok:
-            self.refused_secret.set()
+        self._refuse(peer, reason)
         writer.write(_pack(["denied", reason]))
         return False
 
@@ -301,3 +365,27 @@ class StoreServer:
                         if not lst:
                             del self._waiters[key]
         self._reply(writer, rid, True, self._data[keys[0]] if op == "get" else None)
+
+
+def client_limit(limits: StoreLimits) -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (as servers do) and return how many
+    connections fit in the descriptors that remain: ``limits.max_clients`` at most, leaving
+    ``limits.spare_descriptors`` free, and at least 16."""
+    try:
+        import resource
+    except ImportError:  # not a Unix: no descriptor limit to raise
+        return limits.max_clients
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:  # a hard limit the kernel refuses as soft
+            log.debug("store: cannot raise RLIMIT_NOFILE to %s: %s", hard, exc)
+    if soft == resource.RLIM_INFINITY:
+        return limits.max_clients
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    return max(16, min(limits.max_clients, soft - in_use - limits.spare_descriptors))

@@ -33,6 +33,7 @@ from ..errors import (
 from . import auth
 from .base import Transport, log, lost
 from .frames import Header, Limits, encode_header
+from .logbudget import LogBudget
 from .matching import fail_quietly
 from .registry import parse_address
 from .tcp_wire import PeerClosed, TcpConnection
@@ -42,28 +43,6 @@ __all__ = ["TcpStats", "TcpTransport"]
 
 #: connections a transport lets be in their handshake at once (see ``max_pending_handshakes``)
 MAX_PENDING_HANDSHAKES = 128
-
-
-class _LogBudget:
-    """At most ``burst`` log lines per ``period`` seconds; says how many were held back."""
-
-    def __init__(self, burst: int = 10, period: float = 10.0) -> None:
-        self.burst = burst
-        self.period = period
-        self._start = -period
-        self._said = 0
-        self._quiet = 0
-
-    def take(self, now: float) -> tuple[bool, int]:
-        """Whether to log now, and how many lines were held back since the last one."""
-        if now - self._start >= self.period:
-            self._start, self._said = now, 0
-        if self._said < self.burst:
-            self._said += 1
-            quiet, self._quiet = self._quiet, 0
-            return True, quiet
-        self._quiet += 1
-        return False, 0
 
 
 @dataclass
@@ -107,7 +86,7 @@ class TcpTransport(Transport):
         #: of unauthenticated connections costs a bounded amount)
         self.max_pending_handshakes = max_pending_handshakes
         self.stats = TcpStats()
-        self._refusals = _LogBudget()
+        self._refusals = LogBudget()
         self._server: asyncio.AbstractServer | None = None
         self._address = ""
         self._conns: dict[int, TcpConnection] = {}
