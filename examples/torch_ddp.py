@@ -7,7 +7,10 @@
 A plain synchronous PyTorch loop: ``DistributedDataParallel`` over a Gloo process group (for
 DDP's own setup) with asynccoll's communication hook, ``loss.backward(); opt.step()``.
 ``--kind gloo`` keeps DDP's default hook (the baseline a PyTorch user has today); ``sync``,
-``solo``, ``majority``, ``two_choice`` and ``quorum`` run asynccoll's hook. Stragglers are
+``solo``, ``majority``, ``two_choice``, ``quorum`` and ``deadline`` run asynccoll's hook.
+``--optimizer MODE`` drops DDP and wraps the same SGD in ``DistributedOptimizer(mode=MODE)``
+instead (``sync``, ``solo``, ``majority``, ``two_choice``, ``quorum``, ``deadline``,
+``backup``, ``rna``, ``odsgd``). Each runs with its default averaging. Stragglers are
 injected as in eager-SGD §7.2.3: the accelerator's time is simulated by a sleep up to ``c``
 (``--step-ms``; this machine has 2 CPU cores and no GPU) and on every step one rank, drawn
 from a generator seeded alike on all ranks, sleeps ``D = --delay * c`` more. Rank 0 prints test
@@ -30,7 +33,12 @@ from sklearn.model_selection import train_test_split
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import asynccoll
-from asynccoll.torch import broadcast_parameters, init_process_group, partial_hook
+from asynccoll.torch import (
+    DistributedOptimizer,
+    broadcast_parameters,
+    init_process_group,
+    partial_hook,
+)
 
 Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -128,8 +136,32 @@ def report(rank: int, args: argparse.Namespace, out: dict[str, Any]) -> None:
             json.dump({**out, "args": vars(args)}, f)
 
 
+def wrapped(args: argparse.Namespace) -> None:
+    """``--optimizer MODE``: no DDP; the SGD wrapped in ``DistributedOptimizer``."""
+    with asynccoll.init() as comm:
+        data = digits(args.seed)
+        net = convnet(args.seed + comm.rank)  # the wrapper broadcasts rank 0's parameters
+        opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=args.lr), comm,
+                                   mode=args.optimizer,
+                                   **({} if args.quorum is None else {"quorum": args.quorum}))
+
+        def step(loss: torch.Tensor) -> None:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        out = train(comm.rank, comm.size, net, step, args, data, f"opt-{args.optimizer}")
+        opt.finish()  # collective: drain, apply, average the replicas
+        with torch.no_grad():
+            out["accuracy"] = float((net(data[2]).argmax(1) == data[3]).float().mean())
+        report(comm.rank, args, out)
+
+
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # ranks share the machine's cores
+    if args.optimizer is not None:
+        wrapped(args)
+        return
     with asynccoll.init() as comm:  # asynccoll run, torchrun or SLURM: from the environment
         init_process_group(comm)  # Gloo, for DDP's own setup
         try:
@@ -140,7 +172,8 @@ def main(args: argparse.Namespace) -> None:
             state = None
             if args.kind != "gloo":
                 state, hook = partial_hook(comm, args.kind, quorum=args.quorum,
-                                           average=args.average)
+                                           **({} if args.average is None
+                                              else {"average": args.average}))
                 ddp.register_comm_hook(state, hook)
             opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
 
@@ -153,7 +186,8 @@ def main(args: argparse.Namespace) -> None:
             out = train(comm.rank, comm.size, ddp, step, args, data, label)
             if state is not None:
                 state.finish(opt)  # collective: what is still in flight, applied everywhere
-                out["accuracy"] = float((ddp(data[2]).argmax(1) == data[3]).float().mean())
+                with torch.no_grad():
+                    out["accuracy"] = float((ddp(data[2]).argmax(1) == data[3]).float().mean())
                 out["stale_buckets"] = sum(b.staleness > 0 for b in state.buckets.values())
             report(comm.rank, args, out)
         finally:
@@ -163,10 +197,16 @@ def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", default="majority",
-                   choices=("gloo", "sync", "solo", "majority", "two_choice", "quorum"))
+                   choices=("gloo", "sync", "solo", "majority", "two_choice", "quorum",
+                            "deadline"),
+                   help="DDP's hook: gloo (DDP's default) or partial_hook's kind")
+    p.add_argument("--optimizer", default=None, metavar="MODE",
+                   choices=("sync", "solo", "majority", "two_choice", "quorum", "deadline",
+                            "backup", "rna", "odsgd"),
+                   help="no DDP: SGD in DistributedOptimizer(mode=MODE) instead")
     p.add_argument("--quorum", type=int, default=None, help="k for --kind quorum")
-    p.add_argument("--average", default="contributions", choices=("contributions", "world"),
-                   help="partial_hook's averaging of each round")
+    p.add_argument("--average", default=None, choices=("contributions", "world"),
+                   help="partial_hook's averaging of each round (default: the hook's, world)")
     p.add_argument("--lr", type=float, default=0.1)
     add_arguments(p)
     main(p.parse_args())

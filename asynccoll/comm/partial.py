@@ -150,6 +150,11 @@ class PartialAllreduce:
     they cannot be).
     """
 
+    #: the call that the warning of a handle closed holding contributions advises; the
+    #: training classes and the torch wrappers that own a handle set their own
+    flush_hint = ("'await h.flush()' on the handle (a comm.*_allreduce shortcut has no flush: "
+                  "use h = comm.partial_allreduce(kind, like=x) to flush)")
+
     def __init__(self, engine: ProgressEngine, transport: Transport, contribution: Contribution,
                  *, kind: str, like: Any, accumulate: bool | str, quorum: int | None,
                  seed: int,
@@ -897,8 +902,8 @@ class PartialAllreduce:
             left = int(self._state[COUNT])
             if left and self._ex.error is None:
                 log.warning("rank %d: partial allreduce %r closed holding %d contribution(s) "
-                            "that no execution took; call 'await h.flush()' before closing to "
-                            "include them", self.rank, self.name, left)
+                            "that no execution took; call %s before closing to include them",
+                            self.rank, self.name, left, self.flush_hint)
             self._ex.close()  # a waiting call fails with TransportClosedError
             self._shm_close()
 

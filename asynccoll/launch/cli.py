@@ -49,6 +49,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="keep the job running while at most N ranks of this node have failed "
                         "(partial collectives go on without them; see docs/launch.md); "
                         "default 0: the first failure stops every rank")
+    p.add_argument("--verbose", action="store_true",
+                   help="after Ctrl-C (or SIGTERM), pass on everything the ranks print while "
+                        "they stop; default: drop it and print one line per rank")
     p.add_argument("--no-python", action="store_true",
                    help="run CMD as an executable instead of a Python script")
     p.add_argument("-m", dest="module", action="store_true",
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = LaunchConfig(nproc=args.nproc, argv=_argv(args), secret=_secret(args),
                            nnodes=args.nnodes, node_rank=args.node_rank, rdzv=rdzv,
                            transport=args.transport, host=args.host, grace=args.grace,
-                           join_timeout=args.rdzv_timeout, max_failures=args.max_failures)
+                           join_timeout=args.rdzv_timeout, max_failures=args.max_failures,
+                           verbose=args.verbose)
     except (ValueError, ConfigError) as exc:
         print(f"asynccoll run: error: {exc}", file=sys.stderr)
         return 2

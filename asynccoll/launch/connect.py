@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from ..comm import Communicator, ProgressEngine
 from ..comm.stall import DEFAULT_STALL_WARN
 from . import errorfile
-from .env import ConfigError, resolve
+from .env import ConfigError, resolve, say_if_alone
 from .rendezvous import rendezvous
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "collective_timeout_from", "connect"]
@@ -83,6 +83,7 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     if progress not in ("thread", "inline"):
         raise ValueError(f"progress must be 'thread' or 'inline', got {progress!r}")
     spec = resolve(rank, world_size, store, secret=secret, transport=transport)
+    say_if_alone(spec)
     ctimeout = collective_timeout_from(os.environ, collective_timeout)
     stall = _seconds_from(os.environ, "ASYNCCOLL_STALL_WARN", DEFAULT_STALL_WARN)
     if survive is None:

@@ -11,8 +11,14 @@ the rank and the world size; the other settings fall through the chain one by on
 A half-given source (``RANK`` without ``WORLD_SIZE``), a value that does not parse, or one that
 contradicts another (rank outside the world) raises :class:`ConfigError` naming the variable.
 
-Under torchrun the store listens on ``MASTER_ADDR`` at ``MASTER_PORT + 1``: torchrun's own store
-(and torch.distributed's) already holds ``MASTER_PORT``. ``ASYNCCOLL_STORE`` overrides it.
+**Under torchrun** no port is guessed: torchrun's agent runs a store at ``MASTER_ADDR:MASTER_PORT``
+for its workers (``TORCHELASTIC_USE_AGENT_STORE=True``, its default), so rank 0 starts
+asynccoll's store on a free port of ``MASTER_ADDR`` and publishes the port in torchrun's store,
+where the other ranks read it (:attr:`JobSpec.store_via` is ``"torchrun"``; torch is imported
+for that). Binding ``MASTER_PORT + 1``, as this module once did, failed whenever torchrun's
+random ``MASTER_PORT`` had a busy neighbour. Only when no agent store is shared
+(``MASTER_ADDR``/``MASTER_PORT`` set by hand, or ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) does
+the store listen at ``MASTER_PORT + 1``. ``ASYNCCOLL_STORE`` overrides both.
 
 **The secret.** Store and transport connections prove knowledge of a shared job secret. No
 launcher but ``asynccoll run`` hands one out, and none can be bootstrapped safely over the network
@@ -38,7 +44,8 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
-__all__ = ["ConfigError", "JobSpec", "listen_host", "parse_hostport", "resolve", "user_secret"]
+__all__ = ["ConfigError", "JobSpec", "free_port", "listen_host", "parse_hostport", "resolve",
+           "say_if_alone", "torchrun_agent_store", "user_secret"]
 
 #: the transport used when nothing says otherwise
 DEFAULT_TRANSPORT = "tcp"
@@ -54,7 +61,9 @@ class JobSpec:
     must run the store (rank 0, unless a launcher runs it). ``host``: the address to listen on,
     ``None`` to choose from the route to the store (see :func:`listen_host`). ``source`` says
     where rank and world size came from: ``"explicit"``, ``"asynccoll"``, ``"torchrun"``,
-    ``"slurm"`` or ``"default"`` (a world of one).
+    ``"slurm"`` or ``"default"`` (a world of one). ``store_via``: ``"torchrun"`` when
+    ``store`` is torchrun's agent store, in which rank 0 publishes where asynccoll's store
+    listens (module doc); ``None`` when ``store`` is asynccoll's store itself.
     """
 
     rank: int
@@ -67,6 +76,7 @@ class JobSpec:
     host: str | None = None
     host_store: bool = False
     source: str = "explicit"
+    store_via: str | None = None
 
 
 def _int(environ: Mapping[str, str], var: str, *, minimum: int) -> int | None:
@@ -144,11 +154,20 @@ def _store(store: str | tuple[str, int] | None,
         p = _int(environ, "MASTER_PORT", minimum=1)
         if p is None:
             raise ConfigError("MASTER_PORT", f"is not set but MASTER_ADDR={addr} is")
+        if torchrun_agent_store(environ):
+            return addr, p
         if p >= 65535:
             raise ConfigError("MASTER_PORT", f"must be below 65535 (the store uses it + 1), "
                                              f"got {p}")
         return addr, p + 1
     return None
+
+
+def torchrun_agent_store(environ: Mapping[str, str]) -> bool:
+    """Whether torchrun's agent shares its store at ``MASTER_ADDR:MASTER_PORT`` with this
+    process (torchrun sets ``TORCHELASTIC_USE_AGENT_STORE=True`` unless told not to)."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not environ.get(
+        "ASYNCCOLL_STORE")
 
 
 def user_secret(environ: Mapping[str, str] = os.environ) -> bytes:
@@ -260,9 +279,11 @@ def resolve(rank: int | None = None, world_size: int | None = None,
             host = interface_address(environ["ASYNCCOLL_IFNAME"], "ASYNCCOLL_IFNAME")
     if host_store is None:
         host_store = r == 0 and w > 1 and environ.get("ASYNCCOLL_STORE_HOSTED") != "1"
+    via = "torchrun" if (store is None and addr is not None and w > 1
+                         and torchrun_agent_store(environ)) else None
     return JobSpec(rank=r, world_size=w, store=addr, secret=_secret(secret, environ),
                    transport=scheme, local_rank=local_rank, local_world_size=local_world,
-                   host=host, host_store=host_store, source=source)
+                   host=host, host_store=host_store, source=source, store_via=via)
 
 
 _SOURCE_OF = {"ASYNCCOLL_LOCAL_RANK": "asynccoll", "ASYNCCOLL_LOCAL_WORLD_SIZE": "asynccoll",
@@ -281,6 +302,52 @@ def _first_int(environ: Mapping[str, str], names: tuple[str, ...], source: str, 
         if v is not None:
             return name, v
     return names[0], None
+
+
+#: whether this process has been told that it runs as a world of one (said once per process)
+_said_alone = False
+
+
+def say_if_alone(spec: JobSpec) -> bool:
+    """Log, once per process, that a rank started without any launcher's variables runs as a
+    world of one (a script meant for ``asynccoll run -n 4`` would otherwise train alone without a
+    word). Returns whether it logged now."""
+    global _said_alone
+    if spec.source != "default" or _said_alone:
+        return False
+    _said_alone = True
+    import logging
+
+    logging.getLogger("asynccoll").warning(
+        "asynccoll: no launcher set ASYNCCOLL_RANK/ASYNCCOLL_WORLD_SIZE, RANK/WORLD_SIZE or "
+        "SLURM_PROCID/SLURM_NTASKS: this process runs as a world of one (rank 0 of 1); start "
+        "N ranks with `asynccoll run -n N script.py` (or torchrun)")
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that nothing listens on at ``host`` now, below the ephemeral range (read from
+    ``/proc/sys/net/ipv4/ip_local_port_range``, else from 32768), so that no socket of this
+    job that binds port 0 can take it before its user binds it. Tries random ports; after 64
+    busy ones, whatever the system gives for port 0. Costs a bind per try."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    start = max(1024, low - 12000)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    rng = secrets.SystemRandom()
+    for _ in range(64 if low - start > 64 else 0):
+        port = rng.randrange(start, low)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def interface_address(ifname: str, what: str = "ifname") -> str:

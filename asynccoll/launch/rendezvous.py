@@ -13,6 +13,10 @@ a job may connect, close and connect again). Store keys live under ``asynccoll/r
 * ``addr/R`` — rank R's transport address;
 * ``done/R``, ``left/R`` — the closing barrier: every rank has connected; every rank has
   finished with the store (only then may a store hosted by rank 0 stop).
+
+Under torchrun (``spec.store_via == "torchrun"``) rank 0 runs the store on a free port and
+publishes ``host:port`` in torchrun's agent store under ``asynccoll/store/RUN_ID/RESTART/GEN``,
+where the other ranks wait for it (:mod:`.env`, *Under torchrun*).
 """
 
 from __future__ import annotations
@@ -94,14 +98,22 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
     server: StoreServer | None = None
     client: StoreClient | None = None
     t: Transport | None = None
+    via = spec.store_via == "torchrun"
     try:
         if spec.host_store:
             try:
-                server = await StoreServer(host, port, spec.secret).start()
+                server = await StoreServer(host, 0 if via else port, spec.secret).start()
             except OSError as exc:
                 raise RendezvousError(
-                    f"rank {rank} cannot run the store at {host}:{port}: {exc}; choose a free "
-                    "address with ASYNCCOLL_STORE=host:port") from exc
+                    f"rank {rank} cannot run the store at {host}:{0 if via else port}: {exc}; "
+                    "choose a free address with ASYNCCOLL_STORE=host:port") from exc
+            if via:
+                await asyncio.to_thread(_torchrun_store, host, port, _torchrun_key(generation),
+                                        left(), str(server.port))
+                port = server.port
+        elif via:
+            port = int(await asyncio.to_thread(_torchrun_store, host, port,
+                                               _torchrun_key(generation), left()))
         client = await StoreClient.connect(host, port, spec.secret, timeout=left())
         claims = await client.add(f"{prefix}claim/{rank}", 1)
         if claims > 1:
@@ -172,6 +184,40 @@ async def _wait(client: StoreClient, keys: list[str], timeout: float, what: str,
             if not f.done():
                 f.cancel()
         await asyncio.gather(waiting, abort, return_exceptions=True)
+
+
+def _torchrun_key(generation: int) -> str:
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"asynccoll/store/{run}/{restart}/{generation}"
+
+
+def _torchrun_store(host: str, port: int, key: str, timeout: float,
+                    value: str | None = None) -> str:
+    """Set ``key`` to ``value`` in torchrun's agent store at ``host:port``, or (``value``
+    None) wait up to ``timeout`` seconds for it and return it. Blocking: run it in a thread.
+    Raises RendezvousTimeoutError when the key does not appear (rank 0 did not publish),
+    RendezvousError when torchrun's store cannot be reached."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(host, port, is_master=False,  # type: ignore[attr-defined]
+                              timeout=timedelta(seconds=timeout))
+    except (RuntimeError, OSError) as exc:
+        raise RendezvousError(f"cannot reach torchrun's store at {host}:{port} (MASTER_ADDR, "
+                              f"MASTER_PORT) to learn where asynccoll's store runs: {exc}"
+                              ) from exc
+    if value is not None:
+        store.set(key, value)
+        return value
+    try:
+        return bytes(store.get(key)).decode()
+    except (RuntimeError, OSError) as exc:
+        raise RendezvousTimeoutError(
+            f"rank 0 did not publish asynccoll's store address in torchrun's store within "
+            f"{timeout:.0f} s ({exc})", [0]) from exc
 
 
 def _make(scheme: str, rank: int, world: int, key: bytes, options: dict[str, Any]) -> Transport:

@@ -6,17 +6,19 @@ bucket's first partial step and named by the hook's ``name``, the bucket's index
 equal on every rank. The hook starts the bucket's call on the progress thread and returns a
 ``torch.futures.Future`` at once, so buckets overlap with the rest of the backward pass.
 
-* **Averaging by contributions**: the future resolves to the bucket's gradients summed over the
-  local gradients the execution holds and divided by their number (``count``), not by P: a
-  round that only three of four ranks made is the mean of those three.
+* **Averaging by the world** (``average="world"``, the default; eager-SGD's choice): the
+  future resolves to the bucket's gradients summed over the local gradients the round holds and
+  divided by P: every gradient enters the model exactly once with weight 1/P, as under
+  synchronous SGD, however the rounds split the steps. This is the default because it keeps
+  the final accuracy of synchronous DDP (docs/torch.md, *Accuracy*).
+* ``average="contributions"`` divides each round's sum by its own ``count`` instead: a round
+  that only three of four ranks made is the mean of those three. Under solo and majority,
+  where ranks out of phase start several small rounds per step (and the final ``finish()``
+  drains many one-gradient rounds), that sums several full-size averages into one step, a
+  larger effective rate that cost accuracy in docs/torch.md's measurements.
 * **Stale gradients** (eager-SGD §5): a rank whose gradient arrives after its round started
   gets that round's result at once and its gradient stays in the handle's send buffer for the
   next round: never dropped, never counted twice.
-* ``average="world"`` divides every round's sum by P instead (eager-SGD's choice): every
-  gradient then enters the model exactly once with weight 1/P, as under synchronous SGD,
-  however the rounds split the steps. Under solo, where ranks out of phase start several
-  small rounds per step, averaging by contributions sums several full-size averages into one
-  step (a larger effective rate); ``"world"`` keeps the step size of synchronous SGD.
 * **accumulate** (default True): a rank that missed rounds gets the sum of their per-round
   averages (every rank applies the same total, so plain-SGD replicas stay equal after
   :meth:`PartialHookState.finish`); False: only the latest round's average (the paper).
@@ -30,9 +32,11 @@ equal on every rank. The hook starts the bucket's call on the progress thread an
   iteration, and handles are only made for the buckets it keeps.
 
 ``state.buckets`` holds, per bucket index, what its latest step did (:class:`BucketStep`:
-round, included, contributors, count, staleness); ``state.finish()`` (collective, on every
-rank after the last backward) flushes every bucket and writes what was still in flight into
-the parameters' ``.grad`` (then ``optimizer.step()`` applies it: pass the optimizer).
+round, included, contributors, count, staleness); ``state.finish(opt)`` (collective, on every
+rank after the last backward) flushes every bucket, applies what was still in flight with one
+``opt.step()`` and hands rank 0's parameters to every rank, so replicas end equal to the bit.
+``finish()`` without the optimizer refuses (the drained gradients would sit in ``.grad``
+unapplied); ``finish(None)`` writes them there for a step of your own.
 DDP's ``broadcast_buffers`` re-synchronises buffers through its own process group at every
 forward: pass ``broadcast_buffers=False`` for models with buffers, or stragglers make everyone
 wait there.
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,10 +57,19 @@ from ..collectives.partial import DeadlineConfig, check_deadline, check_kind
 from ..comm.blocking import BlockingCollectives
 from ..results import PartialResult
 from ._comm import blocking, pieces
+from .broadcast import broadcast_parameters
 
 __all__ = ["BucketStep", "PartialHookState", "partial_hook"]
 
 KINDS = ("solo", "majority", "two_choice", "quorum", "deadline", "sync")
+AVERAGES = ("world", "contributions")
+
+#: hooks made so far per communicator, for default names that never collide (every rank makes
+#: its hooks in the same order, so the n-th hook has the same name everywhere)
+_hooks_made: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+#: ``finish()``'s optimizer when the caller gave none (a refusal, not a default)
+_MISSING: Any = object()
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,7 @@ class PartialHookState:
 
     def __init__(self, comm: BlockingCollectives, kind: str, quorum: int | None,
                  accumulate: bool, name: str, seed: int | None = None,
-                 average: str = "contributions",
+                 average: str = "world",
                  deadline: DeadlineConfig | None = None) -> None:
         self.comm = comm
         self.kind = kind
@@ -123,6 +137,7 @@ class PartialHookState:
                 accumulate=self.accumulate,
                 quorum=self.quorum, seed=self.seed,
                 name=f"{self.name}/bucket{index}/{buf.numel()}/{buf.dtype}", **extra)
+            h.flush_hint = "'state.finish(opt)' of the DDP hook's state"
             self._handles[key] = h
         return h
 
@@ -171,13 +186,24 @@ class PartialHookState:
         with self._lock:
             self.buckets[index] = info
 
-    def finish(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+    def finish(self, optimizer: torch.optim.Optimizer | None = _MISSING) -> int:
         """Collective: flush every bucket's handle; write what was still in flight into the
-        parameters' ``.grad`` (zeros where nothing was) and, with ``optimizer``, apply it with
-        one ``optimizer.step()``. Call it on every rank after the last backward pass.
-        Afterwards no gradient is in flight anywhere; under plain SGD with ``accumulate=True``
-        every replica is then equal. Returns how many local gradients the flush held, over all
-        ranks (0: nothing was in flight; ``optimizer.step()`` is then not called)."""
+        parameters' ``.grad`` (zeros where nothing was), apply it with one ``optimizer.step()``
+        and give every rank rank 0's parameters (one broadcast per dtype), so that every
+        replica ends equal to the bit whatever rounds each rank applied on its way. Call it on
+        every rank after the last backward pass, with the optimizer that steps the DDP model.
+
+        ``optimizer=None``: only write the drained gradients into ``.grad`` (your own step
+        applies them; the replicas are then equal only as far as your step keeps them). Without
+        the argument it raises ``TypeError``: the in-flight gradients would otherwise sit in
+        ``.grad`` unapplied and the replicas stay apart without a word. Returns how many local
+        gradients the flush held, over all ranks (0: nothing was in flight; ``optimizer.step()``
+        is then not called)."""
+        if optimizer is _MISSING:
+            raise TypeError("finish() needs the optimizer that steps the DDP model: "
+                            "state.finish(opt) applies the gradients still in flight and "
+                            "leaves every replica equal; state.finish(None) only writes them "
+                            "into .grad for a step of your own")
         held = 0
         flushed: dict[int, torch.Tensor] = {}
         # All at once: a rank still in its last backward may wait on a bucket whose
@@ -201,8 +227,14 @@ class PartialHookState:
                 continue
             for p, piece in pieces(flat, params):
                 p.grad = piece.to(p.dtype).clone()
-        if optimizer is not None and held:
+        if optimizer is None:
+            return held
+        if held:
             optimizer.step()
+        # one rank computes, the others receive: ranks that applied the same rounds grouped
+        # differently hold the same model up to rounding, and rounding must not split them
+        params = [p for index in sorted(self._params) for p in self._params[index]]
+        broadcast_parameters({str(i): p.data for i, p in enumerate(params)}, 0, comm=self.comm)
         return held
 
 
@@ -220,8 +252,8 @@ def _complete(fut: torch.futures.Future[torch.Tensor], f: concurrent.futures.Fut
 
 
 def partial_hook(comm: Any, kind: str = "majority", quorum: int | None = None,
-                 accumulate: bool = True, *, average: str = "contributions",
-                 name: str = "ddp", seed: int | None = None,
+                 accumulate: bool = True, *, average: str = "world",
+                 name: str | None = None, seed: int | None = None,
                  deadline: float | tuple[float, float] | None = None,
                  mad_factor: float | None = None, deadline_window: int | None = None,
                  ) -> tuple[PartialHookState, Callable[[PartialHookState, Any],
@@ -232,8 +264,11 @@ def partial_hook(comm: Any, kind: str = "majority", quorum: int | None = None,
     :func:`asynccoll.init`'s communicator. ``kind``: ``solo``, ``majority``, ``two_choice``,
     ``quorum`` (with ``quorum`` = k ranks), ``deadline`` (``quorum`` = k, default all;
     ``deadline=(lo, hi)``, ``mad_factor``, ``deadline_window``: module doc) or ``sync``.
-    ``accumulate``, ``average`` (``"contributions"`` or ``"world"``): module doc. ``name``:
-    distinct per hook of one communicator, equal on every rank. ``seed``: the initiator draws
+    ``accumulate``, ``average`` (``"world"``, the default, or ``"contributions"``): module
+    doc. ``name``: the prefix of the buckets' handle names, distinct per hook of one
+    communicator and equal on every rank; default ``"ddp"`` for the communicator's first hook,
+    ``"ddp-1"``, ``"ddp-2"``, ... for later ones (a second model, or DDP rebuilt), so every
+    rank must make its hooks in the same order. ``seed``: the initiator draws
     of every bucket (default: one per bucket, from its name). Raises ``ValueError`` naming
     ``kind``, ``quorum``, ``deadline``, ``mad_factor`` or ``deadline_window``. Costs per
     bucket and step: one partial allreduce of the bucket (the first step: one allreduce),
@@ -241,12 +276,16 @@ def partial_hook(comm: Any, kind: str = "majority", quorum: int | None = None,
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if average not in ("contributions", "world"):
-        raise ValueError(f"average must be 'contributions' or 'world', got {average!r}")
+    if average not in AVERAGES:
+        raise ValueError(f"average must be one of {AVERAGES}, got {average!r}")
     c = blocking(comm)
     if kind != "sync":
         check_kind(kind, c.size, quorum)
     config = check_deadline(kind, deadline, mad_factor, deadline_window)
+    made = _hooks_made.get(c.comm, 0)
+    _hooks_made[c.comm] = made + 1
+    if name is None:
+        name = "ddp" if made == 0 else f"ddp-{made}"
     state = PartialHookState(c, kind, quorum, bool(accumulate), name, seed, average, config)
 
     def hook(st: PartialHookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:

@@ -10,16 +10,20 @@ included, contributors, count, staleness, the learning rate used.
 Modes:
 
 * ``"sync"``: an averaging allreduce, the synchronous baseline.
-* ``"solo"``, ``"majority"``, ``"two_choice"``, ``"quorum"`` (``quorum=k``): eager-SGD's partial
-  allreduce with stale gradients carried to the next round, **averaged by contributions**
-  (each round's sum divided by its own count; ``average="world"``: by P), rounds missed by
-  this rank summed (``accumulate=True``) or superseded by the latest (False).
+* ``"solo"``, ``"majority"``, ``"two_choice"``, ``"quorum"`` (``quorum=k``, default P):
+  eager-SGD's partial allreduce with stale gradients carried to the next round, **averaged by
+  the world** (each round's sum divided by P, so every gradient enters once with weight 1/P as
+  under synchronous SGD; the default because it keeps synchronous SGD's accuracy, docs/torch.md
+  *Accuracy*; ``average="contributions"``: by the round's own count, larger steps when rounds
+  are small), rounds missed by this rank summed (``accumulate=True``) or superseded by the
+  latest (False).
 * ``"deadline"`` (``quorum=k``, default P; ``deadline=(lo, hi)``, ``mad_factor``,
   ``deadline_window``): as ``"quorum"``, but a round also starts when an adaptive deadline
   after its first arrival expires (docs/partial.md, *Deadline*); ``StepInfo.deadline`` and
   ``.deadline_expired`` say what happened.
 * ``"backup"`` (``backups=b``): synchronous SGD with backup workers: a quorum of P - b, late
-  gradients dropped (the combine hook of :class:`asynccoll.train.BackupSGD`).
+  gradients dropped (the combine hook of :class:`asynccoll.train.BackupSGD`), each round
+  averaged by its contributions (the P - b gradients it kept) by default.
 * ``"rna"`` (``staleness_bound``, ``scale_lr``): RNA §3.2-3.3, as
   :class:`asynccoll.train.RNA`: a two-choice initiator; a rank whose earlier gradients still
   wait in the send buffer contributes their **staleness-weighted mean** (the oldest weighs 1,
@@ -41,10 +45,16 @@ Modes:
 The constructor broadcasts rank ``root``'s parameters and optimizer state
 (:func:`~asynccoll.torch.broadcast_parameters`), so replicas start equal.
 :meth:`DistributedOptimizer.finish` (collective, after the last step) drains what is in flight,
-applies it and, with ``average=True``, averages the parameters so every replica ends equal
-(stateful optimizers such as Adam drift apart under partial modes: each rank groups the same
-rounds into different steps). ``zero_grad``, ``state_dict``, ``load_state_dict``,
-``param_groups`` and ``state`` are the inner optimizer's.
+applies it and, with ``average=True``, averages the parameters (stateful optimizers such as
+Adam drift apart under partial modes: each rank groups the same rounds into different steps);
+``average=False`` gives every rank rank 0's parameters instead. Either way every replica ends
+equal to the bit. ``zero_grad``, ``state_dict``, ``load_state_dict``, ``param_groups`` and
+``state`` are the inner optimizer's.
+
+Do not wrap the model in ``DistributedDataParallel`` as well: DDP already averages the
+gradients in the backward pass, and this wrapper would reduce them a second time. The
+constructor and the first ``step()`` refuse parameters that a DDP model holds (``ValueError``
+saying what to do).
 """
 
 from __future__ import annotations
@@ -95,12 +105,13 @@ class DistributedOptimizer:
     :func:`asynccoll.init`'s communicator. ``mode``: one of :data:`MODES` (module doc). Options,
     each read by the modes named (given to another mode: ``ValueError``):
 
-    * ``quorum``: k for ``"quorum"`` and ``"deadline"`` (default P there).
     * ``backups``: b for ``"backup"`` (default 1).
+    * ``quorum``: k for ``"quorum"`` (default P: every rank) as for ``"deadline"``.
     * ``accumulate`` (partial modes, default True): missed rounds summed, else superseded.
-    * ``average`` (partial modes but ``"rna"``): ``"contributions"`` (each round's sum
-      divided by its count) or ``"world"`` (by P: every gradient enters once with weight
-      1/P, as in synchronous SGD, however rounds split the steps; see docs/torch.md).
+    * ``average`` (partial modes but ``"rna"``): ``"world"`` (by P: every gradient enters
+      once with weight 1/P, as in synchronous SGD, however rounds split the steps; the default
+      but for ``"backup"``) or ``"contributions"`` (each round's sum divided by its count; the
+      default for ``"backup"``, whose rounds drop the late gradients). See docs/torch.md.
     * ``deadline=(lo, hi)`` seconds (or one number: fixed), ``mad_factor``,
       ``deadline_window``: ``"deadline"``'s adaptive deadline (defaults as
       :meth:`Communicator.partial_allreduce <asynccoll.Communicator.partial_allreduce>`).
@@ -125,7 +136,7 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Any, mode: str = "sync", *,
                  quorum: int | None = None, backups: int | None = None,
-                 accumulate: bool = True, average: str = "contributions",
+                 accumulate: bool = True, average: str | None = None,
                  deadline: float | tuple[float, float] | None = None,
                  mad_factor: float | None = None, deadline_window: int | None = None,
                  staleness_bound: int | None = 4, scale_lr: bool | None = None,
@@ -143,6 +154,8 @@ class DistributedOptimizer:
             if v is not None and mode not in _ONLY[arg]:
                 raise ValueError(f"{arg} is only meaningful for mode in {_ONLY[arg]}, "
                                  f"got mode={mode!r}")
+        if average is None:
+            average = "contributions" if mode in ("backup", "rna") else "world"
         if average not in ("contributions", "world"):
             raise ValueError(f"average must be 'contributions' or 'world', got {average!r}")
         if mode == "rna" and average != "contributions":
@@ -166,6 +179,8 @@ class DistributedOptimizer:
             if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < P:
                 raise ValueError(f"backups must be an int in 0..{P - 1}, got {backups!r}")
             quorum = P - b
+        if mode == "quorum" and quorum is None:
+            quorum = P  # as documented: a quorum of every rank unless told otherwise
         if kind is not None:
             quorum = check_kind(kind, P, quorum)
         dconf = check_deadline(kind or mode, deadline, mad_factor, deadline_window)
@@ -175,6 +190,7 @@ class DistributedOptimizer:
         self.timeout = timeout
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups
                                            for p in g["params"]]
+        refuse_ddp(self.params)
         dtypes = {(p.dtype, p.device.type) for p in self.params}
         if len(dtypes) != 1 or next(iter(dtypes))[1] != "cpu":
             raise ValueError(f"the parameters must share one dtype on the CPU, got "
@@ -210,6 +226,7 @@ class DistributedOptimizer:
                 kind, like=torch.zeros(n, dtype=self._dtype), op=op,
                 accumulate=accumulate, quorum=quorum, seed=seed, name=name, timeout=timeout,
                 **extra)
+            self._h.flush_hint = "'opt.finish()' of the DistributedOptimizer"
 
     # -- the inner optimizer's surface -------------------------------------------------------
     @property
@@ -267,6 +284,8 @@ class DistributedOptimizer:
         """Reduce the parameters' ``.grad`` (``None``: zeros) and step the inner optimizer
         with the result; return what happened (module doc). Raises what the collective
         raises (``CollectiveTimeoutError``, ``ExecutionError``, ``PeerLostError``)."""
+        if self.steps == 0:  # a DDP model made after the wrapper
+            refuse_ddp(self.params)
         g = self._flat_grads()
         P = self.comm.size
         everyone = frozenset(range(P))
@@ -332,10 +351,11 @@ class DistributedOptimizer:
 
     def finish(self, average: bool = True) -> int:
         """Collective: drain every gradient in flight and apply it (one inner step, if any
-        was left), then, with ``average``, average the parameters over all ranks so that
-        every replica is equal. Call it once on every rank after the last step. Returns how
-        many local gradients (over all ranks) the drain applied. ``"odsgd"`` leaves the
-        model at the global weights W (equal on every rank even with ``average=False``)."""
+        was left), then, with ``average``, average the parameters over all ranks (one
+        allreduce, whose result every rank receives alike), else give every rank rank 0's
+        parameters (one broadcast): either way every replica ends equal to the bit. Call it
+        once on every rank after the last step. Returns how many local gradients (over all
+        ranks) the drain applied. ``"odsgd"`` leaves the model at the global weights W."""
         held = 0
         if self._inflight is not None:
             prev, self._inflight = self._inflight, None
@@ -349,7 +369,31 @@ class DistributedOptimizer:
             held = res.count
             self._apply_result(res)
             self._pending.clear()
-        if average:
-            avg = self.comm.allreduce(self._flat_params(), op="avg", timeout=self.timeout)
-            self._load(avg)
+        flat = self._flat_params()
+        self._load(self.comm.allreduce(flat, op="avg", timeout=self.timeout) if average
+                   else self.comm.broadcast(flat, 0, timeout=self.timeout))
         return held
+
+
+def refuse_ddp(params: list[torch.Tensor]) -> None:
+    """``ValueError`` when a ``DistributedDataParallel`` model holds any of ``params``: its
+    backward pass already averages their gradients. Costs one pass over the collector's
+    objects, and only while ``torch.distributed`` is initialised (DDP needs it)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    mine = {id(p) for p in params}
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel) and any(
+                id(p) in mine for p in obj.parameters()):
+            raise ValueError(
+                "the optimizer's parameters belong to a DistributedDataParallel model, which "
+                "already averages their gradients in backward(): DistributedOptimizer would "
+                "reduce them a second time. Use one of the two: drop DDP (train `ddp.module`, "
+                "or the model itself, with DistributedOptimizer), or keep DDP with a plain "
+                "optimizer and asynccoll.torch.partial_hook for a partial allreduce per bucket")

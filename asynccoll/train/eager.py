@@ -124,6 +124,7 @@ class EagerSGD:
         self.applied = 0
         self._since_sync = 0
         self._stale_run = 0
+        self._averaged = False  # whether the latest sync event averaged the parameters
         self._h = None
         if mode != "sync":
             self._h = comm.partial_allreduce(
@@ -133,6 +134,7 @@ class EagerSGD:
                 accumulate="mean" if self._mean_rounds() else
                 "world" if self._world_rounds() else self.accumulate,
                 deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window)
+            self._h.flush_hint = f"'await opt.finish()' of the {type(self).__name__}"
         n = self.params.size
         self._sync_buf = np.empty(n + 2, self.params.dtype)
         # Each step's result lands here (the call's out=): no fresh array per step, whose page
@@ -234,7 +236,8 @@ class EagerSGD:
         self._sync_buf[n] = 1.0 if finished else 0.0
         self._sync_buf[n + 1] = 0.0 if average else 1.0
         tot = await self._comm_now().allreduce(self._sync_buf, timeout=self.timeout)
-        if tot[n + 1] == 0:
+        self._averaged = bool(tot[n + 1] == 0)
+        if self._averaged:
             np.divide(tot[:n], self.world_size, out=self.params)
         self._since_sync = 0
         self._stale_run = 0
@@ -245,12 +248,18 @@ class EagerSGD:
         """Collective: drain every contribution and (``average``) average the parameters,
         repeated until every rank has called it (ranks still stepping join the events it
         triggers). Call it once, after the last step, on every rank. Afterwards no gradient is
-        left in flight and, with ``average``, all replicas are equal (if any rank passes
-        ``average=False``, no rank averages in that event)."""
+        left in flight and all replicas are equal to the bit: averaged (the allreduce's result,
+        which every rank receives alike, divided alike), or, if any rank passed
+        ``average=False``, rank 0's parameters given to every rank (one broadcast; with
+        ``accumulate=True`` and plain SGD the ranks already held them up to rounding, which
+        depends on how each rank's rounds were grouped into steps)."""
         if self._h is None:
             return
         while not await self._sync(finished=True, average=average):
             pass
+        if not self._averaged:
+            np.copyto(self.params, await self._comm_now().broadcast(self.params, 0,
+                                                                     self.timeout))
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(mode={self.mode!r}, lr={self.lr}, "

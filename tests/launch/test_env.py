@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from asynccoll.launch.env import ConfigError, JobSpec, listen_host, parse_hostport, resolve
+from asynccoll.launch.env import (
+    ConfigError,
+    JobSpec,
+    free_port,
+    listen_host,
+    parse_hostport,
+    resolve,
+)
 
 SECRET = "0123456789abcdef0123"
 
@@ -48,6 +55,26 @@ def test_torchrun_variables_use_master_port_plus_one() -> None:
     assert (spec.local_rank, spec.local_world_size, spec.source) == (1, 4, "torchrun")
     assert resolve(environ=env(RANK="0", WORLD_SIZE="8", MASTER_ADDR="n",
                                MASTER_PORT="29500")).host_store
+
+
+def test_torchrun_agent_store_is_used_instead_of_a_guessed_port() -> None:
+    """torchrun shares its store (TORCHELASTIC_USE_AGENT_STORE=True): asynccoll's store port
+    is published there, so spec.store is torchrun's own address and no port is guessed."""
+    tr = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "29500",
+          "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    spec = resolve(environ=env(**tr))
+    assert (spec.store, spec.store_via) == (("n0", 29500), "torchrun")
+    assert resolve(environ=env(**{**tr, "RANK": "0"})).host_store
+    assert resolve(environ=env(**tr, ASYNCCOLL_STORE="h:7")).store_via is None
+    plain = resolve(environ=env(**{**tr, "TORCHELASTIC_USE_AGENT_STORE": "False"}))
+    assert (plain.store, plain.store_via) == (("n0", 29501), None)
+
+
+def test_free_port_is_below_the_ephemeral_range() -> None:
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0]) \
+        if os.path.exists("/proc/sys/net/ipv4/ip_local_port_range") else 32768
+    ports = {free_port() for _ in range(5)}
+    assert all(1024 <= p < low for p in ports), (ports, low)
 
 
 def test_slurm_variables_need_a_store_address() -> None:
