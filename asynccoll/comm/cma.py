@@ -108,11 +108,10 @@ _readv, _writev = _load("process_vm_readv"), _load("process_vm_writev")
 
 
 def cma_enabled() -> bool:
-    """Whether this platform has ``process_vm_readv`` and ``process_vm_writev`` and
-    ``ASYNCCOLL_CMA`` is not ``0`` (whether the peers allow it, the communicator's probe
-    finds out)."""
-    return (_readv is not None and _writev is not None
-            and os.environ.get("ASYNCCOLL_CMA", "1").strip() != "0")
+    """Whether this platform has ``process_vm_readv`` and ``process_vm_writev`` (whether
+    ``ASYNCCOLL_CMA`` lets the communicator try them is :mod:`.route`'s to say, and whether
+    the peers allow it its probe's)."""
+    return _readv is not None and _writev is not None
 
 
 #: what :func:`hold` keeps: never released (module doc, "A call abandoned mid-way")

@@ -57,7 +57,6 @@ from ..collectives._plan import check_op
 from ..collectives.dense import block_bounds
 from ..collectives.partial import check_deadline, check_kind
 from ..collectives.sparse.schedules import choose_algorithm
-from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS, shm_layout
 from ..collectives.sparse.streams import SparseVector
 from ..errors import CollectiveTimeoutError, PeerLostError, TransportClosedError
 from ..results import PartialResult
@@ -66,11 +65,12 @@ from ..transport.base import Transport
 from . import clock, groups
 from .blocking import BlockingCollectives
 from .contribution import Contribution, DenseContribution, SparseContribution
-from .dense import DenseOps, _shm_flag
+from .dense import DenseOps
 from .hier_partial import HierPartialAllreduce
 from .membership import DEFAULT_CLOSE_TIMEOUT, Membership
 from .partial import PartialAllreduce, stable_id
 from .progress import ProgressEngine
+from .route import Router, Switches, shm_flag
 from .sparse import SparseAllreduceHandle, SparseOps, as_host, to_device
 from .stall import DEFAULT_STALL_WARN
 from .survival import Survival
@@ -152,7 +152,7 @@ class Communicator:
                  trace: str | None = None, kernels: KernelRegistry | None = None,
                  close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
                  stall_warn: float | None = DEFAULT_STALL_WARN, survive: bool = False,
-                 _child: bool = False) -> None:
+                 _child: bool = False, _switches: Switches | None = None) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a Transport, got {type(transport).__name__}")
         if timeout is not None and not timeout > 0:
@@ -203,7 +203,9 @@ class Communicator:
         if trace is not None:
             self._writer = TraceWriter(trace, transport.rank, transport.world_size)
         self._dense = DenseOps(transport, lambda: next(self._next_id), kernels=self.kernels,
-                               live=self.live, writer=self._writer, stall_warn=self.stall_warn)
+                               live=self.live, writer=self._writer, stall_warn=self.stall_warn,
+                               router=Router(transport.world_size,
+                                             _switches or Switches.from_env()))
         self._sparse.dense = self._dense  # its host layout and segments (shared memory)
         self._dense.lost = lambda: self.membership.lost
         self._dump_signal: DumpSignal | None = None
@@ -234,7 +236,8 @@ class Communicator:
         boot id, or ``ASYNCCOLL_HOST_ID``), inherited by groups; ``[]`` where it is not known
         (a communicator made without :func:`~asynccoll.connect` before its first shared-memory
         collective)."""
-        return [list(g) for g in self._dense._groups]
+        layout = self._dense.layout
+        return [] if layout is None else layout.groups
 
     @property
     def progress(self) -> str:
@@ -496,7 +499,8 @@ class Communicator:
             self._trace, f"group{self._groups_made - 1}-{groups.describe(members)}")
         child = Communicator(view, progress=self._engine, timeout=self.timeout, trace=trace,
                              kernels=self.kernels, close_timeout=self.close_timeout,
-                             stall_warn=self.stall_warn, survive=self.survive, _child=True)
+                             stall_warn=self.stall_warn, survive=self.survive, _child=True,
+                             _switches=self._dense.router.switches)
         child._group_key = key
         child._parent = self
         child._dense.inherit_hosts(self._dense, members, key)
@@ -750,7 +754,7 @@ class Communicator:
         """
         self._check_open()
         dt = np.dtype(dtype)
-        shm = _shm_flag(shm)
+        shm = shm_flag(shm)
         alg = self._sparse.resolve(int(size), dt, density, algorithm, quantize, delta)
         token: int | None = None
         if quantize is not None:
@@ -759,7 +763,8 @@ class Communicator:
                                  "(quantisation is for fewer bytes on a network); give "
                                  "quantize=None or shm=None")
         else:
-            alg, token = self._sparse_shm_plan(int(size), dt, delta, alg, algorithm, shm)
+            alg, token = self._dense.router.sparse_partial(self._dense.layout, alg, algorithm,
+                                                           shm)
         name = self._handle_name(name, "sparse")
         sid = stable_id(name, 3)
         entry = self._engine.call(lambda: self._sparse.named(
@@ -768,18 +773,6 @@ class Communicator:
         t = self.timeout if timeout is None else timeout
         return SparseAllreduceHandle(entry, name, run=self._run, release=self._sparse.release,
                                      timeout=t)
-
-    def _sparse_shm_plan(self, size: int, dtype: np.dtype[Any], delta: float | None, alg: str,
-                         asked: str | None, shm: Any) -> tuple[str, int | None]:
-        """A new sparse handle's algorithm and segment token (None: over the network), for
-        ``alg`` (the one given, ``asked``, or else the chooser's) and ``shm=``: with
-        ``shm=True`` and no algorithm given, a split allgather whatever the chooser's preference
-        for the network's recursive doubling (``ValueError`` naming ``shm`` where shared memory
-        cannot be had, :meth:`DenseOps.sparse_partial_plan`)."""
-        if _shm_flag(shm) is True and asked is None and alg not in SHM_SPARSE_ALGORITHMS:
-            alg = "ssar_split_allgather"
-        in_cap, blk_cap, _ = shm_layout(size, dtype, delta, self.size)
-        return alg, self._dense.sparse_partial_plan(in_cap + blk_cap, alg, shm)
 
     def _handle_name(self, name: str | None, kind: str) -> str:
         """``name`` checked, or the next of ``kind#0``, ``kind#1``, ... by order of creation."""
@@ -932,10 +925,11 @@ class Communicator:
         if sparse:
             sdt = np.dtype(like.values.dtype)
             chosen = choose_algorithm(density, self.size, like.size, sdt, delta)  # checks it
-            algorithm, token = self._sparse_shm_plan(like.size, sdt, delta,
-                                                     algorithm or chosen, algorithm, shm)
+            algorithm, token = self._dense.router.sparse_partial(
+                self._dense.layout, algorithm or chosen, algorithm, shm)
         else:
-            token, algorithm = self._dense.partial_plan(like, algorithm, shm)
+            token, algorithm = self._dense.router.dense_partial(self._dense.layout, like,
+                                                                algorithm, shm)
         name = self._partial_name(name)
         s = stable_id(name, 2) if seed is None else int(seed)
         t = self.timeout if timeout is None else timeout

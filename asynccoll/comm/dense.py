@@ -26,19 +26,17 @@ from ..collectives.dense import REDUCE_OPS, scratch_buffers
 from ..collectives.shm import (
     SHM_ALGORITHMS,
     SHM_INPLACE_OWN_KERNELS,
-    SHM_MIN_BYTES,
     SHM_NAMES,
     build_hier_allreduce,
     build_shm_allreduce,
     build_shm_inplace,
     choose_shm,
-    host_groups,
     shm_algorithm,
 )
-from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS
 from ..errors import ExecutionError, PeerLostError
 from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
+from . import route
 from .cma import (
     CMA_OWN_KERNELS,
     build_cma_allreduce,
@@ -48,7 +46,8 @@ from .cma import (
     read_remote,
     write_remote,
 )
-from .shm import SHM_DIR, Segment, host_hash, new_token, segment_path
+from .route import Layout, Router
+from .shm import Segment, host_hash, new_token, segment_path
 from .stall import wait_or_warn
 
 __all__ = ["DenseOps", "ShmUnavailable"]
@@ -63,27 +62,9 @@ _AGREE_KEY: tuple[Any, ...] = ("agree",)
 _SMALL = 64 << 10
 
 
-def _shm_flag(shm: Any) -> bool | None:
-    """A handle's ``shm=``: a bool or None only (``shm="no"`` is truthy, ``shm=0`` falsy:
-    "automatic", not "never": either would silently mean something else than written);
-    ``np.bool_`` made a bool (``np.False_ is False`` is false)."""
-    if shm is not None and not isinstance(shm, (bool, np.bool_)):
-        raise ValueError(f"shm must be True, False or None, got {shm!r}")
-    return None if shm is None else bool(shm)
-
-
 class ShmUnavailable(ExecutionError):
     """Shared-memory segments could not be created or mapped on some rank (every rank raises
     it together); the message says why on the rank where it happened."""
-
-
-def _tmpfs_bytes() -> int:
-    """The total size of :data:`~.shm.SHM_DIR` (0 when it cannot be read)."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_blocks * st.f_frsize
 
 
 class _Arena:
@@ -159,7 +140,7 @@ class DenseOps:
 
     def __init__(self, transport: Transport, next_id: Callable[[], int], *,
                  kernels: KernelRegistry, live: LiveOps, writer: TraceWriter | None,
-                 stall_warn: float | None) -> None:
+                 stall_warn: float | None, router: Router) -> None:
         self.transport = transport
         self.rank = transport.rank
         self.size = transport.world_size
@@ -183,15 +164,13 @@ class DenseOps:
         self._reserved: dict[tuple[Any, ...], int] = {}
         self._host_lock = asyncio.Lock()  # one learning of the hosts, however many callers
         self._arenas: dict[int, _Arena] = {}  # by address: arrays made by shared_empty
-        self._host: tuple[bool, int] | None = None  # (every rank on this host, job token)
-        self._groups: list[list[int]] = []  # the ranks of each host, after _hosts()
-        self._hashes: list[int] = []  # each rank's host hash, after _hosts()
+        #: where the ranks are (:class:`~.route.Layout`), after the first :meth:`hosts`
+        self.layout: Layout | None = None
         #: the first lost rank this rank learned of, or None (set by the communicator): an
         #: execution a call starts after it raises at once (:meth:`_execute`)
         self.lost: Callable[[], PeerLostError | None] = lambda: None
-        #: ASYNCCOLL_SHM=0 keeps the default allreduce off shared memory (``algorithm="shm"``
-        #: still takes it)
-        self._auto_shm = os.environ.get("ASYNCCOLL_SHM", "1").strip() != "0"
+        #: the one place that chooses a data path (:mod:`.route`)
+        self.router = router
 
     def close(self) -> None:
         """Close every cached executor (waiting calls fail with TransportClosedError)."""
@@ -272,19 +251,15 @@ class DenseOps:
             # pinning; docs/benchmarks.md), so that path is not asked here
             await self._arena_allreduce(arena, buf, op, shm_algorithm(algorithm), timeout)
             return
-        if (algorithm is not None and algorithm in SHM_NAMES) or (
-                algorithm is None and self._auto_shm and self.size > 1
-                and isinstance(buf, np.ndarray) and buf.nbytes >= SHM_MIN_BYTES
-                and (await self._hosts(timeout))[0]):
-            if await self._shm_or_not(buf, op, algorithm, timeout, hier=False):
-                return
-        if algorithm == "hier" or (algorithm is None and self._auto_shm and self.size > 1
-                                   and isinstance(buf, np.ndarray)
-                                   and buf.nbytes >= SHM_MIN_BYTES
-                                   and await self._hosts(timeout)
-                                   and max(len(g) for g in self._groups) > 1):
-            if await self._shm_or_not(buf, op, algorithm, timeout, hier=True):
-                return
+        numpy = isinstance(buf, np.ndarray)
+        layout = None
+        if self.router.needs_layout(buf.nbytes, numpy, algorithm) and self.size > 1:
+            await self._hosts(timeout)
+            layout = self.layout
+        path = self.router.allreduce(layout, buf.nbytes, numpy, algorithm)
+        if path != route.NETWORK and await self._shm_or_not(buf, op, algorithm, timeout,
+                                                             hier=path == route.HIER):
+            return
         key = ("allreduce", buf.size, buf.dtype.str, op, algorithm)
         await self.call(key, lambda: dense.allreduce(self.rank, self.size, buf.size, buf.dtype,
                                                       op, algorithm), buf, timeout)
@@ -300,19 +275,19 @@ class DenseOps:
         except ShmUnavailable as exc:
             if algorithm is not None:
                 raise
-            self._auto_shm = False
+            self.router.refuse_shm()
             log.warning("%s; the allreduce goes over the network from now on", exc)
             return False
 
     async def _hosts(self, timeout: float | None) -> tuple[bool, int]:
         """(whether every rank is on this host, the job's segment token): one allgather of
         each rank's host hash and a token, at first use."""
-        if self._host is None:
+        if self.layout is None:
             async with self._host_lock:
-                if self._host is None:
+                if self.layout is None:
                     await self._learn_hosts(timeout)
-        assert self._host is not None
-        return self._host
+        assert self.layout is not None
+        return self.layout.one_host, self.layout.token
 
     async def _learn_hosts(self, timeout: float | None) -> None:
         mine = np.array([host_hash(), new_token()], np.int64)
@@ -322,9 +297,7 @@ class DenseOps:
         # connect() learning it leaves the agreement's executions to the user's calls
         await self.call(("hosts",), lambda: dense.allgather(self.rank, self.size, 2, np.int64),
                         every, timeout, agree=False)
-        self._hashes = every[0::2].tolist()
-        self._groups = host_groups(self._hashes)
-        self._host = (len(self._groups) == 1, int(every[1]))
+        self.layout = Layout(tuple(every[0::2].tolist()), int(every[1]))
 
     async def hosts(self, timeout: float | None) -> tuple[bool, int]:
         """(whether every rank is on this host, the job's segment token): collective at the
@@ -333,91 +306,10 @@ class DenseOps:
 
     def inherit_hosts(self, parent: DenseOps, members: list[int], key: str) -> None:
         """Know the host layout of the group ``key`` made of the ``members`` (ranks of
-        ``parent``) without a collective, when ``parent`` knows its own. The group's token is
-        ``parent``'s hashed with ``key``: its schedule ids count from 1 again and its ranks
-        from 0, so its segments need names of their own."""
-        if parent._host is not None:
-            self._hashes = [parent._hashes[m] for m in members]
-            self._groups = host_groups(self._hashes)
-            d = hashlib.blake2b(f"{parent._host[1]}/{key}".encode(), digest_size=8).digest()
-            self._host = (len(self._groups) == 1, int.from_bytes(d, "little") >> 1)
-
-    def partial_plan(self, like: Any, algorithm: str | None,
-                     shm: bool | None) -> tuple[int | None, str | None]:
-        """How a new dense partial handle moves its data: ``(token, algorithm)``, ``token``
-        the job's segment token when through shared memory (else None: the network) and
-        ``algorithm`` the one to build with. No collective, so the same answer on every rank
-        needs the host layout known beforehand (:meth:`hosts`; ``connect()`` learns it).
-
-        ``shm=None``: through shared memory when every rank is on this host, ``like`` is a
-        NumPy array of at least :data:`~.shm.SHM_MIN_BYTES`, ``algorithm`` is None, the
-        default is on (``ASYNCCOLL_SHM``) and this host's ``/dev/shm`` could hold the
-        handle's segments four times over (its total size, the same on every rank of the
-        host); ``algorithm`` one of :data:`~.shm.SHM_NAMES` or ``shm=True`` asks for it (every
-        rank on one host, NumPy data); ``shm=False`` refuses it. Raises ``ValueError`` naming
-        ``shm`` or ``algorithm`` when asked for where it cannot be, for an ``shm`` that is not
-        a bool or None, and for ``shm=True`` with a network ``algorithm``; ``TypeError`` for
-        data that is not a NumPy array."""
-        shm = _shm_flag(shm)
-        asked = algorithm is not None and algorithm in SHM_NAMES
-        if shm is False:
-            if asked:
-                raise ValueError(f"algorithm={algorithm!r} goes through shared memory, but "
-                                 "shm=False")
-            return None, algorithm
-        if not (asked or shm):
-            P = self.size
-            if algorithm is not None or not self._auto_shm or P < 2 \
-                    or type(like) is not np.ndarray or like.nbytes < SHM_MIN_BYTES \
-                    or self._host is None or not self._host[0] \
-                    or _tmpfs_bytes() < 4 * P * like.nbytes:
-                return None, algorithm
-            return self._host[1], "shm"
-        if shm and algorithm is not None and not asked:
-            # else the network algorithm (even a misspelt one) would be dropped in silence
-            raise ValueError(f"shm=True goes through shared memory, but algorithm={algorithm!r} "
-                             f"names a network one (give one of {SHM_NAMES} or None)")
-        if not isinstance(like, np.ndarray):
-            raise TypeError("a partial allreduce through shared memory needs NumPy data "
-                            f"(shared memory is host memory), got {type(like).__name__}")
-        return self._one_host_token(f"shm=True (or algorithm={algorithm!r})"), \
-            algorithm if asked else "shm"
-
-    def sparse_partial_plan(self, segment_bytes: int, algorithm: str,
-                            shm: bool | None) -> int | None:
-        """How a new sparse partial handle moves its data: the job's segment token when
-        through shared memory (its split allgather, :mod:`asynccoll.collectives.sparse.shm`),
-        else None (the network). No collective, as :meth:`partial_plan`. ``shm=None``: through
-        shared memory when every rank is on this host (known beforehand), ``algorithm`` is one
-        of the split ones, the default is on (``ASYNCCOLL_SHM``) and ``/dev/shm`` could hold
-        every rank's segment (``segment_bytes``) twice over; ``shm=True`` asks for it
-        (``ValueError`` naming ``shm`` where it cannot be); ``shm=False`` refuses it."""
-        shm = _shm_flag(shm)
-        if shm is False:
-            return None
-        split = algorithm in SHM_SPARSE_ALGORITHMS
-        if shm is None:
-            if not split or not self._auto_shm or self.size < 2 or self._host is None \
-                    or not self._host[0] or _tmpfs_bytes() < 2 * self.size * segment_bytes:
-                return None
-            return self._host[1]
-        if not split:
-            raise ValueError(f"shm=True: a sparse handle's data goes through shared memory with "
-                             f"the split algorithms {SHM_SPARSE_ALGORITHMS} only, not "
-                             f"{algorithm!r}")
-        return self._one_host_token("shm=True")
-
-    def _one_host_token(self, asked: str) -> int:
-        """The job's segment token for a handle that asked for shared memory (``asked`` says
-        how); ``ValueError`` unless every rank is known to be on this host."""
-        if self._host is None and self.size == 1:
-            return new_token()
-        if self._host is None or not self._host[0]:
-            why = ("the host layout is not known yet (connect() learns it; else call "
-                   "'await comm.sync_clocks()' first)" if self._host is None
-                   else "the ranks are on several hosts")
-            raise ValueError(f"{asked} needs every rank on one host: {why}")
-        return self._host[1]
+        ``parent``) without a collective, when ``parent`` knows its own
+        (:meth:`Layout.of_group <.route.Layout.of_group>`)."""
+        if parent.layout is not None:
+            self.layout = parent.layout.of_group(members, key)
 
     async def _shm_allreduce(self, buf: Any, op: str, timeout: float | None,
                              hier: bool = False, algorithm: str | None = None) -> None:
@@ -542,7 +434,7 @@ class DenseOps:
         marker = np.array([int.from_bytes(os.urandom(7), "little")], np.int64)
         every = np.zeros(4 * self.size, np.int64)
         every[4 * self.rank:4 * self.rank + 4] = [
-            int(cma_enabled()), os.getpid(), marker.ctypes.data, marker[0]]
+            int(self.router.cma and cma_enabled()), os.getpid(), marker.ctypes.data, marker[0]]
         try:
             await self.call(("cma_probe",), lambda: dense.allgather(self.rank, self.size, 4,
                                                                       np.int64),
@@ -586,9 +478,11 @@ class DenseOps:
         host, then unlinked (module doc of :mod:`.shm`). Collective; every rank fails if one
         cannot map."""
         if hier:
+            assert self.layout is not None
+            groups = self.layout.groups
             sched = build_hier_allreduce(self.rank, self.size, buf.size, buf.dtype, op,
-                                         self._groups)
-            local = next(g for g in self._groups if self.rank in g)
+                                         groups)
+            local = next(g for g in groups if self.rank in g)
         else:
             sched = build_shm_allreduce(self.rank, self.size, buf.size, buf.dtype, op,
                                         algorithm)

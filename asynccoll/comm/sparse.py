@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -38,7 +37,7 @@ from ..collectives.sparse.schedules import (
     load_stream,
     read_result,
 )
-from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS, build_sparse_shm_allreduce
+from ..collectives.sparse.shm import build_sparse_shm_allreduce
 from ..collectives.sparse.streams import SparseVector
 from ..errors import BusyError, CollectiveTimeoutError, PeerLostError, TransportClosedError
 from ..sched import Executor, Kernel, LiveOps, Schedule
@@ -358,8 +357,6 @@ class SparseOps:
         #: the communicator's dense collectives, whose host layout and segment setup the
         #: shared-memory path uses (set by the communicator; None: never shared memory)
         self.dense: DenseOps | None = None
-        #: ASYNCCOLL_SHM=0 keeps the sparse allreduce off shared memory
-        self._auto_shm = os.environ.get("ASYNCCOLL_SHM", "1").strip() != "0"
         self._warned = False  # that segments could not be had (logged once)
 
     def resolve(self, size: int, dtype: np.dtype[Any], density: float | None,
@@ -444,8 +441,7 @@ class SparseOps:
         """Whether a key's first call tries shared memory: the split algorithms without
         quantisation (whose point is fewer bytes on a network), more than one rank, not
         turned off; whether every rank is on this host is learned at that call."""
-        return (self.dense is not None and self._auto_shm and quantize is None
-                and self._transport.world_size > 1 and algorithm in SHM_SPARSE_ALGORITHMS)
+        return self.dense is not None and self.dense.router.sparse_allreduce(algorithm, quantize)
 
     async def _try_shm(self, op: SparseAllreduce, timeout: float | None
                        ) -> ShmSparseAllreduce | None:

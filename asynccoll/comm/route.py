@@ -1,0 +1,277 @@
+"""Routes: the one place that chooses a data path (DESIGN §6).
+
+A call's data goes over the **network** (a named algorithm of :mod:`asynccoll.collectives`),
+through **shared memory** within one host (:mod:`asynccoll.collectives.shm`, segments in
+:mod:`.shm`), **hierarchically** (shared memory within each host, the network among their
+leaders), or, for a sparse allreduce or handle, through its **split allgather in shared
+memory** (:mod:`asynccoll.collectives.sparse.shm`). A :class:`Router` decides which, from
+
+* the host layout, a value (:class:`Layout`: each rank's host and the job's segment token),
+  learned elsewhere (the communicator's first collective, at ``connect()``) and passed in;
+* the call: its kind, size in bytes, whether the data is a NumPy array, the algorithm and
+  ``shm=`` asked for;
+* the environment switches, read once here (:class:`Switches`): ``ASYNCCOLL_SHM=0`` keeps every
+  default off shared memory, ``ASYNCCOLL_CMA=0`` the single-copy allreduce (:mod:`.cma`).
+
+It runs no collective. When the chosen path cannot be set up (segments refused: a name taken,
+too little free space, a foreign file), the caller falls back to the network on every rank
+alike, never fatally: a synchronous collective agrees on it with a flag allreduce
+(:class:`~.dense.ShmUnavailable`), a persistent handle with one exchange of flags among its
+ranks before its first execution (:func:`agree_flags`), and in either case one warning names
+why. Asked for by name (``algorithm="shm"``, ``shm=True``), a path that cannot be had raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..collectives.shm import SHM_MIN_BYTES, SHM_NAMES, host_groups
+from ..collectives.sparse.shm import SHM_SPARSE_ALGORITHMS
+from ..errors import CollectiveTimeoutError
+from ..transport.base import Transport
+from ..transport.frames import Kind
+from ..transport.matching import ignore_outcome
+from .shm import SHM_DIR
+
+__all__ = ["Layout", "Router", "Switches", "agree_flags", "free_bytes", "shm_flag"]
+
+#: the paths a plan names
+NETWORK, SHM, HIER = "network", "shm", "hier"
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The environment's say in routes, read once (:meth:`from_env`)."""
+
+    #: ``ASYNCCOLL_SHM`` (default on): whether a default may choose shared memory
+    shm: bool = True
+    #: ``ASYNCCOLL_CMA`` (default on): whether the single-copy allreduce may be tried
+    cma: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Switches:
+        """The switches of ``env`` (default: this process's environment); anything but
+        ``0`` is on."""
+        env = os.environ if env is None else env
+        return cls(shm=env.get("ASYNCCOLL_SHM", "1").strip() != "0",
+                   cma=env.get("ASYNCCOLL_CMA", "1").strip() != "0")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks are: ``hashes[r]`` is rank r's host (equal on one host), ``token`` the
+    job's segment token (equal on every rank)."""
+
+    hashes: tuple[int, ...]
+    token: int
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The ranks of each host, hosts in the order of their lowest rank (its leader)."""
+        return host_groups(self.hashes)
+
+    @property
+    def one_host(self) -> bool:
+        """Whether every rank is on one host."""
+        return len(set(self.hashes)) == 1
+
+    def of_group(self, members: list[int], key: str) -> Layout:
+        """The layout of the group ``key`` of ``members`` (ranks of this layout). Its token is
+        this one hashed with ``key``: a group's schedule ids count from 1 again and its ranks
+        from 0, so its segments need names of their own."""
+        d = hashlib.blake2b(f"{self.token}/{key}".encode(), digest_size=8).digest()
+        return Layout(tuple(self.hashes[m] for m in members),
+                      int.from_bytes(d, "little") >> 1)
+
+
+def shm_flag(shm: Any) -> bool | None:
+    """A handle's ``shm=``: a bool or None only (``shm="no"`` is truthy, ``shm=0`` falsy:
+    "automatic", not "never": either would silently mean something else than written);
+    ``np.bool_`` made a bool (``np.False_ is False`` is false)."""
+    if shm is not None and not isinstance(shm, (bool, np.bool_)):
+        raise ValueError(f"shm must be True, False or None, got {shm!r}")
+    return None if shm is None else bool(shm)
+
+
+def free_bytes(directory: str = SHM_DIR) -> int:
+    """The bytes free for an unprivileged user in ``directory``'s file system (0 when it
+    cannot be read): what new segments can still take, not the tmpfs's size."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+class Router:
+    """The route decisions of one communicator (module doc): ``size`` ranks, ``switches``.
+
+    Stateless but for one flag: once a default's shared-memory setup failed on every rank
+    alike (:meth:`refuse_shm`), the synchronous allreduce's default stops choosing it.
+    """
+
+    def __init__(self, size: int, switches: Switches) -> None:
+        self.size = size
+        self.switches = switches
+        self._shm_default = switches.shm
+
+    def refuse_shm(self) -> None:
+        """Every rank learned together that the default's segments cannot be had: from now
+        on the default allreduce goes over the network."""
+        self._shm_default = False
+
+    @property
+    def cma(self) -> bool:
+        """Whether the single-copy allreduce may be tried (``ASYNCCOLL_CMA``)."""
+        return self.switches.cma
+
+    # -- the synchronous allreduce -----------------------------------------------------------
+    def needs_layout(self, nbytes: int, numpy: bool, algorithm: str | None) -> bool:
+        """Whether the allreduce's route depends on the host layout (learning it is a
+        collective, so a small or named-network call does not ask)."""
+        if algorithm is not None:
+            return algorithm in SHM_NAMES or algorithm == HIER
+        return self._shm_default and self.size > 1 and numpy and nbytes >= SHM_MIN_BYTES
+
+    def allreduce(self, layout: Layout | None, nbytes: int, numpy: bool,
+                  algorithm: str | None) -> str:
+        """:data:`SHM`, :data:`HIER` or :data:`NETWORK` for an allreduce of ``nbytes``
+        (``numpy``: the data is a NumPy array; ``layout`` known when :meth:`needs_layout`
+        said so). Asked for by name, shared memory or the hierarchy is always the answer
+        (where it cannot be, the setup raises naming why)."""
+        if algorithm is not None:
+            return SHM if algorithm in SHM_NAMES else HIER if algorithm == HIER else NETWORK
+        if layout is None or not self.needs_layout(nbytes, numpy, algorithm):
+            return NETWORK
+        if layout.one_host:
+            return SHM
+        return HIER if max(len(g) for g in layout.groups) > 1 else NETWORK
+
+    # -- persistent handles ------------------------------------------------------------------
+    def dense_partial(self, layout: Layout | None, like: Any, algorithm: str | None,
+                      shm: bool | None) -> tuple[int | None, str | None]:
+        """How a new dense partial handle moves its data: ``(token, algorithm)``, ``token``
+        the job's segment token when through shared memory (else None: the network) and
+        ``algorithm`` the one to build with. The same answer on every rank that has the
+        same layout: the free space of the segment directory is not asked here (it differs
+        between ranks as they create); a failed creation is agreed by the handle.
+
+        ``shm=None``: through shared memory when every rank is on this host, ``like`` is a
+        NumPy array of at least :data:`~asynccoll.collectives.shm.SHM_MIN_BYTES`,
+        ``algorithm`` is None and the default is on (``ASYNCCOLL_SHM``); ``algorithm`` one of
+        :data:`~asynccoll.collectives.shm.SHM_NAMES` or ``shm=True`` asks for it (every rank on
+        one host, NumPy data); ``shm=False`` refuses it. Raises ``ValueError`` naming ``shm``
+        or ``algorithm`` when asked for where it cannot be, for an ``shm`` that is not a bool
+        or None, and for ``shm=True`` with a network ``algorithm``; ``TypeError`` for data
+        that is not a NumPy array."""
+        shm = shm_flag(shm)
+        asked = algorithm is not None and algorithm in SHM_NAMES
+        if shm is False:
+            if asked:
+                raise ValueError(f"algorithm={algorithm!r} goes through shared memory, but "
+                                 "shm=False")
+            return None, algorithm
+        if not (asked or shm):
+            if algorithm is not None or not self.switches.shm or self.size < 2 \
+                    or type(like) is not np.ndarray or like.nbytes < SHM_MIN_BYTES \
+                    or layout is None or not layout.one_host:
+                return None, algorithm
+            return layout.token, "shm"
+        if shm and algorithm is not None and not asked:
+            # else the network algorithm (even a misspelt one) would be dropped in silence
+            raise ValueError(f"shm=True goes through shared memory, but algorithm={algorithm!r} "
+                             f"names a network one (give one of {SHM_NAMES} or None)")
+        if not isinstance(like, np.ndarray):
+            raise TypeError("a partial allreduce through shared memory needs NumPy data "
+                            f"(shared memory is host memory), got {type(like).__name__}")
+        return self._one_host_token(layout, f"shm=True (or algorithm={algorithm!r})"), \
+            algorithm if asked else "shm"
+
+    def sparse_partial(self, layout: Layout | None, algorithm: str, asked: str | None,
+                       shm: bool | None) -> tuple[str, int | None]:
+        """How a new sparse handle (partial or synchronous) moves its data: ``(algorithm,
+        token)``, the token the job's segment token when through shared memory (its split
+        allgather), else None (the network); no collective, as :meth:`dense_partial`.
+        ``algorithm``: the one given (``asked``) or else the chooser's; with ``shm=True`` and
+        none given, a split allgather whatever the chooser's preference for the network's
+        recursive doubling. ``shm=None``: through shared memory when every rank is on this
+        host (known beforehand), the algorithm is one of the split ones and the default is on
+        (``ASYNCCOLL_SHM``); ``shm=True`` asks for it (``ValueError`` naming ``shm`` where it
+        cannot be); ``shm=False`` refuses it."""
+        shm = shm_flag(shm)
+        if shm is True and asked is None and algorithm not in SHM_SPARSE_ALGORITHMS:
+            algorithm = "ssar_split_allgather"
+        if shm is False:
+            return algorithm, None
+        split = algorithm in SHM_SPARSE_ALGORITHMS
+        if shm is None:
+            if not split or not self.switches.shm or self.size < 2 or layout is None \
+                    or not layout.one_host:
+                return algorithm, None
+            return algorithm, layout.token
+        if not split:
+            raise ValueError(f"shm=True: a sparse handle's data goes through shared memory with "
+                             f"the split algorithms {SHM_SPARSE_ALGORITHMS} only, not "
+                             f"{algorithm!r}")
+        return algorithm, self._one_host_token(layout, "shm=True")
+
+    def sparse_allreduce(self, algorithm: str, quantize: int | None) -> bool:
+        """Whether a sparse allreduce's first call tries shared memory: the split algorithms
+        without quantisation (whose point is fewer bytes on a network), more than one rank,
+        not turned off; whether every rank is on this host is learned at that call."""
+        return (self.switches.shm and quantize is None and self.size > 1
+                and algorithm in SHM_SPARSE_ALGORITHMS)
+
+    def _one_host_token(self, layout: Layout | None, asked: str) -> int:
+        """The job's segment token for a handle that asked for shared memory (``asked`` says
+        how); ``ValueError`` unless every rank is known to be on this host."""
+        if layout is None and self.size == 1:
+            from .shm import new_token
+            return new_token()
+        if layout is None or not layout.one_host:
+            why = ("the host layout is not known yet (connect() learns it; else call "
+                   "'await comm.sync_clocks()' first)" if layout is None
+                   else "the ranks are on several hosts")
+            raise ValueError(f"{asked} needs every rank on one host: {why}")
+        return layout.token
+
+
+async def agree_flags(transport: Transport, sched_id: int, ok: bool,
+                      timeout: float | None, what: str) -> list[int]:
+    """Tell every other rank of ``transport`` whether this one could set its path up (``ok``)
+    and learn theirs: the ranks that could not, the same list on every rank. One 1-byte
+    message to and from each peer, with ``sched_id`` (the caller's own id space: nothing else
+    may use it). Raises :class:`~asynccoll.PeerLostError` when a peer is lost meanwhile,
+    :class:`~asynccoll.CollectiveTimeoutError` (naming ``what`` and the silent ranks) after
+    ``timeout`` seconds."""
+    me, P = transport.rank, transport.world_size
+    peers = [r for r in range(P) if r != me]
+    futs = {r: transport.post_recv(r, sched_id, 0, 0) for r in peers}
+    flag = np.array([1 if ok else 0], np.uint8)
+    for r in peers:
+        transport.post_frame(r, int(Kind.DATA), sched_id, 0, 0,
+                             flag.data.cast("B")).add_done_callback(ignore_outcome)
+    failed = [] if ok else [me]
+    try:
+        done = await asyncio.wait_for(asyncio.gather(*futs.values()), timeout)
+    except asyncio.TimeoutError:
+        silent = sorted(r for r, f in futs.items() if not f.done())
+        raise CollectiveTimeoutError(
+            f"rank {me}: {what}: ranks {silent} did not say within {timeout} s whether they "
+            "could set up its shared memory (every rank must create the handle alike, in the "
+            "same order among its handles)") from None
+    finally:
+        for f in futs.values():
+            if not f.done():
+                f.cancel()
+    for r, msg in zip(futs, done, strict=True):
+        if not bytes(msg.payload[:1]) == b"\x01":
+            failed.append(r)
+    return sorted(failed)
