@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from .visible import INTERNAL
+
 __all__ = ["configure", "run"]
 
 
@@ -43,15 +45,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", "-P", type=int, required=True, help="world size P")
     p.add_argument("--rank", "-r", type=int, default=None,
                    help="render only this rank's DAG (default: every rank, global view)")
-    p.add_argument("--size", type=int, default=4096, help="message size in bytes (float32)")
-    p.add_argument("--algorithm", "-a", default=None, help="algorithm, where the kind has several")
+    p.add_argument("--size", type=int, default=4096,
+                   help="message size in bytes, float32 (default: %(default)s)")
+    p.add_argument("--algorithm", "-a", default=None,
+                   help="algorithm, where the kind has several (`asynccoll inspect kinds` "
+                        "lists them per kind)")
     p.add_argument("--format", "-f", default="text",
-                   choices=("text", "dot", "json", "html", "png"))
-    p.add_argument("--out", "-o", default=None, help="write here instead of stdout")
+                   choices=("text", "dot", "json", "html", "png"),
+                   help="text (a table per rank), dot (Graphviz), json (the schedules as "
+                        "data), html (a page with the DAG and the message flows), png (a "
+                        "picture; needs matplotlib and --out) (default: %(default)s)")
+    p.add_argument("--out", "-o", default=None, metavar="FILE",
+                   help="write here instead of stdout")
     t = sub.add_parser("trace", help="summarise the traces a run wrote into DIR")
-    t.add_argument("dir")
-    t.add_argument("--execution", "-e", type=int, default=None, help="show this execution")
-    t.add_argument("--sched-id", type=int, default=None, help="only this collective")
+    t.add_argument("dir", help="the directory a traced run wrote (ASYNCCOLL_TRACE=DIR)")
+    t.add_argument("--execution", "-e", type=int, default=None, metavar="N",
+                   help="show execution N of each collective, rank by rank")
+    t.add_argument("--sched-id", type=int, default=None,
+                   help="only this collective (its sched_id, as the summary lists it)")
+    t.add_argument("--all", action="store_true", dest="show_all",
+                   help="also the runtime's own collectives (" + ", ".join(INTERNAL) + ": "
+                        "host discovery, definition checks, shared-memory setup), hidden "
+                        "by default")
     t.add_argument("--perfetto", default=None, metavar="OUT.json",
                    help="write Chrome trace-event JSON (Perfetto, chrome://tracing)")
     t.add_argument("--html", default=None, metavar="OUT.html", help="write a timeline page")
@@ -61,13 +76,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="rank lateness per rank (percentiles, how often last, fresh data); "
                         "with PLOT.png also plot lateness over time (needs matplotlib)")
     q = sub.add_parser("pending", help="explain a hang from the pending snapshots in DIR")
-    q.add_argument("dir")
+    q.add_argument("dir", help="the directory the ranks trace into (ASYNCCOLL_TRACE=DIR)")
     q.add_argument("--pid", type=int, default=None,
                    help="first signal this process (SIGUSR1): its communicators, tracing into "
                         "DIR, write their pending ops there (and print them to its stderr)")
-    q.add_argument("--wait", type=float, default=2.0, help="seconds to wait after --pid")
+    q.add_argument("--wait", type=float, default=2.0, metavar="SECONDS",
+                   help="with --pid: seconds to wait for the snapshots (default: %(default)s)")
     fl = sub.add_parser("flight", help="the last collectives of each rank (flight records)")
-    fl.add_argument("dir")
+    fl.add_argument("dir", help="the directory the ranks trace into (ASYNCCOLL_TRACE=DIR)")
     fl.add_argument("--rank", "-r", type=int, default=None, help="only this rank")
     fl.add_argument("--all", action="store_true", help="every record, not only the latest")
     sub.add_parser("kinds", help="list the collective kinds `schedule` can render")
@@ -142,8 +158,14 @@ def _trace(args: argparse.Namespace) -> int:
     from .perfetto import perfetto_json, timeline_page, timeline_png
     from .summary import execution_detail, render_execution, render_summary, summarize
     from .tracefile import load_dir
+    from .visible import internal_ids, user_traces
 
-    traces = load_dir(args.dir)
+    every = load_dir(args.dir)
+    ids = internal_ids(every)
+    show_all = args.show_all or args.sched_id in ids  # one asked for by its id is shown
+    traces = user_traces(every, show_all)
+    hidden = [] if show_all else sorted({str(rec.get("collective")) for rt in every.values()
+                                         for sid, rec in rt.schedules.items() if sid in ids})
     if args.stragglers is not None:
         from .stragglers import render_stragglers, stragglers, stragglers_png
 
@@ -159,6 +181,9 @@ def _trace(args: argparse.Namespace) -> int:
     else:
         sums = [s for s in summarize(traces) if args.sched_id in (None, s.sched_id)]
         sys.stdout.write(render_summary(sums))
+    if hidden:
+        print(f"(the runtime's own collectives are hidden: {', '.join(hidden)}; --all shows "
+              "them)")
     if args.perfetto:
         Path(args.perfetto).write_text(perfetto_json(traces), encoding="utf-8")
         print(f"wrote {args.perfetto} (open it in https://ui.perfetto.dev or chrome://tracing)")

@@ -8,7 +8,7 @@ plain HTML table (readable without scripts, and searchable with the browser's fi
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..sched import Schedule
@@ -35,6 +35,10 @@ svg text{font-size:10px;pointer-events:none}
 .sel{stroke:#d00!important;stroke-width:3!important}
 table{border-collapse:collapse;font-size:11px}td,th{border:1px solid #ddd;padding:1px 4px}
 h1{font-size:15px;margin:4px 0}
+.key{margin-left:12px;font-size:12px;white-space:nowrap}
+.key i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px}
+.key b.line{display:inline-block;width:18px;border-top:1px solid #222;margin-right:4px;
+vertical-align:3px;opacity:.6}
 """
 
 _GRAPH_JS = r"""
@@ -198,9 +202,11 @@ def schedule_html(schedules: Sequence[Schedule], title: str = "") -> str:
 
 
 def timeline_html(title: str, rows: Sequence[str], slices: Sequence[dict[str, Any]],
-                  flows: Sequence[dict[str, Any]], span_us: float) -> str:
+                  flows: Sequence[dict[str, Any]], span_us: float,
+                  legend: Mapping[str, str] | None = None) -> str:
     """A timeline page: ``rows`` names each track; a slice has ``row, ts, dur`` (µs from the
-    run's start), ``name``, ``color`` and ``fields``; a flow joins ``(r0, t0)`` to ``(r1, t1)``.
+    run's start), ``name``, ``color`` and ``fields``; a flow joins ``(r0, t0)`` to ``(r1, t1)``;
+    ``legend`` maps what a colour means to the colour (shown above the timeline).
     On open the page fits the whole run (first slice to last end) into the window's width;
     the zoom buttons halve or double the scale from there."""
     data = {"rows": list(rows), "slices": list(slices), "flows": list(flows),
@@ -210,6 +216,9 @@ def timeline_html(title: str, rows: Sequence[str], slices: Sequence[dict[str, An
              + "".join(f"<tr><td>{escape(rows[s['row']])}</td><td>{escape(s['name'])}</td>"
                        f"<td>{s['ts']:.1f}</td><td>{s['dur']:.1f}</td></tr>" for s in slices)
              + "</table></details>")
+    keys = "".join(f"<span class=\"key\"><i style=\"background:{escape(c)}\"></i>"
+                   f"{escape(k)}</span>" for k, c in (legend or {}).items())
     buttons = ("<p><button id=\"zin\">zoom in</button> <button id=\"zout\">zoom out</button> "
-               "lines: messages from a send to its matching receive</p>")
+               f"<span id=\"legend\">{keys}<span class=\"key\"><b class=\"line\"></b>"
+               "message from a send to its matching receive</span></span></p>")
     return _page(title, data, _TIMELINE_JS, table, buttons)

@@ -211,41 +211,54 @@ def timeline_page(traces: Mapping[int, RankTrace], title: str = "asynccoll trace
         sa, sb = tl.slices[a], tl.slices[b]
         fl.append({"r0": row_of[(sa.rank, sa.sched_id, sa.lane)], "t0": sa.ts,
                    "r1": row_of[(sb.rank, sb.sched_id, sb.lane)], "t1": sb.ts + sb.dur})
-    return timeline_html(title, rows, sl, fl, tl.span_us)
+    used = {s.cat for s in tl.slices}
+    legend = {("execution (a rank's start to its completion)" if k == "execution" else k): c
+              for k, c in colors.items() if k in used}
+    return timeline_html(title, rows, sl, fl, tl.span_us, legend)
 
 
 def timeline_png(traces: Mapping[int, RankTrace], path: str, title: str = "") -> None:
-    """Draw the timeline with matplotlib into ``path`` (PNG): a row per track, ops coloured by
-    kind, messages as lines from send to receive. Needs matplotlib."""
+    """Draw the timeline with matplotlib into ``path`` (PNG): a row per track, named by rank
+    and collective, ops coloured by kind (a legend of the kinds drawn), messages as lines from
+    send to receive, time in ms. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Rectangle
 
     tl = timeline(traces)
     tracks = sorted({(s.rank, s.sched_id, s.lane) for s in tl.slices})
     row_of = {t: i for i, t in enumerate(tracks)}
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.32 * len(tracks)))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.32 * len(tracks)))
     colors = {**KIND_COLOR, "execution": "#9c755f"}
+    ms = 1e-3  # the timeline is in µs; the picture in ms
+    span = tl.span_us * ms
     for s in tl.slices:
         y = row_of[(s.rank, s.sched_id, s.lane)]
-        ax.broken_barh([(s.ts, max(s.dur, tl.span_us / 2000))], (y - 0.38, 0.76),
+        ax.broken_barh([(s.ts * ms, max(s.dur * ms, span / 2000))], (y - 0.38, 0.76),
                        facecolors=colors.get(s.cat, "#999999"), edgecolor="none")
     for a, b in tl.flows:
         sa, sb = tl.slices[a], tl.slices[b]
-        ax.plot([sa.ts, sb.ts + sb.dur], [row_of[(sa.rank, sa.sched_id, sa.lane)],
-                                          row_of[(sb.rank, sb.sched_id, sb.lane)]],
+        ax.plot([sa.ts * ms, (sb.ts + sb.dur) * ms],
+                [row_of[(sa.rank, sa.sched_id, sa.lane)], row_of[(sb.rank, sb.sched_id, sb.lane)]],
                 color="#222222", lw=0.6, alpha=0.5)
     ax.set_yticks(range(len(tracks)))
-    ax.set_yticklabels([f"rank {r} " + ("executions" if lane == 0 else f"ops {lane}")
-                        for r, _, lane in tracks], fontsize=7)
+    ax.set_yticklabels([f"rank {r} {tl.names.get(sid, sid)} "
+                        + ("executions" if lane == 0 else f"ops {lane}")
+                        for r, sid, lane in tracks], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("time since the first execution was armed (µs)")
-    ax.set_xlim(left=min((sl.ts for sl in tl.slices), default=0.0) - tl.span_us / 100)
-    handles = [Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), fontsize=7, loc="upper right", ncol=5)
-    ax.set_title(title or "traced run", fontsize=10)
+    ax.set_xlabel("time since the first execution was armed (ms)")
+    ax.set_xlim(left=min((sl.ts * ms for sl in tl.slices), default=0.0) - span / 100)
+    used = {s.cat for s in tl.slices}
+    shown = {k: c for k, c in colors.items() if k in used}
+    handles: list[Any] = [Rectangle((0, 0), 1, 1, color=c) for c in shown.values()]
+    handles.append(Line2D([0], [0], color="#222222", lw=0.8, alpha=0.5))
+    ax.legend(handles, [*shown, "message (send to receive)"], fontsize=7, loc="lower left",
+              bbox_to_anchor=(0.0, 1.0), ncol=len(handles), frameon=False)
+    names = sorted({tl.names.get(sid, str(sid)) for _, sid, _ in tracks})
+    ax.set_title((title or "traced run") + ": " + ", ".join(names), fontsize=10, pad=22)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

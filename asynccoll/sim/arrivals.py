@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 __all__ = ["ComputeModel", "Constant", "LinearSkew", "LogNormal", "Pareto", "Replayed",
-           "Shifted", "SlowGroup", "Uniform", "parse_model"]
+           "Shifted", "SlowGroup", "Uniform", "model_syntax", "parse_model"]
 
 
 class ComputeModel(abc.ABC):
@@ -189,6 +189,16 @@ _MODELS: dict[str, type[ComputeModel]] = {
     "constant": Constant, "linear": LinearSkew, "shifted": Shifted, "uniform": Uniform,
     "lognormal": LogNormal, "pareto": Pareto, "slow_group": SlowGroup,
 }
+
+
+def model_syntax() -> str:
+    """What :func:`parse_model` accepts, one model per entry with its parameters and their
+    defaults (seconds): ``"constant[:t=0.0]; linear[:skew=0.001,base=0.0]; ..."``."""
+    from dataclasses import fields
+
+    return "; ".join(
+        f"{name}[:" + ",".join(f"{f.name}={f.default!r}" for f in fields(cast(Any, cls))) + "]"
+        for name, cls in _MODELS.items())
 
 
 def parse_model(text: str) -> ComputeModel:

@@ -21,11 +21,18 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from .arrivals import model_syntax
+from .policy import POLICY_SYNTAX
+from .replay import DEFAULT_TIE
+
 if TYPE_CHECKING:
     from .cost import Profile
 
 __all__ = ["configure", "run"]
 
+_PROFILE_HELP = ("network and CPU costs: a shipped profile (aries, ib_hdr; `asynccoll sim "
+                 "profiles` lists them) or a JSON file `asynccoll sim calibrate` wrote "
+                 "(default: %(default)s)")
 _RPH_HELP = ("place this many ranks on each host (Profile.placed: where they outnumber a "
              "calibrated profile's cores, its pool of cores)")
 
@@ -38,33 +45,64 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="profile file (with several transports: one file per transport, "
                         "suffixed with its name)")
     c.add_argument("--transports", default=None,
-                   help="comma-separated (default: tcp, and ucx when ucxx imports)")
+                   help="comma-separated transports to measure: tcp, ucx (default: tcp, and "
+                        "ucx when ucxx imports)")
     r = sub.add_parser("replay", help="replay a trace's compute times through policies")
-    r.add_argument("trace_dir")
-    r.add_argument("--policies", default="sync,solo,majority,two_choice,deadline")
-    r.add_argument("--scale-to", type=int, default=None, help="simulate this many ranks")
-    r.add_argument("--steps", type=int, default=None)
-    r.add_argument("--profile", default="aries", help="a shipped profile or a JSON file")
-    r.add_argument("--collective", default=None, help="which traced collective (name or id)")
-    r.add_argument("--nbytes", type=int, default=None)
-    r.add_argument("--recommend", action="store_true")
-    r.add_argument("--max-staleness", type=int, default=1,
-                   help="with --recommend: the 99th-percentile staleness allowed (executions)")
-    r.add_argument("--plot", default=None)
-    r.add_argument("--json", default=None)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--ranks-per-host", type=int, default=None,
+    r.add_argument("trace_dir", help="the directory a traced run wrote (ASYNCCOLL_TRACE=DIR)")
+    r.add_argument("--policies", default="sync,solo,majority,two_choice,deadline",
+                   help=f"comma-separated policies to compare: {POLICY_SYNTAX} "
+                        "(default: %(default)s)")
+    r.add_argument("--scale-to", type=int, default=None, metavar="P",
+                   help="simulate this many ranks, each replaying a recorded one "
+                        "(default: the recorded world size)")
+    r.add_argument("--steps", type=int, default=None,
+                   help="steps to simulate (default: as many as were recorded)")
+    r.add_argument("--profile", default="aries", metavar="NAME|FILE",
+                   help=_PROFILE_HELP)
+    r.add_argument("--collective", default=None,
+                   help="which traced collective: its name (solo_allreduce, allreduce, ...) or "
+                        "sched_id (default: the one with the most executions)")
+    r.add_argument("--nbytes", type=int, default=None,
+                   help="bytes per call (default: the traced collective's)")
+    r.add_argument("--recommend", action="store_true",
+                   help="name the policy with the most steps/s whose staleness stays within "
+                        "--max-staleness; policies within --tie of the best tie, and of those "
+                        "the one that includes the most fresh data (then: the least "
+                        "staleness) is recommended and the tie is said")
+    r.add_argument("--max-staleness", type=int, default=1, metavar="S",
+                   help="with --recommend: the 99th-percentile staleness allowed, in "
+                        "executions (default: %(default)s)")
+    r.add_argument("--tie", type=float, default=DEFAULT_TIE, metavar="FRACTION",
+                   help="with --recommend: policies whose steps/s are within this fraction of "
+                        "the best tie (default: %(default)s, i.e. 2%%)")
+    r.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="plot steps/s and latency per policy (needs matplotlib)")
+    r.add_argument("--json", default=None, metavar="FILE.json",
+                   help="write the rows, what was replayed and the recommendation")
+    r.add_argument("--seed", type=int, default=0,
+                   help="seed of the simulation's draws (default: %(default)s)")
+    r.add_argument("--ranks-per-host", type=int, default=None, metavar="N",
                    help=_RPH_HELP)
     s = sub.add_parser("run", help="simulate one policy under a compute-time model")
-    s.add_argument("--policy", default="solo")
-    s.add_argument("-P", "--world-size", type=int, default=32)
-    s.add_argument("--steps", type=int, default=100)
-    s.add_argument("--compute", default="linear:skew=0.001")
-    s.add_argument("--profile", default="aries")
-    s.add_argument("--nbytes", type=int, default=4)
-    s.add_argument("--barrier", action="store_true")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--ranks-per-host", type=int, default=None,
+    s.add_argument("--policy", default="solo",
+                   help=f"one policy: {POLICY_SYNTAX} (default: %(default)s)")
+    s.add_argument("-P", "--world-size", type=int, default=32,
+                   help="ranks to simulate (default: %(default)s)")
+    s.add_argument("--steps", type=int, default=100,
+                   help="steps (calls per rank) to simulate (default: %(default)s)")
+    s.add_argument("--compute", default="linear:skew=0.001", metavar="MODEL[:k=v,...]",
+                   help="seconds each rank computes before each call: one of "
+                        + model_syntax().replace("%", "%%")
+                        + " (seconds; default: %(default)s)")
+    s.add_argument("--profile", default="aries", metavar="NAME|FILE", help=_PROFILE_HELP)
+    s.add_argument("--nbytes", type=int, default=4,
+                   help="bytes each call reduces (default: %(default)s)")
+    s.add_argument("--barrier", action="store_true",
+                   help="a barrier before every call (the ranks start each step together)")
+    s.add_argument("--seed", type=int, default=0,
+                   help="seed of the compute-time draws and the drawn initiators "
+                        "(default: %(default)s)")
+    s.add_argument("--ranks-per-host", type=int, default=None, metavar="N",
                    help=_RPH_HELP)
     sub.add_parser("profiles", help="list the shipped profiles and their sources")
 
@@ -121,7 +159,7 @@ def _suffixed(path: str, name: str) -> str:
 
 def _replay(args: argparse.Namespace) -> int:
     from .profiles import builtin_profile
-    from .replay import recommend, render, replay, replay_png
+    from .replay import recommendation, render, replay, replay_png
 
     prof = _placed(builtin_profile(args.profile), args.ranks_per_host)
     rows, meta = replay(args.trace_dir, args.policies, profile=prof, scale_to=args.scale_to,
@@ -130,13 +168,18 @@ def _replay(args: argparse.Namespace) -> int:
     print(render(rows, meta), end="")
     best = None
     if args.recommend:
-        best = recommend(rows, args.max_staleness)
+        best, tied = recommendation(rows, args.max_staleness, args.tie)
         if best is None:
             print(f"no policy keeps the 99th-percentile staleness within "
                   f"{args.max_staleness}")
         else:
             print(f"recommended: {best['policy']} ({best['steps_per_s']:.2f} steps/s with "
                   f"staleness p99 <= {args.max_staleness})")
+            if len(tied) > 1:
+                print("tied within {:g}% of the best steps/s: {}; {} includes the most fresh "
+                      "data of them".format(args.tie * 100, ", ".join(
+                          f"{r['policy']} ({r['steps_per_s']:.2f})" for r in tied),
+                          best["policy"]))
     if args.plot:
         replay_png(rows, meta, args.plot)
     if args.json:

@@ -30,9 +30,14 @@ from ..collectives.partial import (
     next_deadline,
 )
 
-__all__ = ["DeadlinePolicy", "PolicySpec", "next_deadline", "parse_policies", "parse_policy"]
+__all__ = ["POLICY_NAMES", "POLICY_SYNTAX", "DeadlinePolicy", "PolicySpec", "next_deadline",
+           "parse_policies", "parse_policy"]
 
 POLICY_NAMES = ("sync", "solo", "majority", "two_choice", "quorum", "backup", "deadline")
+#: the spec syntax, for help texts
+POLICY_SYNTAX = ("sync, solo, majority, two_choice, quorum:K (start once K ranks arrived), "
+                 "backup:B (quorum:P-B), deadline or deadline:K (K arrived or an adaptive "
+                 "deadline after the first arrival)")
 
 
 @dataclass(frozen=True)

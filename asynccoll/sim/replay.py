@@ -13,7 +13,9 @@ optionally for more ranks (``scale_to``: each simulated rank replays a recorded 
 replacement), under every policy asked for.
 
 :func:`recommend` names the policy with the most steps per second among those whose staleness
-stays within a bound (the 99th percentile of the per-call staleness, in executions).
+stays within a bound (the 99th percentile of the per-call staleness, in executions); policies
+within a tolerance of the best tie (:func:`recommendation`), and of tied policies the one that
+includes the most fresh data wins.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from .cost import Profile
 from .policy import parse_policies
 from .run import simulate
 
-__all__ = ["compute_times", "recommend", "render", "replay", "replay_png"]
+__all__ = ["DEFAULT_TIE", "compute_times", "recommend", "recommendation", "render", "replay",
+           "replay_png"]
 
 
 def _pick(traces: Mapping[int, RankTrace], collective: str | None) -> int:
@@ -129,11 +132,46 @@ def replay(trace_dir: str | os.PathLike[str], policies: str, *, profile: Profile
     return rows, meta
 
 
-def recommend(rows: Sequence[dict[str, Any]], max_staleness: int) -> dict[str, Any] | None:
-    """The row with the most steps per second among those whose per-call staleness has a
-    99th percentile of at most ``max_staleness`` executions (``None`` if no row qualifies)."""
+#: policies whose steps/s are within this fraction of the best tie (:func:`recommendation`);
+#: replays of one trace under different seeds move steps/s by about this much
+DEFAULT_TIE = 0.02
+
+
+def recommendation(rows: Sequence[dict[str, Any]], max_staleness: int,
+                   tie: float = DEFAULT_TIE) -> tuple[dict[str, Any] | None,
+                                                      list[dict[str, Any]]]:
+    """The recommended row and the rows tied with it.
+
+    Of the rows whose per-call staleness has a 99th percentile of at most ``max_staleness``
+    executions, those with steps per second within ``tie`` (a fraction) of the best **tie**
+    (fastest first); of those, the one that includes the most fresh data (``included_frac``),
+    then has the least staleness, then comes first in ``rows``, is recommended: a throughput
+    difference within the noise does not pay for staler gradients. ``(None, [])`` when no row
+    qualifies. Raises ``ValueError`` for a negative ``tie``.
+    """
+    if not tie >= 0:
+        raise ValueError(f"tie must be a fraction >= 0, got {tie!r}")
     ok = [r for r in rows if _p99(r["staleness"]) <= max_staleness]
-    return max(ok, key=lambda r: r["steps_per_s"]) if ok else None
+    if not ok:
+        return None, []
+    top = max(r["steps_per_s"] for r in ok)
+    tied = sorted((r for r in ok if r["steps_per_s"] >= top * (1 - tie)),
+                  key=lambda r: -r["steps_per_s"])
+    order = {id(r): i for i, r in enumerate(rows)}
+    best = min(tied, key=lambda r: (-r.get("included_frac", 0.0), _mean(r["staleness"]),
+                                    order[id(r)]))
+    return best, tied
+
+
+def recommend(rows: Sequence[dict[str, Any]], max_staleness: int,
+              tie: float = DEFAULT_TIE) -> dict[str, Any] | None:
+    """The recommended row of :func:`recommendation` (``None`` if no row qualifies)."""
+    return recommendation(rows, max_staleness, tie)[0]
+
+
+def _mean(hist: Mapping[Any, int]) -> float:
+    total = sum(int(v) for v in hist.values())
+    return sum(int(k) * int(v) for k, v in hist.items()) / total if total else 0.0
 
 
 def _p99(hist: Mapping[Any, int]) -> int:

@@ -121,3 +121,47 @@ def test_run_places_ranks_on_a_calibrated_host(tmp_path: Path,
     assert shared["latency_mean_s"] > 1.5 * alone["latency_mean_s"]
     with pytest.raises(SystemExit):
         main([*args, "--ranks-per-host", "0"])
+
+
+def _row(policy: str, sps: float, included: float, stale: dict[int, int]) -> dict[str, object]:
+    return {"policy": policy, "steps_per_s": sps, "included_frac": included,
+            "staleness": stale, "latency_mean_s": 0.01, "latency_p99_s": 0.02, "nap": 4.0}
+
+
+def test_recommend_calls_a_difference_within_the_tolerance_a_tie() -> None:
+    """A 0.005 % lead in steps/s does not make solo the recommendation over sync: the two tie,
+    and of tied policies the one that includes the most fresh data is named."""
+    from asynccoll.sim.replay import recommendation
+
+    rows = [_row("sync", 100.0, 1.0, {0: 40}), _row("solo", 100.005, 0.8, {0: 30, 1: 10}),
+            _row("majority", 90.0, 0.9, {0: 40})]
+    best, tied = recommendation(rows, 1)
+    assert best is not None
+    assert best["policy"] == "sync"
+    assert [r["policy"] for r in tied] == ["solo", "sync"]
+    # without a tolerance the fastest wins, as before
+    assert recommend(rows, 1, tie=0.0)["policy"] == "solo"  # type: ignore[index]
+    # a clear lead is not a tie
+    rows[1]["steps_per_s"] = 150.0
+    assert recommend(rows, 1)["policy"] == "solo"  # type: ignore[index]
+    with pytest.raises(ValueError, match="tie"):
+        recommendation(rows, 1, tie=-0.1)
+
+
+@pytest.mark.timeout(30)
+def test_replay_cli_says_when_policies_tie(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import asynccoll.sim.replay as replay_mod
+
+    rows = [_row("sync", 100.0, 1.0, {0: 40}), _row("solo", 100.005, 0.8, {0: 30, 1: 10})]
+    meta = {"trace": "t", "collective": "x", "recorded_P": 4, "P": 4, "steps": 40,
+            "nbytes": 4, "profile": "aries"}
+    monkeypatch.setattr(replay_mod, "replay", lambda *a, **k: (rows, meta))
+    assert main(["sim", "replay", "unused", "--recommend"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: sync" in out, out
+    assert "tied within 2% of the best steps/s: solo (100.00), sync (100.00)" in out, out
+    assert main(["sim", "replay", "unused", "--recommend", "--tie", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: solo" in out, out
+    assert "tied" not in out, out
