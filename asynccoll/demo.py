@@ -291,13 +291,17 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="global steps per run (default 40)")
     p.add_argument("--delays", type=floats, default=[0.5, 0.75, 1.0],
                    help="injected delay D as fractions of the step time c")
-    p.add_argument("--modes", type=lambda s: s.split(","), default=["sync", "solo", "majority"])
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["sync", "solo", "majority"],
+                   help="comma-separated modes to run, each at every delay: sync (synchronous "
+                        "SGD), solo, majority, two_choice, deadline (eager-SGD's partial "
+                        "allreduce kinds; docs/partial.md) (default: sync,solo,majority)")
     p.add_argument("--step-ms", type=float, default=None,
                    help="simulated accelerator time c per step in ms (default 100)")
     p.add_argument("--dim", type=int, default=128, help="hyperplane dimension")
     p.add_argument("--quick", action="store_true", help="tiny run (a few seconds)")
     p.add_argument("--out", default="demo-out", help="directory for demo.json and demo.png")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the data and of the delayed rank per step (default: 0)")
 
 
 def run(args: argparse.Namespace) -> int:
