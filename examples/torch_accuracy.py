@@ -23,10 +23,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: (label, torch_ddp.py arguments); quorum and deadline wait for 3 of 4 ranks
 CASES = [("ddp-gloo", ["--kind", "gloo"])] + [
     (f"hook-{k}", ["--kind", k] + (["--quorum", "3"] if k in ("quorum", "deadline") else []))
-    for k in ("sync", "solo", "majority", "two_choice", "quorum", "deadline")] + [
+    for k in ("majority", "solo", "two_choice", "quorum", "deadline", "sync")] + [
     (f"opt-{m}", ["--optimizer", m] + (["--quorum", "3"] if m in ("quorum", "deadline") else []))
-    for m in ("sync", "solo", "majority", "two_choice", "quorum", "deadline", "backup", "rna",
-              "odsgd")]
+    for m in ("majority", "solo", "two_choice", "quorum", "deadline", "backup", "rna", "odsgd",
+              "sync")]
 
 
 def run(args: list[str], seed: int, extra: list[str]) -> float:
@@ -50,12 +50,18 @@ def main() -> None:
     seeds = [int(s) for s in a.seeds.split(",")]
     cases = CASES if a.cases is None else [c for c in CASES if c[0] in a.cases.split(",")]
     results: dict[str, list[float]] = {}
+    if a.out and os.path.exists(a.out):  # resume: the runs already written are kept
+        with open(a.out) as f:
+            results = json.load(f)["accuracy"]
     for label, args in cases:
-        results[label] = [run(args, s, a.extra) for s in seeds]
-        print(f"{label:>16}: {' '.join(f'{v:.3f}' for v in results[label])}", flush=True)
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump({"seeds": seeds, "extra": a.extra, "accuracy": results}, f, indent=1)
+        got = results.setdefault(label, [])
+        for s in seeds[len(got):]:
+            got.append(run(args, s, a.extra))
+            if a.out:
+                with open(a.out, "w") as f:
+                    json.dump({"seeds": seeds, "extra": a.extra, "accuracy": results}, f,
+                              indent=1)
+        print(f"{label:>16}: {' '.join(f'{v:.3f}' for v in got)}", flush=True)
     base = results.get("ddp-gloo")
     print("\n| case | final accuracy, median (min-max) | minus Gloo's, per seed |")
     print("|---|---|---|")
