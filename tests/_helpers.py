@@ -255,6 +255,8 @@ def die():
 
 
 def shm_left(token: int) -> list[str]:
-    """This user's segments of the job with segment ``token`` left in /dev/shm."""
-    prefix = f"asynccoll-{os.getuid()}-{token:016x}-"
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(prefix))
+    """This user's segments of the job with segment ``token`` left in the segment directory."""
+    from asynccoll.comm.shm import SHM_DIR, job_prefix, job_tag
+
+    prefix = job_prefix(job_tag(token))
+    return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(prefix))

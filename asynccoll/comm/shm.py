@@ -4,9 +4,27 @@ schedules :mod:`asynccoll.collectives.shm` builds).
 Every rank owns a segment (a file in :data:`SHM_DIR` that every rank maps) per schedule; the
 schedules bind them to the slots ``mine`` and ``peer{q}``.
 
-**Lifetime and safety.** Segments are created with ``O_EXCL`` and mode 0600, named by user,
-job token (drawn by rank 0 at first use), schedule id and rank, so two jobs on one host never
-share one. A rank maps its peers' segments read-only (writable for the arrays of
+**Names.** A segment's name is ``asynccoll-{uid}-{tag}-{hash}`` (:func:`segment_path`): the
+job's public tag (:func:`job_tag`: ``ASYNCCOLL_JOB_TAG``, which ``asynccoll run`` sets for its
+ranks, else derived from the job's token), then a keyed hash of the schedule id, the rank and
+the part under the job's segment token (63 random bits drawn by rank 0 at first use and sent
+to the peers only over the job's connections). A listing of :data:`SHM_DIR` thus reveals the
+tag, which a launcher cleans up by, and no future name: another local user cannot pre-create
+a name the job will ask for (and a name taken anyway makes the route fall back to the network).
+
+**Cleanup, whatever dies when.** Each owner unlinks its segments as soon as every peer has
+mapped them (below); before that they are removed by whoever outlives their owner: the
+survivors of a lost rank (:meth:`PartialSegments.forget`, the dense setup's), a rank's own
+``SIGTERM`` handler (:func:`install_cleanup`, installed by :func:`~asynccoll.connect` where
+``SIGTERM`` has its default disposition: it unlinks this process's segments, then dies of the
+signal as it would have), and ``asynccoll run``, which unlinks every file with its job's tag
+(:func:`unlink_job`) when the job ends, however it ends (the ranks exit or fail, the launcher
+gets ``SIGTERM``, ``SIGINT`` or ``SIGHUP``). A launcher killed with ``SIGKILL`` cannot: its
+ranks die with it instead (``PR_SET_PDEATHSIG`` sends them ``SIGTERM``) and, finding their
+launcher gone, unlink the whole job's files themselves.
+
+**Safety.** Segments are created with ``O_EXCL``, ``O_NOFOLLOW`` and mode 0600, so two jobs on
+one host never share one. A rank maps its peers' segments read-only (writable for the arrays of
 ``Communicator.empty``, which the peers write their reduced blocks into) and refuses one that
 another user owns,
 that others may read or write, or of the wrong size. Once every rank has mapped every segment
@@ -23,21 +41,41 @@ at the first execution that needs them) and unlinked once every peer has provabl
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import hashlib
 import mmap
 import os
 import secrets
+import signal
 import socket
+import stat
+import sys
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable
+from types import FrameType
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SHM_DIR", "PartialSegments", "Segment", "host_hash", "host_id", "new_token",
-           "segment_path"]
+__all__ = ["JOB_TAG_ENV", "SHM_DIR", "PartialSegments", "Segment", "check_tag", "host_hash",
+           "host_id", "install_cleanup", "job_prefix", "job_tag", "new_job_tag", "new_token",
+           "segment_path", "unlink_job"]
 
-#: where segments live (a tmpfs on Linux)
-SHM_DIR = "/dev/shm"
+#: where segments live: a tmpfs, ``/dev/shm`` unless ``ASYNCCOLL_SHM_DIR`` names another
+#: directory (read once, at import; tests give each job a private one to count what is left)
+SHM_DIR = os.environ.get("ASYNCCOLL_SHM_DIR") or "/dev/shm"
+#: the variable that gives a job's segments their public tag (``asynccoll run`` sets it for
+#: its ranks, equal on every node; set by hand, it must be equal on the ranks of a host)
+JOB_TAG_ENV = "ASYNCCOLL_JOB_TAG"
+_ENV_TAG = os.environ.get(JOB_TAG_ENV, "").strip()  # read once, at import
+_TAG_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")
+#: the paths of the segments this process created and has not unlinked: what its SIGTERM
+#: handler unlinks. Process-wide on purpose: a signal handler reaches no communicator, and the
+#: files are the process's whichever communicator made them.
+_OWN: set[str] = set()
+#: the launcher this process dies with (:func:`install_cleanup`; empty: none)
+_launcher: list[int] = []
 
 
 def host_id() -> str:
@@ -67,12 +105,106 @@ def new_token() -> int:
     return secrets.randbits(63)
 
 
+def new_job_tag() -> str:
+    """A random public tag for one job's segments (16 hex digits)."""
+    return secrets.token_hex(8)
+
+
+def check_tag(tag: str) -> str:
+    """``tag`` when it can name a job's segments (1 to 32 letters, digits or ``_``: no ``-``,
+    so that one job's prefix is never the start of another's), else ``ValueError``."""
+    if not 1 <= len(tag) <= 32 or not set(tag) <= _TAG_CHARS:
+        raise ValueError(f"a job tag ({JOB_TAG_ENV}) must be 1 to 32 letters, digits or '_', "
+                         f"got {tag!r}")
+    return tag
+
+
+def job_tag(token: int) -> str:
+    """The public tag of the job whose segment token is ``token``: ``ASYNCCOLL_JOB_TAG`` when
+    set (``asynccoll run`` sets it), else a hash of the token (which it does not reveal), so
+    equal on every rank either way. Raises ``ValueError`` naming a malformed variable."""
+    if _ENV_TAG:
+        return check_tag(_ENV_TAG)
+    return hashlib.blake2b(_key(token), digest_size=8, person=b"asynccoll.tag").hexdigest()
+
+
+def job_prefix(tag: str) -> str:
+    """The start of the file name of every segment this user's job ``tag`` makes."""
+    return f"asynccoll-{os.getuid()}-{check_tag(tag)}-"
+
+
+def _key(token: int) -> bytes:
+    return (token & (2**64 - 1)).to_bytes(8, "little")
+
+
 def segment_path(token: int, sched_id: int, rank: int, part: int | None = None) -> str:
     """The path of rank ``rank``'s segment for schedule ``sched_id`` of the job ``token``
-    (``part``: which of a persistent schedule's alternating segments)."""
-    tail = "" if part is None else f".{part}"
-    return os.path.join(SHM_DIR, f"asynccoll-{os.getuid()}-{token:016x}-"
-                                 f"{sched_id & (2**64 - 1):x}-{rank}{tail}")
+    (``part``: which of a persistent schedule's alternating segments): the job's prefix
+    (:func:`job_prefix` of :func:`job_tag`) and 24 hex digits of a hash keyed by the token,
+    which nobody without the token can compute (module doc, "Names")."""
+    what = f"{sched_id & (2**64 - 1)}/{rank}/{'' if part is None else part}".encode()
+    h = hashlib.blake2b(what, key=_key(token), digest_size=12, person=b"asynccoll.seg")
+    return os.path.join(SHM_DIR, job_prefix(job_tag(token)) + h.hexdigest())
+
+
+def unlink_job(tag: str, directory: str | None = None) -> tuple[int, int]:
+    """Unlink every segment of this user's job ``tag`` left in ``directory`` (default
+    :data:`SHM_DIR`): regular files with the job's prefix that this user owns. Returns how
+    many files and bytes (of memory they held) went. What ``asynccoll run`` does when its job
+    ends; costs one listing of the directory."""
+    prefix, uid = job_prefix(tag), os.getuid()
+    where = directory or SHM_DIR
+    try:
+        names = [n for n in os.listdir(where) if n.startswith(prefix)]
+    except OSError:
+        return 0, 0
+    files = held = 0
+    for name in names:
+        path = os.path.join(where, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue  # another user's file under our prefix: not ours to judge
+            os.unlink(path)
+        except OSError:
+            continue
+        _OWN.discard(path)
+        files, held = files + 1, held + st.st_blocks * 512
+    return files, held
+
+
+def install_cleanup(launcher_pid: int | None = None) -> bool:
+    """Make a ``SIGTERM`` unlink this process's own segments before it ends the process (the
+    handler then restores the default disposition and sends the signal again, so the process
+    still dies of it: its exit status says so). Installed only from the main thread and only
+    where ``SIGTERM`` has its default disposition (an application's own handler is left
+    alone); returns whether it was. :func:`~asynccoll.connect` calls it.
+
+    ``launcher_pid`` (``asynccoll run`` passes its pid in ``ASYNCCOLL_LAUNCHER_PID``): when it
+    is this process's parent, ask the kernel (Linux ``PR_SET_PDEATHSIG``) for a ``SIGTERM``
+    when the parent dies, so that ranks do not outlive a launcher killed with ``SIGKILL``;
+    their handler, finding the launcher gone, then unlinks every segment of the job's tag
+    (``ASYNCCOLL_JOB_TAG``), the files of ranks lost before included, as the launcher would
+    have."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if launcher_pid and os.getppid() == launcher_pid and sys.platform.startswith("linux"):
+        _launcher[:] = [launcher_pid]
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGTERM, 0, 0, 0) == 0 and os.getppid() != launcher_pid:
+            os.kill(os.getpid(), signal.SIGTERM)  # (PR_SET_PDEATHSIG) it died meanwhile
+    return True
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    _unlink_paths(tuple(_OWN))
+    if _launcher and os.getppid() != _launcher[0] and _ENV_TAG:
+        with contextlib.suppress(ValueError):
+            unlink_job(_ENV_TAG)  # the launcher is gone: nobody else will
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Segment:
@@ -87,6 +219,7 @@ class Segment:
     def create(cls, path: str, nbytes: int) -> Segment:
         """Create ``path`` (``FileExistsError`` if it exists), ``nbytes`` long, mode 0600."""
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        _OWN.add(path)
         try:
             os.ftruncate(fd, nbytes)
             # Reserve the pages now: a tmpfs too small for them (a container's default
@@ -102,7 +235,7 @@ class Segment:
             mm = mmap.mmap(fd, nbytes)
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            _unlink_paths([path])
             raise
         os.close(fd)
         return cls(path, mm, True)
@@ -138,10 +271,7 @@ class Segment:
     def unlink(self) -> None:
         """Remove the file (owner only; the mappings stay valid). Idempotent."""
         if self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            _unlink_paths([self.path])
 
     def close(self) -> None:
         """Unmap, once no array of it is left (else the mapping goes with the last one)."""
@@ -273,8 +403,9 @@ class PartialSegments:
             seg.close()
 
 
-def _unlink_paths(paths: Sequence[str]) -> None:
+def _unlink_paths(paths: Iterable[str]) -> None:
     """Unlink ``paths``, those gone already or not ours to remove aside."""
     for path in paths:
+        _OWN.discard(path)
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 
 from ..comm import Communicator, ProgressEngine
+from ..comm.shm import install_cleanup
 from ..comm.stall import DEFAULT_STALL_WARN
 from . import errorfile
 from .env import ConfigError, resolve, say_if_alone
@@ -93,6 +94,10 @@ async def connect(rank: int | None = None, world_size: int | None = None,
             raise ConfigError("ASYNCCOLL_MAX_FAILURES", "must be an int") from None
     if os.environ.get(errorfile.ENV):  # set by ``asynccoll run``, which blames the first failure
         errorfile.install(os.environ[errorfile.ENV], spec.rank)
+    # A SIGTERM unlinks this rank's shared-memory segments first; under ``asynccoll run`` the
+    # rank also dies with its launcher (asynccoll.comm.shm.install_cleanup).
+    launcher = os.environ.get("ASYNCCOLL_LAUNCHER_PID", "")
+    install_cleanup(int(launcher) if launcher.isdigit() else None)
     engine = (ProgressEngine.thread(use_uvloop=spec.transport != "ucx")
               if progress == "thread" else ProgressEngine.inline())
     try:

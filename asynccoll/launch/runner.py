@@ -33,7 +33,15 @@ prefixes each line they print with ``[rank]``, and watches them:
 
 Each rank runs in its own process group so that a terminal's Ctrl-C reaches the launcher only
 and the launcher decides the order of shutdown; stopping a rank stops the processes it started.
-A launcher killed with ``SIGKILL`` cannot stop its ranks.
+
+**Shared memory.** Every segment a rank of the job makes is named with the job's public tag
+(``ASYNCCOLL_JOB_TAG``: drawn by node 0's launcher, passed to the other nodes in the store).
+When the job ends, however it ends (the ranks exit, a rank fails, the launcher gets
+``SIGTERM``, ``SIGINT`` or ``SIGHUP``), the launcher unlinks whatever files of that tag are
+left, once its ranks are stopped (:func:`asynccoll.comm.shm.unlink_job`; ``--verbose`` says
+how much it found). A launcher killed with ``SIGKILL`` cannot: its ranks (its direct children,
+told its pid in ``ASYNCCOLL_LAUNCHER_PID``) die with it instead, and unlink the job's files
+first (:func:`asynccoll.comm.shm.install_cleanup`).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
+from ..comm.shm import SHM_DIR, new_job_tag, unlink_job
 from . import errorfile
 from .env import free_port
 from .store import StoreClient, StoreError, StoreServer, StoreTimeoutError
@@ -58,6 +67,8 @@ __all__ = ["LaunchConfig", "launch", "rank_environment"]
 ABORT_KEY = "asynccoll/launch/abort"
 #: where node 0's launcher publishes torch's MASTER_PORT for the other nodes
 MASTER_KEY = "asynccoll/launch/master-port"
+#: where node 0's launcher publishes the job's shared-memory tag for the other nodes
+TAG_KEY = "asynccoll/launch/job-tag"
 T = TypeVar("T")
 
 
@@ -265,6 +276,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     for sig in handled:
         loop.add_signal_handler(sig, on_signal, sig)
     abort_task: asyncio.Task[bytes] | None = None
+    tag: str | None = None
     try:
         if cfg.node_rank == 0:
             host, port = cfg.rdzv or ("127.0.0.1", 0)
@@ -282,6 +294,8 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
                 return 128 + got
             abort_task = asyncio.create_task(client.get(ABORT_KEY, timeout=float(1 << 31)))
         master = await _master(cfg, store, client)
+        tag = await _job_tag(cfg, client)
+        job = {"ASYNCCOLL_JOB_TAG": tag, "ASYNCCOLL_LAUNCHER_PID": str(os.getpid())}
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else os.cpu_count() or 1
         if cfg.nproc > cores:
@@ -293,8 +307,8 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
         for local in range(cfg.nproc):
             rank = cfg.node_rank * cfg.nproc + local
             p = await asyncio.create_subprocess_exec(
-                *cfg.argv, env=rank_environment(cfg, local, store, os.environ, ranks.errors,
-                                                master),
+                *cfg.argv, env={**rank_environment(cfg, local, store, os.environ, ranks.errors,
+                                                   master), **job},
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
             ranks.procs[rank] = p
@@ -313,6 +327,8 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             with contextlib.suppress(BaseException):
                 await abort_task
         await ranks.stop(signal.SIGKILL)
+        if tag is not None:
+            _unlink_left(cfg, tag, err)
         if pumps:
             await asyncio.wait(pumps, timeout=5.0)
         for t in pumps:
@@ -335,6 +351,25 @@ async def _master(cfg: LaunchConfig, store: tuple[str, int], client: StoreClient
         return store[0], port
     assert client is not None
     return store[0], int(await client.get(MASTER_KEY, timeout=cfg.join_timeout))
+
+
+async def _job_tag(cfg: LaunchConfig, client: StoreClient | None) -> str:
+    """The job's shared-memory tag: drawn by node 0, published in the store for the others
+    (every node's ranks name their segments with it: ranks of two nodes may share a host)."""
+    if cfg.node_rank == 0:
+        tag = new_job_tag()
+        if client is not None:
+            await client.set(TAG_KEY, tag.encode())
+        return tag
+    assert client is not None
+    return (await client.get(TAG_KEY, timeout=cfg.join_timeout)).decode()
+
+
+def _unlink_left(cfg: LaunchConfig, tag: str, err: BinaryIO) -> None:
+    """Unlink the segments of the job ``tag`` its ranks left (in the directory they used)."""
+    files, held = unlink_job(tag, cfg.env.get("ASYNCCOLL_SHM_DIR") or SHM_DIR)
+    if files and cfg.verbose:
+        _say(err, f"removed {files} shared-memory segments ({held} bytes) the ranks left")
 
 
 async def _unless_stopped(coro: Coroutine[Any, Any, T], stop_sig: asyncio.Future[int]

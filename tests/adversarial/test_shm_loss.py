@@ -34,7 +34,7 @@ from _helpers import (
 
 import asynccoll
 from asynccoll.collectives.shm import SHM_MIN_BYTES
-from asynccoll.comm.shm import SHM_DIR
+from asynccoll.comm.shm import SHM_DIR, job_prefix, job_tag, segment_path
 
 ROOT = str(Path(__file__).parents[2])
 
@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.multiprocess]
 
 def _left(token: int) -> list[str]:
     """This user's segments of the job whose token is ``token``."""
-    prefix = f"asynccoll-{os.getuid()}-{token:016x}-"
+    prefix = job_prefix(job_tag(token))
     return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(prefix))
 
 
@@ -268,8 +268,7 @@ def test_a_segment_name_taken_by_another_user_is_refused() -> None:
     # name it raises, by default the allreduce takes the network; nothing planted is read.
     token, port = secrets.randbits(62), free_port()
     n = SHM_MIN_BYTES // 4 * 4 * 4
-    planted = [os.path.join(SHM_DIR, f"asynccoll-{os.getuid()}-{token:016x}-{sid:x}-1")
-               for sid in range(1, 65)]
+    planted = [segment_path(token, sid, 1) for sid in range(1, 65)]
     try:
         for path in planted:
             with open(path, "wb") as f:

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from _helpers import SECRET, free_port
 
-from asynccoll.comm.shm import SHM_DIR
+from asynccoll.comm.shm import SHM_DIR, job_prefix, job_tag
 
 ROOT = str(Path(__file__).parents[2])
 
@@ -44,8 +44,8 @@ VICTIM = R == P - 1
 
 
 def left():
-    prefix = f"asynccoll-{os.getuid()}-{token:016x}-"
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(prefix))
+    prefix = shm.job_prefix(shm.job_tag(token))
+    return sorted(f for f in os.listdir(shm.SHM_DIR) if f.startswith(prefix))
 
 
 def report(res):
@@ -279,7 +279,7 @@ asyncio.run(main())
 
 
 def _left(token: int) -> list[str]:
-    prefix = f"asynccoll-{os.getuid()}-{token:016x}-"
+    prefix = job_prefix(job_tag(token))
     return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(prefix))
 
 

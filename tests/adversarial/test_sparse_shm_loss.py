@@ -64,8 +64,8 @@ async def main():
         except asynccoll.PeerLostError as exc:
             got = {"rank": exc.rank, "msg": str(exc)}
         got["t"] = time.time()
-        prefix = f"asynccoll-{os.getuid()}-{token:016x}-"
-        got["left"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith(prefix))
+        prefix = shm.job_prefix(shm.job_tag(token))
+        got["left"] = sorted(f for f in os.listdir(shm.SHM_DIR) if f.startswith(prefix))
         with open(f"{out}/rank-{comm.rank}.json", "w") as f:
             json.dump(got, f)
         # stay a moment: a survivor that closed at once could be the loss a slower survivor

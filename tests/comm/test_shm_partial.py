@@ -20,7 +20,7 @@ from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
 from asynccoll.collectives.shm import build_shm_partial_allreduce
-from asynccoll.comm.shm import SHM_DIR
+from asynccoll.comm.shm import SHM_DIR, job_prefix, job_tag
 from asynccoll.testing import local_world
 
 pytestmark = [pytest.mark.multiprocess]
@@ -31,7 +31,7 @@ KINDS = [("solo", None), ("majority", None), ("two_choice", None), ("quorum", "h
 
 
 def _left(token: int) -> list[str]:
-    prefix = f"asynccoll-{os.getuid()}-{token:016x}-"
+    prefix = job_prefix(job_tag(token))
     return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(prefix))
 
 
