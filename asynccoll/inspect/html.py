@@ -30,7 +30,8 @@ body{font-family:Helvetica,Arial,sans-serif;margin:0;display:flex;height:100vh}
 #main{flex:1;overflow:auto;border-right:1px solid #ccc}
 #side{width:360px;overflow:auto;padding:8px;font-size:12px;background:#fafafa}
 pre{white-space:pre-wrap;font-size:11px}
-svg text{font-size:10px;pointer-events:none}
+svg text{font-size:11px;pointer-events:none}
+svg text.dep-rule{font-size:7px;font-weight:bold;fill:#444}
 .op{cursor:pointer}.op:hover{stroke:#000;stroke-width:2}
 .sel{stroke:#d00!important;stroke-width:3!important}
 table{border-collapse:collapse;font-size:11px}td,th{border:1px solid #ddd;padding:1px 4px}
@@ -43,11 +44,22 @@ vertical-align:3px;opacity:.6}
 
 _GRAPH_JS = r"""
 const D = JSON.parse(document.getElementById('data').textContent);
-const NS = 'http://www.w3.org/2000/svg', SX = 150, SY = 34, PX = 130, PY = 30;
+const NS = 'http://www.w3.org/2000/svg', SX = 150, SY = 30, PX = 130, PY = 30;
 const svg = document.createElementNS(NS, 'svg');
-svg.setAttribute('width', PX * 2 + D.width * SX);
-svg.setAttribute('height', PY * 2 + D.height * SY);
+const W = PX * 2 + D.width * SX, H = PY * 2 + D.height * SY;
+svg.setAttribute('viewBox', `0 0 ${W} ${H}`);
 svg.setAttribute('id', 'dag');
+// Fit the whole DAG into the window on open (no scrolling); the zoom buttons go from there.
+const MAIN = document.getElementById('main');
+const last = MAIN.lastElementChild;  // the title and the legend above the DAG
+const top0 = last ? last.getBoundingClientRect().bottom - MAIN.getBoundingClientRect().top : 0;
+let scale = Math.min(1, ((MAIN.clientWidth || window.innerWidth || 1100) - 16) / W,
+                     Math.max(120, (MAIN.clientHeight || window.innerHeight || 800) - top0 - 24)
+                     / H);
+function fit() { svg.setAttribute('width', W * scale); svg.setAttribute('height', H * scale); }
+fit();
+document.getElementById('zin').onclick = () => { scale *= 1.5; fit(); };
+document.getElementById('zout').onclick = () => { scale /= 1.5; fit(); };
 const defs = document.createElementNS(NS, 'defs');
 defs.innerHTML = '<marker id="arr" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" ' +
   'markerHeight="6" orient="auto"><path d="M0,0L10,5L0,10z" fill="#555"/></marker>';
@@ -69,7 +81,6 @@ for (const e of D.edges) {
   const [x1, y1] = pos[e.from], [x2, y2] = pos[e.to];
   el('line', {x1: x1 + 55, y1: y1, x2: x2 - 55, y2: y2, stroke: '#555', 'stroke-dasharray': e.dash,
               'marker-end': 'url(#arr)', class: 'dep ' + e.cls});
-  if (e.text) el('text', {x: (x1 + x2) / 2, y: (y1 + y2) / 2 - 3}).textContent = e.text;
 }
 for (const m of D.msgs) {
   const [x1, y1] = pos[m.from], [x2, y2] = pos[m.to];
@@ -84,6 +95,8 @@ for (const n of D.nodes) {
   const r = el('rect', {x: x - 55, y: y - 11, width: 110, height: 22, rx: 5, fill: n.color,
                         stroke: n.final ? '#000' : '#fff', class: 'op', 'data-key': n.key});
   el('text', {x: x, y: y + 4, 'text-anchor': 'middle'}).textContent = n.label;
+  // an op's dependency rule once, above its box, not on each incoming edge (they overlap)
+  if (n.dep) el('text', {x: x - 53, y: y - 12, class: 'dep-rule'}).textContent = n.dep;
   el('title', {}, r).textContent = n.fields.describe + (n.fields.bytes === null ? '' :
     ', ' + n.fields.bytes + ' bytes') + ', deps ' + n.fields.deps_class;
   r.addEventListener('click', () => {
@@ -175,11 +188,11 @@ def schedule_html(schedules: Sequence[Schedule], title: str = "") -> str:
                           + op_label(op), "color": KIND_COLOR[op.kind], "final": i == s.final,
                           "fields": f})
             cls = dep_class(op)
-            text = f"{op.k}/{len(op.deps)}" if cls == "k-of-n" else (
-                "OR" if cls == "or" else "")
+            nodes[-1]["dep"] = (f"{op.k} of {len(op.deps)}" if cls == "k-of-n" else
+                                f"OR of {len(op.deps)}" if cls == "or" else "")
             for d in op.deps:
                 edges.append({"from": f"r{s.rank}_{d}", "to": f"r{s.rank}_{i}", "cls": cls,
-                              "dash": EDGE_STYLE[cls][1], "text": text})
+                              "dash": EDGE_STYLE[cls][1]})
             rows.append(f"<tr><td>{s.rank}</td><td>{i}</td><td>{escape(op.describe())}</td>"
                         f"<td>{escape(str(f['bytes']))}</td><td>{cls} {op.k}/"
                         f"{len(op.deps)}: {escape(str(list(op.deps)))}</td></tr>")
@@ -192,9 +205,11 @@ def schedule_html(schedules: Sequence[Schedule], title: str = "") -> str:
     s0 = schedules[0]
     head = (f"{title or s0.name or 'schedule'}: P={s0.world_size}, "
             + (f"rank {s0.rank}" if len(schedules) == 1 else f"{len(schedules)} ranks"))
-    legend = ("<p>edges: solid = AND (all of), dashed = OR (any of), dotted k/n = any k of n; "
-              "curved = messages (red: activation). Colours: send blue, recv green, compute "
-              "orange, nop grey; black border = the final op.</p>")
+    legend = ("<p><button id=\"zin\">zoom in</button> <button id=\"zout\">zoom out</button> "
+              "edges: solid = AND (all of), dashed = OR (any of: \"OR of n\" above the op), "
+              "dotted = any k of n (\"k of n\" above the op); curved = messages (red: "
+              "activation). Colours: send blue, recv green, compute orange, nop grey; black "
+              "border = the final op.</p>")
     table = ("<details><summary>all ops</summary><table><tr><th>rank</th><th>op</th>"
              "<th>what</th><th>bytes</th><th>deps</th></tr>" + "".join(rows)
              + "</table></details>")

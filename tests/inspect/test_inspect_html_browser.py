@@ -63,3 +63,29 @@ def test_timeline_page_renders(tmp_path: Path) -> None:
     dom = _chromium("--dump-dom", page.as_uri())
     assert dom.count('class="op"') == 2 * (3 + sum(len(s.ops) for s in build_all(
         "example-doubling", 3, 64)))
+
+
+@pytest.mark.timeout(180)
+def test_eight_rank_schedule_page_fits_the_window_and_labels_each_or_once(
+        tmp_path: Path) -> None:
+    """The 8-rank solo page opens without scrolling (the DAG scaled into the window; the zoom
+    buttons go from there), and each OR / k-of-n rule is written once, above its op, not on
+    every incoming edge where the labels piled up."""
+    import re
+
+    from asynccoll.inspect.graph import dep_class
+
+    scheds = build_all("solo", 8, 4096)
+    page = tmp_path / "solo8.html"
+    page.write_text(render(scheds, "html"))
+    dom = _chromium("--dump-dom", page.as_uri())
+    m = re.search(r'<svg[^>]*id="dag"[^>]*>', dom)
+    assert m is not None
+    tag = m.group(0)
+    width = float(re.search(r' width="([\d.]+)"', tag).group(1))  # type: ignore[union-attr]
+    height = float(re.search(r' height="([\d.]+)"', tag).group(1))  # type: ignore[union-attr]
+    assert width <= 1400 - 360, tag  # the window less the side panel
+    assert height <= 900 - 60, tag  # the window less the title and the legend
+    rules = sum(1 for s in scheds for op in s.ops if dep_class(op) in ("or", "k-of-n"))
+    assert rules > 0
+    assert dom.count('class="dep-rule"') == rules
