@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 from ..buffers import as_bytes
 from ..errors import PeerLostError, ProtocolError, TransportClosedError
 from .frames import PROTOCOL_VERSION, Format, Header, Limits, Message
+from .liveness import Liveness
 from .matching import Matcher, Slot
 
 __all__ = ["Transport", "lost"]
@@ -71,10 +72,12 @@ class Transport(abc.ABC):
         self.rank = rank
         self.world_size = world_size
         self.limits = limits or Limits()
-        self.matcher = Matcher(rank, self.limits)
+        self.matcher = Matcher(rank, self.limits, world_size)
+        self.matcher.on_drop = self._drop_peer
         self._listening = False
         self._closed = False
         self._loss_listeners: list[Callable[[int, PeerLostError], None]] = []
+        self._liveness: Liveness | None = None
 
     @property
     @abc.abstractmethod
@@ -91,6 +94,28 @@ class Transport(abc.ABC):
         is lost (its connection broke or closed; the transport cannot tell a crash from an
         exit, the layer above can). Not called for losses after :meth:`close`."""
         self._loss_listeners.append(callback)
+
+    def start_liveness(self, seconds: float) -> None:
+        """Probe every peer and drop one silent for ``seconds`` as lost (:mod:`.liveness`).
+
+        Call on the transport's loop once connected; a second call replaces the first.
+        Raises ``ValueError`` unless ``seconds`` > 0, :class:`TransportClosedError` after
+        :meth:`close`.
+        """
+        if self._closed:
+            raise TransportClosedError("transport closed")
+        if self._liveness is not None:
+            self._liveness.stop()
+        self._liveness = Liveness(self, seconds)
+
+    def drop_peer(self, rank: int, exc: BaseException) -> None:
+        """Close the connection of ``rank`` because of ``exc``, as if it broke: its pending
+        operations fail, the loss listeners hear of it (with ``exc`` when it is a
+        :class:`PeerLostError`). Nothing after :meth:`close`."""
+        if not 0 <= rank < self.world_size or rank == self.rank:
+            raise ValueError(f"rank must be another rank in 0..{self.world_size - 1}, got {rank}")
+        if not self._closed:
+            self._drop_peer(rank, exc)
 
     def _peer_lost(self, rank: int, exc: BaseException) -> int:
         """For the backends: fail every receive from ``rank`` with ``exc`` and tell the
@@ -219,6 +244,8 @@ class Transport(abc.ABC):
         if self._closed:
             return
         self._closed = True
+        if self._liveness is not None:
+            self._liveness.stop()
         self.matcher.close(TransportClosedError("transport closed"))
         await self._close()
 
@@ -245,6 +272,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def _close(self) -> None:
         """Release the backend's resources (called once; the matcher is closed already)."""
+
+    def _drop_peer(self, rank: int, exc: BaseException) -> None:
+        """Close the connection of ``rank`` because of ``exc`` (a :class:`ProtocolError`: past
+        its memory share; a :class:`PeerLostError`: silent past the liveness time), as a
+        broken connection: its operations fail and the loss listeners hear of it. This
+        default, for a backend without connections of its own, fails its receives."""
+        err = exc if isinstance(exc, PeerLostError) else lost(rank, str(exc), exc)
+        self._peer_lost(rank, err)
 
     def _send_view(self, payload: Any) -> Any:
         """The bytes of a payload as the backend sends them (here a flat host byte view;

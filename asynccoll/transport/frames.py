@@ -18,6 +18,7 @@ from ..buffers import ALLOWED_DTYPES
 from ..errors import ProtocolError
 
 __all__ = [
+    "LIVENESS_SCHED",
     "PROTOCOL_VERSION",
     "Format",
     "Header",
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
+#: the schedule id of liveness probes (:mod:`.liveness`): empty control frames, never held
+LIVENESS_SCHED = (3 << 60) - 1
 
 
 class Kind(enum.IntEnum):
@@ -78,8 +81,10 @@ class Limits:
     max_payload_bytes: int = 1 << 36
     max_ndim: int = 8
     max_held_messages: int = 65536
-    #: the bytes of early messages held at once, and the most one receive of unknown length
-    #: (``buf=None``) may be given
+    #: the memory budget of the rank: everything its peers can make it hold at once (early
+    #: messages held or streaming in, receives of unknown length, payloads read to be thrown
+    #: away, claims not sent yet), each peer granted ``1 / (P - 1)`` of it (see
+    #: :class:`~.matching.Matcher`); also the most one receive of unknown length may be given
     max_held_bytes: int = 1 << 31
     #: the most a payload that is read only to be thrown away (a data message for a finished
     #: execution, one that overflows its receive) may claim; a peer that claims more is dropped

@@ -15,8 +15,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ..errors import ExecutionError, ProtocolError, TransportClosedError
-from .frames import Header, Kind, Limits, Message
+from .frames import LIVENESS_SCHED, Header, Kind, Limits, Message
 
 __all__ = ["HeldOrder", "Matcher", "Slot", "fail_quietly"]
 
@@ -34,17 +36,35 @@ class _Posted:
         self.fut = fut
 
 
-class Slot:
-    """Where one inbound payload goes; returned by :meth:`Matcher.begin`."""
+class _Account:
+    """What one peer makes this rank hold: the bytes charged to it while ``open``."""
 
-    __slots__ = ("discard", "header", "posted", "view")
+    __slots__ = ("bytes", "open", "rank")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.bytes = 0
+        self.open = True
+
+
+class Slot:
+    """Where one inbound payload goes; returned by :meth:`Matcher.begin`.
+
+    ``charge``: the bytes of memory allocated for it and charged to its sender's share of the
+    budget (0 when it lands in a posted receive's own buffer or the shared scratch).
+    """
+
+    __slots__ = ("account", "charge", "discard", "header", "posted", "view")
 
     def __init__(self, header: Header, view: memoryview, posted: _Posted | None,
-                 discard: bool = False) -> None:
+                 discard: bool = False, account: _Account | None = None,
+                 charge: int = 0) -> None:
         self.header = header
         self.view = view
         self.posted = posted
         self.discard = discard  # the payload is read and thrown away
+        self.account = account
+        self.charge = charge
 
 
 _SCRATCH = memoryview(bytearray(1 << 16))
@@ -52,6 +72,22 @@ _SCRATCH = memoryview(bytearray(1 << 16))
 
 class Matcher:
     """Matches inbound frames to posted receives for one rank.
+
+    **One memory budget.** Everything a peer can make this rank allocate counts against
+    ``limits.max_held_bytes`` (default 2 GiB), charged to that peer when the memory is
+    allocated, that is when the frame's header arrives, before any payload: early messages held
+    for a receive not posted yet, whether complete or still streaming in; payloads of receives of
+    unknown length (``buf=None``) until delivered; payloads read only to be thrown away (beyond a
+    64 KiB shared scratch) until read. A header that claims bytes and never sends them costs its
+    claim. Each of the ``P - 1`` peers is granted a share of ``max_held_bytes // (P - 1)``;
+    a peer may hold more while the budget has room (one rank broadcasting a large buffer to late
+    receivers), and when a claim does not fit, the peers past their shares are dropped: the
+    claimant if it is past its own share (:class:`ProtocolError` from :meth:`begin`, the
+    transport closes its connection), else the peer holding most, through ``on_drop`` (the
+    transport closes that connection with the reason). A dropped peer's held messages are
+    released at once; what it was streaming is released by the transport as the connection
+    closes (:meth:`abandon`). Buffers come from ``np.empty``, so a claim costs resident memory
+    only as its bytes arrive. Costs a dictionary lookup and two additions per allocation.
 
     Guarantees:
 
@@ -63,9 +99,18 @@ class Matcher:
       dropped and later DATA frames for them are recorded in :attr:`errors` and discarded.
     """
 
-    def __init__(self, rank: int, limits: Limits = Limits()) -> None:
+    def __init__(self, rank: int, limits: Limits = Limits(), world_size: int = 2) -> None:
         self.rank = rank
         self.limits = limits
+        #: the bytes of the budget granted to each peer (see the class doc)
+        self.share = limits.max_held_bytes // max(1, world_size - 1)
+        self._accounts: dict[int, _Account] = {}
+        self._charged = 0  # the sum of the open accounts
+        self._dropped: dict[int, ProtocolError] = {}
+        self._heard: set[int] = set()
+        #: ``on_drop(rank, error)``: close the connection of ``rank``, dropped to make room in
+        #: the budget (the transport sets it; the error says why, for its log)
+        self.on_drop: Callable[[int, ProtocolError], None] | None = None
         self._posted: dict[Key, deque[_Posted]] = {}
         self._held: dict[Key, deque[tuple[Header, memoryview]]] = {}
         # sched -> keys present in _posted or _held, so that finish() costs O(that schedule's
@@ -100,6 +145,7 @@ class Matcher:
             self._held_bytes -= len(data)
             self._held_count -= 1
             self._fill(fut, header, buf, data)
+            self._release(src, len(data))
             return fut
         if src in self._lost:
             fut.set_exception(self._lost[src])
@@ -132,6 +178,7 @@ class Matcher:
             for h, data in self._held.pop(key, ()):
                 self._held_bytes -= len(data)
                 self._held_count -= 1
+                self._release(h.src, len(data))
                 self._late(h)
         if not keys:
             del self._keys[sched]
@@ -152,6 +199,25 @@ class Matcher:
         """Early messages held until their receive is posted."""
         return self._held_count
 
+    @property
+    def charged_bytes(self) -> int:
+        """The bytes peers make this rank hold now (the budget in use; see the class doc)."""
+        return self._charged
+
+    def heard(self) -> set[int]:
+        """The ranks a frame came from since the last call (which this resets)."""
+        out, self._heard = self._heard, set()
+        return out
+
+    def is_lost(self, rank: int) -> bool:
+        """Whether ``rank`` was lost or dropped here."""
+        return rank in self._lost or rank in self._dropped
+
+    def charged(self, rank: int) -> int:
+        """The bytes charged to ``rank`` now."""
+        acct = self._accounts.get(rank)
+        return acct.bytes if acct is not None else 0
+
     # -- the transport's side ----------------------------------------------------------------
     def begin(self, header: Header) -> Slot:
         """Choose where the payload of an inbound frame goes.
@@ -159,6 +225,12 @@ class Matcher:
         Raises :class:`ProtocolError` when holding it would exceed the limits; the transport
         then closes the connection.
         """
+        self._heard.add(header.src)  # any frame is a sign of life (liveness)
+        dropped = self._dropped.get(header.src)
+        if dropped is not None:  # frames it sent before its connection closed
+            raise dropped
+        if header.sched == LIVENESS_SCHED:
+            return self._discard(header)
         key = (header.src, header.sched, header.execution, header.tag)
         q = self._posted.get(key)
         if q and q[0].fut.done():
@@ -172,7 +244,9 @@ class Matcher:
                 try:
                     self._bound(header, self.limits.max_held_bytes,
                                 "a receive of unknown length")
-                    return Slot(header, _allocate(header), p)
+                    acct = self._charge(header, "a receive of unknown length")
+                    return Slot(header, _allocate(header), p, account=acct,
+                                charge=header.length)
                 except ProtocolError as refused:
                     if not p.fut.done():
                         p.fut.set_exception(refused)
@@ -188,13 +262,70 @@ class Matcher:
         if header.execution < self._finished.get(header.sched, 0) and header.kind != Kind.CONTROL:
             self._late(header)
             return self._discard(header)
-        if (self._held_count >= self.limits.max_held_messages
-                or self._held_bytes + header.length > self.limits.max_held_bytes):
+        if self._held_count >= self.limits.max_held_messages:
             raise ProtocolError(
                 f"too many early messages held ({self._held_count} messages, "
-                f"{self._held_bytes} bytes); limit {self.limits.max_held_messages} / "
-                f"{self.limits.max_held_bytes}")
-        return Slot(header, _allocate(header), None)
+                f"{self._held_bytes} bytes); limit {self.limits.max_held_messages}")
+        acct = self._charge(header, "an early message")
+        return Slot(header, _allocate(header), None, account=acct, charge=header.length)
+
+    # -- the budget ----------------------------------------------------------------------------
+    def _charge(self, header: Header, what: str) -> _Account:
+        """Charge ``header.length`` bytes to its sender, dropping peers past their shares when
+        the budget is short (the class doc); :class:`ProtocolError` drops the sender itself."""
+        src, n = header.src, header.length
+        acct = self._accounts.get(src)
+        if acct is None:
+            acct = self._accounts[src] = _Account(src)
+        cap = self.limits.max_held_bytes
+        while self._charged + n > cap:
+            if acct.bytes + n > self.share:
+                err = ProtocolError(
+                    f"rank {src} claims {n} bytes for {what} while holding {acct.bytes} here: "
+                    f"past its share of {self.share} bytes, and the memory budget of {cap} "
+                    f"bytes has {cap - self._charged} left")
+                self.drop(src, err)
+                raise err
+            hog = max(self._accounts.values(), key=lambda a: a.bytes)
+            err = ProtocolError(
+                f"rank {hog.rank} holds {hog.bytes} bytes here, past its share of {self.share} "
+                f"bytes, and rank {src} needs {n} of the full memory budget of {cap} bytes")
+            self.drop(hog.rank, err)
+            if self.on_drop is not None:
+                self.on_drop(hog.rank, err)
+        acct.bytes += n
+        self._charged += n
+        return acct
+
+    def _release(self, src: int, n: int) -> None:
+        acct = self._accounts.get(src)
+        if acct is not None and n:
+            acct.bytes -= n
+            self._charged -= n
+
+    def abandon(self, slot: Slot) -> None:
+        """``slot``'s payload will never complete (its connection closed): release its memory
+        from the budget. Idempotent."""
+        acct = slot.account
+        if acct is not None and acct.open and slot.charge:
+            acct.bytes -= slot.charge
+            self._charged -= slot.charge
+        slot.charge = 0
+
+    def drop(self, rank: int, err: ProtocolError) -> None:
+        """Release everything ``rank`` made this rank hold, at once, and refuse its later
+        frames with ``err`` (its connection is closing; the transport fails its receives)."""
+        acct = self._accounts.pop(rank, None)
+        if acct is not None:
+            acct.open = False
+            self._charged -= acct.bytes
+            acct.bytes = 0
+        self._dropped[rank] = err
+        for key in [k for k in self._held if k[0] == rank]:
+            for _, data in self._held.pop(key):
+                self._held_bytes -= len(data)
+                self._held_count -= 1
+            self._unindex(key)
 
     def _bound(self, header: Header, limit: int, what: str) -> None:
         """Refuse (ProtocolError: the transport drops the peer) a payload over ``limit``
@@ -205,18 +336,25 @@ class Matcher:
 
     def _discard(self, header: Header) -> Slot:
         self._bound(header, self.limits.max_discard_bytes, "a message to throw away")
-        return Slot(header, _scratch(header.length), None, discard=True)
+        if header.length <= len(_SCRATCH):
+            return Slot(header, _SCRATCH[:header.length], None, discard=True)
+        acct = self._charge(header, "a message to throw away")
+        return Slot(header, _allocate(header), None, discard=True, account=acct,
+                    charge=header.length)
 
     def complete(self, slot: Slot) -> None:
         """The payload of ``slot`` has been written in full."""
         h = slot.header
         if slot.posted is not None:
+            self.abandon(slot)  # delivered: the receiver's now, not the sender's charge
             if not slot.posted.fut.done():
                 slot.posted.fut.set_result(Message(h, slot.view))
             return
-        if slot.discard:
+        if slot.discard or (slot.account is not None and not slot.account.open):
+            self.abandon(slot)  # thrown away, or its sender was dropped meanwhile
             return
         if h.execution < self._finished.get(h.sched, 0) and h.kind != Kind.CONTROL:
+            self.abandon(slot)
             self._late(h)  # its execution finished while the payload streamed in
             return
         key = (h.src, h.sched, h.execution, h.tag)
@@ -229,6 +367,7 @@ class Matcher:
                 del self._posted[key]
                 self._unindex(key)
             self._fill(p.fut, h, p.buf, slot.view)
+            self.abandon(slot)
             return
         held = self._held.get(key)
         if held is None:
@@ -263,6 +402,10 @@ class Matcher:
         self._held.clear()
         self._keys.clear()
         self._held_bytes = self._held_count = 0
+        for acct in self._accounts.values():
+            acct.open = False
+        self._accounts.clear()
+        self._charged = 0
 
     # -- internals ---------------------------------------------------------------------------
     def _index(self, key: Key) -> None:
@@ -332,17 +475,13 @@ def ignore_outcome(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-def _scratch(n: int) -> memoryview:
-    """A throw-away destination for a payload that will be discarded."""
-    if n <= len(_SCRATCH):
-        return _SCRATCH[:n]
-    return memoryview(bytearray(n))
-
-
 def _allocate(header: Header) -> memoryview:
-    """A new buffer for a payload; a ProtocolError (the peer is dropped) if memory is short."""
+    """A new buffer for a payload; a ProtocolError (the peer is dropped) if memory is short.
+
+    ``np.empty``, not ``bytearray``: its pages become resident only as the payload fills them,
+    so a claim that is never sent costs address space, not memory."""
     try:
-        return memoryview(bytearray(header.length))
+        return np.empty(header.length, np.uint8).data
     except MemoryError:
         raise ProtocolError(f"cannot allocate {header.length} bytes for a payload from rank "
                             f"{header.src}") from None

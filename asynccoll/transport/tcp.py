@@ -93,7 +93,6 @@ class TcpTransport(Transport):
         self._pending: set[TcpConnection] = set()
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._lost: dict[int, PeerLostError] = {}
-        self._streaming_bytes = 0  # unsolicited payloads being received (see tcp_wire)
 
     @property
     def address(self) -> str:
@@ -190,6 +189,11 @@ class TcpTransport(Transport):
         conn.send(fut, encode_header(header), payload)
         return fut
 
+    def _drop_peer(self, rank: int, exc: BaseException) -> None:
+        conn = self._conns.get(rank)
+        if conn is not None:
+            conn.abort(exc)
+
     async def _close(self) -> None:
         exc = TransportClosedError("transport closed")
         for conn in [*self._conns.values(), *self._pending]:
@@ -271,15 +275,6 @@ class TcpTransport(Transport):
             more = f" ({quiet} more refused, not logged)" if quiet else ""
             log.warning("tcp rank %d: refusing connection from %s: %s%s", self.rank,
                         conn.peername, reason, more)
-
-    def reserve_unsolicited(self, nbytes: int) -> None:
-        if self._streaming_bytes + nbytes > self.limits.max_held_bytes:
-            raise ProtocolError(
-                f"unsolicited messages streaming in exceed {self.limits.max_held_bytes} bytes")
-        self._streaming_bytes += nbytes
-
-    def release_unsolicited(self, nbytes: int) -> None:
-        self._streaming_bytes -= nbytes
 
 
 def _factory(conn: TcpConnection) -> Callable[[], TcpConnection]:

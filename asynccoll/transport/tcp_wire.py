@@ -64,9 +64,9 @@ class PeerClosed(ConnectionResetError):
 class ConnectionOwner(Protocol):
     """What a :class:`TcpConnection` needs from the transport that owns it.
 
-    The owner knows every connection (so that it can close them), which rank each authenticated
-    one belongs to, and the budget of unsolicited bytes shared by all of them; it logs and
-    counts what the connections refuse.
+    The owner knows every connection (so that it can close them) and which rank each authenticated
+    one belongs to; it logs and counts what the connections refuse. Its matcher charges what
+    each peer makes this rank hold to one memory budget (:class:`~.matching.Matcher`).
     """
 
     @property
@@ -105,12 +105,6 @@ class ConnectionOwner(Protocol):
     def frame_rejected(self, conn: TcpConnection, reason: str) -> None:
         """An authenticated ``conn`` is closed for a bad frame or a limit (log and count it)."""
 
-    def reserve_unsolicited(self, nbytes: int) -> None:
-        """``nbytes`` of a message no receive waits for start streaming in; raise
-        :class:`ProtocolError` when that exceeds the transport's bound."""
-
-    def release_unsolicited(self, nbytes: int) -> None:
-        """Bytes reserved by :meth:`reserve_unsolicited` are no longer streaming."""
 
 
 class _Out:
@@ -130,13 +124,12 @@ class _Out:
 class _In:
     """One partly received message."""
 
-    __slots__ = ("held", "msgid", "pos", "slot")
+    __slots__ = ("msgid", "pos", "slot")
 
     def __init__(self, slot: Slot, msgid: int) -> None:
         self.slot = slot
         self.msgid = msgid
         self.pos = 0
-        self.held = 0  # bytes allocated to hold it (no receive was posted for it)
 
 
 class TcpConnection(asyncio.BufferedProtocol):
@@ -372,11 +365,6 @@ class TcpConnection(asyncio.BufferedProtocol):
             o.matcher.complete(cur.slot)
             self._state, self._need = _HEAD, _RECORD.size
             return
-        if cur.slot.posted is None and not cur.slot.discard:
-            # the matcher bounds what it holds once complete; bound what streams in too, or
-            # a peer could start many large unsolicited messages at once
-            o.reserve_unsolicited(h.length)
-            cur.held = h.length
         self._inflight[self._msgid] = cur
         if self._nbytes:
             self._start_payload(cur)
@@ -397,7 +385,6 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._state, self._need = _HEAD, _RECORD.size
         if cur.pos == cur.slot.header.length:
             del self._inflight[cur.msgid]
-            self.owner.release_unsolicited(cur.held)
             self.owner.matcher.complete(cur.slot)
 
     def _on_handshake(self, st: int, chunk: memoryview) -> None:
@@ -615,7 +602,7 @@ class TcpConnection(asyncio.BufferedProtocol):
 
     def _fail_all(self, exc: BaseException) -> None:
         for cur in self._inflight.values():
-            self.owner.release_unsolicited(cur.held)
+            self.owner.matcher.abandon(cur.slot)
             if cur.slot.posted is not None:
                 fail_quietly(cur.slot.posted.fut, exc)
         self._inflight.clear()

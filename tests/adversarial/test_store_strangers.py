@@ -176,7 +176,8 @@ def test_floods_at_nofile_1024_are_refused_quietly_and_genuine_clients_served(
     print(f"genuine client: median {statistics.median(times) * 1e3:.1f} ms, max "
           f"{max(times) * 1e3:.1f} ms; {refused} refused, {len(lines)} log lines in {took:.1f} s")
     assert store.returncode == 0, err[-3000:]
-    assert "Traceback" not in err and "Too many open files" not in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "Too many open files" not in err, err[-3000:]
     assert refused >= 3000
     windows = int(took // 10) + 2
     assert len(lines) <= 10 * windows, f"{len(lines)} log lines in {took:.1f} s"

@@ -185,8 +185,10 @@ async def test_held_message_limit_raises_protocol_error() -> None:
 async def test_held_bytes_limit_raises_protocol_error() -> None:
     m = Matcher(0, Limits(max_held_bytes=12))
     arrive(m, hdr(tag=0), b"a" * 8)
-    with pytest.raises(ProtocolError, match="too many early messages"):
+    with pytest.raises(ProtocolError, match="past its share of 12 bytes"):
         m.begin(hdr(tag=1, length=8))
+    assert m.held_count == 0  # what the dropped peer made us hold is released at once
+    assert m.charged_bytes == 0
 
 
 async def test_fail_peer_fails_pending_and_later_receives() -> None:
@@ -415,3 +417,43 @@ async def test_held_message_of_a_lost_peer_is_still_delivered():
     assert bytes(msg.payload) == b"ok"
     with pytest.raises(PeerLostError):
         await asyncio.wait_for(m.post(1, 7, 0, 4), 1)
+
+
+async def test_one_budget_for_held_streaming_unknown_length_and_discarded() -> None:
+    m = Matcher(0, Limits(max_held_bytes=1 << 20, max_discard_bytes=1 << 20), world_size=2)
+    arrive(m, hdr(tag=0, length=300 << 10), bytes(300 << 10))  # held, complete
+    streaming = m.begin(hdr(tag=1, length=300 << 10))  # held, still streaming in
+    m.finish(9, 0)
+    late = m.begin(hdr(sched=9, length=200 << 10))  # read only to be thrown away
+    assert late.discard
+    unknown = m.post(1, 7, 0, 2)
+    with pytest.raises(ProtocolError, match="rank 1 claims 300000 bytes for a receive of "
+                                            "unknown length while holding 819200"):
+        m.begin(hdr(tag=2, length=300000))  # over the one budget: the peer is dropped
+    assert m.charged_bytes == 0
+    assert m.held_count == 0
+    with pytest.raises(ProtocolError):
+        await unknown
+    with pytest.raises(ProtocolError, match="past its share"):
+        m.begin(hdr(tag=3, length=1))  # its later frames are refused
+    m.complete(streaming)  # its payload finishes after the drop: not held, not charged
+    m.abandon(late)
+    assert m.held_count == 0
+    assert m.charged_bytes == 0
+
+
+async def test_a_peer_past_its_share_is_dropped_when_another_needs_its_share() -> None:
+    dropped: list[int] = []
+    m = Matcher(0, Limits(max_held_bytes=3000), world_size=4)  # 1000 bytes a peer
+    m.on_drop = lambda rank, err: dropped.append(rank)
+    arrive(m, hdr(src=1, tag=0, length=2000), bytes(2000))  # past its share: room to borrow
+    arrive(m, hdr(src=2, tag=0, length=900), bytes(900))
+    assert m.charged(1) == 2000
+    assert dropped == []
+    arrive(m, hdr(src=3, tag=0, length=500), bytes(500))  # within its share: rank 1 goes
+    assert dropped == [1]
+    assert (m.charged(1), m.charged(2), m.charged(3)) == (0, 900, 500)
+    assert m.held_count == 2
+    got = await m.post(2, 7, 0, 0)  # a held message taken releases its bytes
+    assert len(got.payload) == 900
+    assert m.charged_bytes == 500

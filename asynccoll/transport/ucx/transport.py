@@ -405,6 +405,7 @@ class UcxTransport(Transport):
             return
         if entry is not None:
             self._order.done(slot, entry, lost=True)
+        self.matcher.abandon(slot)
         err = self._map(p.rank, "payload receive failed", exc)
         if slot.posted is not None and not slot.posted.fut.done():
             slot.posted.fut.set_exception(err)
@@ -513,6 +514,17 @@ class UcxTransport(Transport):
         for snd in sends:
             if not snd.fut.done():
                 snd.fut.set_exception(exc)
+
+    def _drop_peer(self, rank: int, exc: BaseException) -> None:
+        p = self._peers.get(rank)
+        if p is None or p.lost is not None:
+            return
+        if isinstance(exc, ProtocolError):
+            self._disconnect(p, exc)
+            return
+        log.warning("rank %d: disconnecting rank %d: %s", self.rank, rank, exc)
+        self._lose(p, str(exc), exc)
+        self._drop_ep(p.ep)
 
     def _disconnect(self, p: _Peer, err: ProtocolError) -> None:
         """Close the connection of a peer that broke the protocol; log the reason."""

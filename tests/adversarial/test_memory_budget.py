@@ -1,0 +1,146 @@
+"""One memory budget per rank: a rogue authenticated peer that mixes held, streaming and
+header-only claims cannot take a rank past its cap; it is dropped with a logged reason and
+everything it made the rank hold is released at once (DESIGN §11).
+
+The victim is a real process (a tcp transport with a 256 MiB budget, set through
+``Limits.max_held_bytes``); the rogue, in the test process, knows the secret and writes frames by
+hand. The victim's resident memory is read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from asynccoll.transport import auth
+from asynccoll.transport.frames import PROTOCOL_VERSION, Format, Kind
+
+ROOT = str(Path(__file__).parents[2])
+SECRET = b"0123456789abcdef0123456789abcdef"
+MiB = 1 << 20
+CAP = 256 * MiB
+
+pytestmark = [pytest.mark.multiprocess]
+
+VICTIM = """
+import asyncio, logging, sys
+from asynccoll.transport.frames import Limits
+from asynccoll.transport.tcp import TcpTransport
+
+async def main():
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(message)s")
+    limits = Limits(max_held_bytes=int(sys.argv[2]))
+    t = TcpTransport(1, 2, secret=sys.argv[1].encode(), limits=limits)
+    print(await t.listen("tcp://127.0.0.1:0"), flush=True)
+    loop = asyncio.get_running_loop()
+    while await loop.run_in_executor(None, sys.stdin.readline):
+        print(t.matcher.charged_bytes, t.matcher.held_count, flush=True)
+    await t.close()
+
+asyncio.run(main())
+"""
+
+
+def _rss(pid: int) -> tuple[int, int]:
+    """(resident, peak resident) bytes of ``pid``."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text()
+                  .splitlines() if ":" in line)
+    return (int(fields["VmRSS"].split()[0]) << 10, int(fields["VmHWM"].split()[0]) << 10)
+
+
+def _record(hlen: int, msgid: int, nbytes: int) -> bytes:
+    return np.array([hlen, msgid, nbytes], "<u4").tobytes()
+
+
+def _header(msgid: int, length: int, execution: int = 9) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, int(Kind.DATA), 7, execution, msgid, 0, "|u1",
+                          [length], int(Format.DENSE), length])
+
+
+async def _rogue(addr: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = addr.removeprefix("tcp://").rsplit(":", 1)
+    r, w = await asyncio.open_connection(host, int(port))
+    nonce = auth.new_nonce()
+    w.write(auth.make_hello(0, 2, 1, nonce))
+    ch = auth.parse_challenge(await r.readexactly(auth.CHALLENGE_SIZE))
+    w.write(auth.connector_mac(SECRET, 0, 1, 2, nonce, ch.nonce))
+    assert await r.readexactly(auth.ACCEPT_SIZE) == auth.ACCEPT
+    return r, w
+
+
+async def _send(w: asyncio.StreamWriter, msgid: int, length: int, send: int) -> None:
+    """Start message ``msgid`` claiming ``length`` bytes and send ``send`` of them."""
+    first = min(send, MiB)
+    w.write(_record(len(h := _header(msgid, length)), msgid, first) + h + bytes(first))
+    sent = first
+    while sent < send:
+        n = min(send - sent, MiB)
+        w.write(_record(0, msgid, n) + bytes(n))
+        sent += n
+        await w.drain()
+    await w.drain()
+
+
+@pytest.mark.timeout(60)
+def test_a_rogue_peer_mixing_claims_stays_within_the_cap_and_is_dropped() -> None:
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM, SECRET.decode(), str(CAP)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+    assert victim.stdout is not None
+    assert victim.stdin is not None
+
+    def stat() -> tuple[int, int]:
+        assert victim.stdin is not None
+        assert victim.stdout is not None
+        victim.stdin.write("\n")
+        victim.stdin.flush()
+        charged, held = victim.stdout.readline().split()
+        return int(charged), int(held)
+
+    try:
+        addr = victim.stdout.readline().strip()
+        base = _rss(victim.pid)[0]
+
+        async def attack() -> bool:
+            r, w = await _rogue(addr)
+            await _send(w, 1, 96 * MiB, 96 * MiB)  # held: an early message, complete
+            await _send(w, 2, 96 * MiB, 64 * MiB)  # streaming: two thirds of it sent
+            await _send(w, 3, 64 * MiB, 0)  # header-only: a claim, never sent
+            await asyncio.sleep(0.5)
+            assert stat() == (256 * MiB, 1)  # the whole budget, and not a byte more
+            await _send(w, 4, 32 * MiB, 0)  # one claim more: past the cap
+            try:
+                while await asyncio.wait_for(r.read(65536), 5):
+                    pass
+            except (TimeoutError, asyncio.TimeoutError):
+                return False
+            except OSError:
+                pass
+            w.close()
+            return True
+
+        assert asyncio.run(asyncio.wait_for(attack(), 40)), "the rogue peer was not dropped"
+        peak = _rss(victim.pid)[1] - base
+        deadline = time.monotonic() + 5
+        while _rss(victim.pid)[0] - base > 32 * MiB and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = _rss(victim.pid)[0] - base
+        charged_after = stat()
+    finally:
+        _, err = victim.communicate(input="", timeout=20)
+    print(f"victim RSS above its start: peak {peak / MiB:.0f} MiB, after the drop "
+          f"{after / MiB:.0f} MiB (cap {CAP / MiB:.0f} MiB)")
+    assert peak < CAP + 64 * MiB, f"peak {peak / MiB:.0f} MiB"
+    assert charged_after == (0, 0)
+    assert after < 32 * MiB, f"{after / MiB:.0f} MiB still resident after the drop"
+    assert "closing the connection of rank 0: rank 0 claims 33554432 bytes for an early " \
+        "message while holding 268435456 here: past its share" in err, err
