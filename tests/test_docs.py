@@ -1,7 +1,8 @@
 """Every Python block of README.md and docs/*.md runs as printed, or is marked as a fragment.
 
 The blocks are extracted from the Markdown at test time, so a changed snippet is tested as
-changed. A block is a fragment when the line before its fence is ``<!-- fragment -->`` (it
+changed; docs/torch.md's DDP conversion (a ```` ```diff ````) runs as the converted script
+it shows. A block is a fragment when the line before its fence is ``<!-- fragment -->`` (it
 needs a communicator, a transport or data the page only describes). A block that says
 ``asynccoll run -n N`` runs under ``asynccoll run -n N``; any other runs under ``python``.
 Each must exit 0 and write no traceback."""
@@ -39,7 +40,24 @@ def blocks() -> list[tuple[str, str, bool]]:
     return out
 
 
+def conversion() -> tuple[str, int]:
+    """docs/torch.md's DDP conversion: the converted script rebuilt from its ```` ```diff ````
+    block (context and added lines), and how many lines it changes."""
+    text = (ROOT / "docs" / "torch.md").read_text()
+    body = text.split("```diff\n", 1)[1].split("\n```", 1)[0].splitlines()
+    after = [ln[1:] for ln in body if ln[:1] in (" ", "+")] + [""]
+    return "\n".join(after), sum(ln[:1] in ("+", "-") for ln in body)
+
+
 RUNNABLE = [(name, code) for name, code, fragment in blocks() if not fragment]
+RUNNABLE.append(("docs/torch.md#conversion", conversion()[0]))
+
+
+def test_ddp_conversion_changes_at_most_8_lines() -> None:
+    code, changed = conversion()
+    assert changed <= 8
+    assert f"{changed} changed lines" in (ROOT / "docs" / "torch.md").read_text()
+    assert "partial_hook" in code
 
 
 def test_every_page_is_read_and_some_blocks_run() -> None:
