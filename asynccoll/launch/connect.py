@@ -15,11 +15,14 @@ from collections.abc import Mapping
 from ..comm import Communicator, ProgressEngine
 from ..comm.shm import install_cleanup
 from ..comm.stall import DEFAULT_STALL_WARN
+from ..transport.base import Transport
 from . import errorfile
-from .env import ConfigError, resolve, say_if_alone
+from .env import ConfigError, JobSpec, resolve, say_if_alone
 from .rendezvous import rendezvous
+from .unresponsive import Reporter
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "collective_timeout_from", "connect"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "DEFAULT_LIVENESS", "collective_timeout_from",
+           "connect", "liveness_from"]
 
 #: seconds a collective of a communicator made by :func:`connect` waits by default before it
 #: raises :class:`~asynccoll.CollectiveTimeoutError`. No healthy job waits this long for one
@@ -27,6 +30,15 @@ __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "collective_timeout_from", "connect"]
 #: in minutes instead of never. ``torch.distributed`` defaults to 10 to 30 minutes; we take less,
 #: because a partial collective never needs to wait for a straggler that long.
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+#: seconds a rank may send nothing, not even a liveness probe, before the others drop it as lost
+#: (``ASYNCCOLL_LIVENESS``; :mod:`asynccoll.transport.liveness`). A tenth of the collective
+#: timeout, so that a stopped or hung rank costs the job half a minute instead of five; three
+#: times the stall warning, so that the warning names the rank first; and long enough that a
+#: healthy rank on a loaded machine is never dropped: its progress thread probes every 6 s, so a
+#: loss needs five probes in a row to go missing, and a multi-second garbage-collection pause or
+#: scheduling hiccup costs one at most. Jobs that want to fail over fast set it lower (5 s is
+#: common for fault-tolerant training; the tests use it).
+DEFAULT_LIVENESS = 30.0
 
 
 def _seconds_from(environ: Mapping[str, str], var: str, default: float) -> float | None:
@@ -58,6 +70,22 @@ def collective_timeout_from(environ: Mapping[str, str], given: float | None) -> 
     return None if math.isinf(given) else float(given)
 
 
+def liveness_from(environ: Mapping[str, str]) -> float | None:
+    """The liveness time: ``ASYNCCOLL_LIVENESS`` seconds (``none``/``inf``: never drop a
+    silent rank), else :data:`DEFAULT_LIVENESS`. Raises ConfigError naming the variable."""
+    return _seconds_from(environ, "ASYNCCOLL_LIVENESS", DEFAULT_LIVENESS)
+
+
+async def _join(spec: JobSpec, timeout: float, liveness: float | None) -> Transport:
+    """The rendezvous, then (on the transport's loop) liveness and the launcher's reports."""
+    t = await rendezvous(spec, timeout=timeout)
+    if liveness is not None and spec.world_size > 1 and spec.transport != "inproc":
+        if os.environ.get("ASYNCCOLL_STORE_HOSTED") == "1" and spec.store is not None:
+            t.on_peer_lost(Reporter(spec.store, spec.secret, spec.rank))
+        t.start_liveness(liveness)
+    return t
+
+
 async def connect(rank: int | None = None, world_size: int | None = None,
                   store: str | tuple[str, int] | None = None, transport: str | None = None,
                   *, progress: str = "thread", timeout: float = 60.0,
@@ -74,7 +102,9 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     ``ASYNCCOLL_TIMEOUT``, else :data:`DEFAULT_COLLECTIVE_TIMEOUT` = 300 s; ``math.inf`` or
     ``ASYNCCOLL_TIMEOUT=none`` waits forever); a collective that waits longer than
     ``ASYNCCOLL_STALL_WARN`` seconds (default 10) logs a warning naming what it waits for, then
-    again at doubling intervals. ``trace``: a directory
+    again at doubling intervals. A rank from which nothing arrives for ``ASYNCCOLL_LIVENESS``
+    seconds (default :data:`DEFAULT_LIVENESS` = 30; ``none`` turns it off) is lost, as if its
+    connection broke; under ``asynccoll run`` its launcher kills it. ``trace``: a directory
     for this rank's execution trace (default: ``ASYNCCOLL_TRACE`` if set). ``survive``: whether
     partial collectives go on without a lost rank (:attr:`Communicator.survive`; default: when
     ``ASYNCCOLL_MAX_FAILURES``, set by ``asynccoll run --max-failures N``, is above 0). Raises
@@ -87,6 +117,7 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     say_if_alone(spec)
     ctimeout = collective_timeout_from(os.environ, collective_timeout)
     stall = _seconds_from(os.environ, "ASYNCCOLL_STALL_WARN", DEFAULT_STALL_WARN)
+    liveness = liveness_from(os.environ)
     if survive is None:
         try:
             survive = int(os.environ.get("ASYNCCOLL_MAX_FAILURES") or 0) > 0
@@ -101,7 +132,7 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     engine = (ProgressEngine.thread(use_uvloop=spec.transport != "ucx")
               if progress == "thread" else ProgressEngine.inline())
     try:
-        t = await engine.run(rendezvous(spec, timeout=timeout))
+        t = await engine.run(_join(spec, timeout, liveness))
     except BaseException:
         engine.close()
         raise

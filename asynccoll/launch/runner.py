@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -58,7 +59,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from ..comm.shm import SHM_DIR, new_job_tag, unlink_job
-from . import errorfile
+from . import errorfile, unresponsive
 from .env import free_port
 from .store import StoreClient, StoreError, StoreServer, StoreTimeoutError
 
@@ -276,6 +277,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     for sig in handled:
         loop.add_signal_handler(sig, on_signal, sig)
     abort_task: asyncio.Task[bytes] | None = None
+    silent: asyncio.Task[None] | None = None
     tag: str | None = None
     try:
         if cfg.node_rank == 0:
@@ -315,6 +317,8 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             prefix = f"[{rank}] ".encode()
             pumps.append(asyncio.create_task(_pump(p.stdout, prefix, out, muted)))
             pumps.append(asyncio.create_task(_pump(p.stderr, prefix, err, muted)))
+        silent = asyncio.create_task(unresponsive.watch(
+            store, cfg.secret, list(ranks.procs), functools.partial(_kill_silent, ranks, err)))
         code = await _watch(cfg, ranks, stop_sig, abort_task, client, err, muted)
         if client is not None and not stop_sig.done():
             await _unless_stopped(_check_out(cfg, client, err), stop_sig)
@@ -322,10 +326,11 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        if abort_task is not None:
-            abort_task.cancel()
-            with contextlib.suppress(BaseException):
-                await abort_task
+        for task in (abort_task, silent):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         await ranks.stop(signal.SIGKILL)
         if tag is not None:
             _unlink_left(cfg, tag, err)
@@ -431,6 +436,17 @@ async def _join(cfg: LaunchConfig, store: tuple[str, int], server: StoreServer |
         await client.close()
         raise
     return client
+
+
+def _kill_silent(ranks: _Ranks, err: BinaryIO, rank: int, why: str) -> None:
+    """A rank its peers dropped for silence (:mod:`.unresponsive`): stopped or hung, it would
+    never exit; kill it and say so (its exit is then handled as any other)."""
+    p = ranks.procs.get(rank)
+    if p is None or p.returncode is not None:
+        return
+    _say(err, f"rank {rank} answered no liveness probe ({why}); killing it")
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
 
 
 def _nodes(keys: Sequence[str]) -> list[int]:
