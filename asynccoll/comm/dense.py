@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..collectives import dense
+from ..collectives.agreement import disagreement
 from ..collectives.dense import REDUCE_OPS, scratch_buffers
 from ..collectives.shm import (
     SHM_ALGORITHMS,
@@ -710,18 +711,16 @@ class DenseOps:
         return entry
 
     async def agree_on(self, kind: str, what: dict[str, Any], timeout: float | None) -> None:
-        """Raise ExecutionError on every rank unless every rank passes the same ``what`` (the
-        definition of a collective at its first use); one 16-byte allreduce of its hash."""
+        """Raise ExecutionError on every rank, naming the ranks that differ, unless every rank
+        passes the same ``what`` (the definition of a collective at its first use); one
+        allgather of an 8-byte hash per rank."""
         digest = hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=8)
-        h = int.from_bytes(digest.digest(), "little") >> 1
-        sig = np.array([h, -h], np.int64)
-        await self.call(_AGREE_KEY, lambda: dense.allreduce(
-            self.rank, self.size, 2, sig.dtype, "max", "recursive_doubling"), sig, timeout)
-        if sig[0] != -sig[1]:
-            desc = ", ".join(f"{k}={v!r}" for k, v in what.items() if k != "slot")
-            raise ExecutionError(
-                f"rank {self.rank}: the ranks disagree on a {kind} called at the same point "
-                f"(its definition differs); this rank has {desc}")
+        every = np.zeros(self.size, np.int64)
+        every[self.rank] = int.from_bytes(digest.digest(), "little") >> 1
+        await self.call(_AGREE_KEY, lambda: dense.allgather(
+            self.rank, self.size, 1, every.dtype), every, timeout)
+        if (every != every[self.rank]).any():
+            raise ExecutionError(disagreement(self.rank, kind, every.tolist(), what))
 
     def _drop(self, key: tuple[Any, ...], entry: _Dense,
               cache: dict[tuple[Any, ...], _Dense]) -> None:
