@@ -77,6 +77,11 @@ class Contribution(abc.ABC):
         return False
 
     @abc.abstractmethod
+    def go_network(self) -> None:
+        """From the next :meth:`build` on, the data phase goes over the network (a handle
+        whose segments could not be had on some rank, or that survived a lost rank)."""
+
+    @abc.abstractmethod
     def build(self, like: Any, rank: int, world_size: int, kind: str,
               quorum: int | None) -> tuple[Schedule, dict[str, Any]]:
         """The committed schedule of ``rank`` for data like ``like`` and its buffers, the send
@@ -313,6 +318,9 @@ class SparseContribution(Contribution):
     @property
     def shm(self) -> bool:
         return self._shm
+
+    def go_network(self) -> None:
+        self._shm = False
 
     def build(self, like: Any, rank: int, world_size: int, kind: str,
               quorum: int | None) -> tuple[Schedule, dict[str, Any]]:

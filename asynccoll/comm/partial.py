@@ -98,6 +98,7 @@ from ..transport.base import Transport
 from . import clock
 from .contribution import Combine, Contribution, DenseContribution
 from .progress import ProgressEngine
+from .route import agree_flags
 from .shm import PartialSegments
 from .stall import wait_or_warn
 
@@ -240,18 +241,40 @@ class PartialAllreduce:
                                           self._lock, self._snapped)
         #: the shared-memory segments of the data phase (:mod:`.shm`), or None (network)
         self._segments: PartialSegments | None = None
-        if contribution.shm:
-            if shm_token is None:
-                raise ValueError("a shared-memory partial allreduce needs the job's segment "
-                                 "token (shm_token)")
-            spec = sched.slots["mine"]
-            assert spec.count is not None
+        self._bufs = bufs
+        self._transport = transport
+        self._live = live
+        #: the route agreed (:meth:`_agree_route`) before the first execution, when the data
+        #: phase was to go through shared memory; None: nothing to agree
+        self._route: asyncio.Future[None] | None = None
+        if not contribution.shm:
+            self._arm(self._executor(transport, sched, bufs, live, 0))
+            return
+        if shm_token is None:
+            raise ValueError("a shared-memory partial allreduce needs the job's segment "
+                             "token (shm_token)")
+        refused: OSError | None = None
+        spec = sched.slots["mine"]
+        assert spec.count is not None
+        self._kernels[SHM_ATTACH] = self._attach  # (binds nothing without segments)
+        try:
             self._segments = PartialSegments(shm_token, self.sched_id, self.rank, P, spec.count,
                                              spec.dtype, parts=contribution.segment_sets)
+        except OSError as exc:  # a name taken, too little free space, a foreign file
+            refused = exc
+            # this executor never runs (the route goes to the network): zeros that take no
+            # memory until touched stand for the segments
+            for slot, sp in sched.slots.items():
+                if slot not in bufs:
+                    bufs[slot] = np.zeros(sp.count or 0, np.dtype(sp.dtype or "u1"))
+        else:
             bufs.update(self._segments.buffers(0))
-            self._kernels[SHM_ATTACH] = self._attach
-        self._bufs = bufs
-        self._arm(self._executor(transport, sched, bufs, live, 0))
+        # Not armed before every rank said whether its segments exist: the executor is there
+        # (its error, its completed count) but posts nothing; peers' first messages wait in
+        # the transport until it does.
+        self._ex = self._executor(transport, sched, bufs, live, 0)
+        self._route = asyncio.ensure_future(self._agree_route(refused))
+        self._route.add_done_callback(_retrieve)
 
     def _executor(self, transport: Transport, sched: Schedule, bufs: dict[str, Any],
                   live: LiveOps | None, first: int) -> Executor:
@@ -421,6 +444,12 @@ class PartialAllreduce:
     async def _call(self, x: Any, timeout: float | None, combine: Combine | None = None,
                     dest: tuple[Any, Any] | None = None) -> PartialResult:
         flat = self._check(x)
+        if self._route is not None:
+            self._busy = True
+            try:
+                await self._routed(timeout)
+            finally:
+                self._busy = False
         while self._survivable(self._ex.error) and self._round <= self._given:
             # lost a rank since the last call (and nothing to hand out): go on without it
             self._busy = True
@@ -491,6 +520,62 @@ class PartialAllreduce:
         assert res is not None
         return res
 
+    # -- the route: shared memory, or the network on every rank alike (:mod:`.route`) -------
+    async def _agree_route(self, refused: OSError | None) -> None:
+        """Before the first execution: every rank says whether its segments exist; unless
+        all do, every rank's data phase goes over the network, with one warning naming why
+        (:mod:`.route`). A rank lost meanwhile fails the executor with it (a surviving handle
+        then goes on over the network, as after any loss)."""
+        what = f"partial allreduce {self.name!r}"
+        try:
+            failed = await agree_flags(self._transport, stable_id(f"{self.name}#route", 1),
+                                       refused is None, self.timeout, what)
+        except BaseException as exc:  # a lost rank, a timeout, the handle closed
+            self._take_network()
+            self._ex.abort(exc)
+            raise
+        if not failed:
+            self._arm(self._ex)
+            return
+        why = f"here: {refused}" if refused is not None else "see the log of those ranks"
+        log.warning("rank %d: %s: rank(s) %s could not make their shared-memory segments (%s); "
+                    "its data goes over the network on every rank", self.rank, what, failed, why)
+        self._take_network()
+        sched, bufs = self._contribution.build(self._like, self.rank, self.world_size,
+                                               self.kind, self.quorum)
+        self._meta, self._state, self.schedule, self._bufs = \
+            bufs["meta"], bufs["state"], sched, bufs
+        self._state[DSIG] = deadline_signature(self.deadline_config)
+        if self._live is not None:
+            # never armed, so nothing posted to retire (closing it would make the transport
+            # drop the peers' early messages, held under the same schedule id)
+            self._live.discard(self._ex)
+        self._arm(self._executor(self._transport, sched, bufs, self._live, 0))
+
+    def _take_network(self) -> None:
+        """Leave shared memory for the network (the segments unlinked and unmapped)."""
+        self._shm_close()
+        self._contribution.go_network()
+
+    async def _routed(self, timeout: float | None) -> None:
+        """Wait for the route's agreement (the first call only), at most ``timeout`` seconds
+        (default: the handle's); raise what it failed with."""
+        route = self._route
+        if route is not None:
+            if not route.done():
+                t = self.timeout if timeout is None else timeout
+                try:
+                    await asyncio.wait_for(asyncio.shield(route), t)
+                except asyncio.TimeoutError:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: {self.kind} allreduce {self.name!r} execution 0 not "
+                        f"complete after {t} s; waiting on: the other ranks to say whether "
+                        f"they made their segments; {self._first_words(0)}") from None
+            self._route = None
+            exc = route.exception()
+            if exc is not None and not self._survivable(exc):
+                raise exc
+
     def _expire(self, e: int) -> None:
         """The deadline of execution ``e`` expired on this rank (a loop timer): unless ``e``
         was activated here meanwhile, flag it and force it (module doc)."""
@@ -517,18 +602,24 @@ class PartialAllreduce:
             # A handle's schedule and data path are chosen at its creation on each rank alone:
             # ranks that chose differently wait for messages that never come. Say so at the
             # first execution, where it shows.
-            first = "" if e else (
-                f"; the first execution of {self.name!r}: every rank must create the handle "
-                "alike (kind, like, algorithm, quorum, shm) under the same ASYNCCOLL_SHM (this "
-                f"rank's data goes "
-                f"{'through shared memory' if self._segments is not None else 'over the network'}"
-                ")")
+            first = "" if e else f"; {self._first_words(e)}"
             raise CollectiveTimeoutError(
                 f"rank {self.rank}: {self.kind} allreduce {self.name!r} execution {e} not "
                 f"complete after {t} s (initiators "
                 f"{who if self.kind not in ARRIVAL_KINDS else 'any'}"
                 f"{'' if self.quorum is None else f', quorum {self.quorum}'}); waiting on: "
                 + "; ".join(d for _, _, d in pend) + first, pend) from None
+
+    def _first_words(self, e: int) -> str:
+        """What a timeout of execution ``e`` adds when it is the first: a handle's schedule
+        and data path are chosen at its creation on each rank alone, so ranks that chose
+        differently wait for messages that never come."""
+        if e:
+            return ""
+        path = "through shared memory" if self._segments is not None else "over the network"
+        return (f"the first execution of {self.name!r}: every rank must create the handle "
+                "alike (kind, like, algorithm, quorum, shm) under the same ASYNCCOLL_SHM (this "
+                f"rank's data goes {path})")
 
     def _on_complete(self, e: int) -> None:
         # Runs inside the executor right after execution e completes and before it re-arms:
@@ -852,6 +943,11 @@ class PartialAllreduce:
                 raise BusyError(f"partial allreduce {self.name!r} already has a call or flush "
                                 "under way")
             self._busy = True
+        try:
+            await self._routed(timeout)
+        except BaseException:
+            self._busy = False
+            raise
         loop = asyncio.get_running_loop()
         t = self.timeout if timeout is None else timeout
         deadline = None if t is None else loop.time() + t
@@ -899,6 +995,8 @@ class PartialAllreduce:
                 self._closed = True
             if self._survival is not None:
                 self._survival.cancel()
+            if self._route is not None:
+                self._route.cancel()
             left = int(self._state[COUNT])
             if left and self._ex.error is None:
                 log.warning("rank %d: partial allreduce %r closed holding %d contribution(s) "
@@ -910,6 +1008,12 @@ class PartialAllreduce:
 
 #: the kernels that move a send buffer into an execution (dense and sparse partials)
 _SNAPSHOT_KERNELS = ("partial_snapshot", "partial_sparse_snapshot")
+
+
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    """Mark the route agreement's outcome retrieved (the first call raises it, if it failed)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _locked_snapshots(kernels: Mapping[str, Kernel], lock: threading.RLock,

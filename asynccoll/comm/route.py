@@ -260,7 +260,8 @@ async def agree_flags(transport: Transport, sched_id: int, ok: bool,
                              flag.data.cast("B")).add_done_callback(ignore_outcome)
     failed = [] if ok else [me]
     try:
-        done = await asyncio.wait_for(asyncio.gather(*futs.values()), timeout)
+        done = await asyncio.wait_for(
+            asyncio.gather(*futs.values(), return_exceptions=True), timeout)
     except asyncio.TimeoutError:
         silent = sorted(r for r, f in futs.items() if not f.done())
         raise CollectiveTimeoutError(
@@ -272,6 +273,8 @@ async def agree_flags(transport: Transport, sched_id: int, ok: bool,
             if not f.done():
                 f.cancel()
     for r, msg in zip(futs, done, strict=True):
-        if not bytes(msg.payload[:1]) == b"\x01":
+        if isinstance(msg, BaseException):
+            raise msg
+        if bytes(msg.payload[:1]) != b"\x01":
             failed.append(r)
     return sorted(failed)
