@@ -107,7 +107,11 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     connection broke; under ``asynccoll run`` its launcher kills it. ``trace``: a directory
     for this rank's execution trace (default: ``ASYNCCOLL_TRACE`` if set). ``survive``: whether
     partial collectives go on without a lost rank (:attr:`Communicator.survive`; default: when
-    ``ASYNCCOLL_MAX_FAILURES``, set by ``asynccoll run --max-failures N``, is above 0). Raises
+    ``ASYNCCOLL_MAX_FAILURES``, set by ``asynccoll run --max-failures N``, is above 0). Called
+    in the main thread of a process whose ``SIGTERM`` has its default disposition, it installs
+    a handler that unlinks this rank's shared-memory segments before the process dies of the
+    signal (and, under ``asynccoll run``, makes the rank die with its launcher:
+    :func:`asynccoll.comm.shm.install_cleanup`). Raises
     :class:`~asynccoll.ConfigError` naming a bad setting, ``RendezvousError`` /
     ``RendezvousTimeoutError`` when the ranks cannot assemble.
     """
