@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: run test lint bench-quick docs clean
+.PHONY: run test lint bench-quick docs clean gpu-check
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ bench-quick: $(VENV)/.test
 DOCS_IMG ?= docs/img
 docs: $(VENV)/.plot
 	$(PY) docs/pictures.py --out $(DOCS_IMG)
+
+# On a machine with one CUDA GPU: every CUDA / CuPy test and the CUDA-tensor DDP-hook run, with
+# the machine's own python3 (PYTHON=...), installing only what it lacks (bench/gpu_check.sh).
+gpu-check:
+	PYTHON="$(PYTHON)" bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
