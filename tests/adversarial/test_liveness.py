@@ -123,3 +123,15 @@ def test_a_long_compute_or_sleep_is_not_a_loss(tmp_path: Path) -> None:
     print("idle ranks' CPU while waiting 20 s:", idle)
     assert len(idle) == 2
     assert max(idle) < 1.0, out
+
+
+def test_the_liveness_setting() -> None:
+    from asynccoll import ConfigError
+    from asynccoll.launch.connect import DEFAULT_LIVENESS, liveness_from
+
+    assert liveness_from({}) == DEFAULT_LIVENESS == 30.0
+    assert liveness_from({"ASYNCCOLL_LIVENESS": "5"}) == 5.0
+    assert liveness_from({"ASYNCCOLL_LIVENESS": "none"}) is None
+    for bad in ("soon", "0", "-1"):
+        with pytest.raises(ConfigError, match="ASYNCCOLL_LIVENESS"):
+            liveness_from({"ASYNCCOLL_LIVENESS": bad})

@@ -550,3 +550,38 @@ async def test_cupy_arrays_travel_as_device_memory() -> None:
             assert bool((cp.asarray(h) == w).all())
     finally:
         await close_all(ts)
+
+
+@pytest.mark.timeout(30)
+async def test_one_memory_budget_drops_the_peer_past_its_share(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Held messages and header-only claims (a header whose payload never comes) count against
+    one budget; when a peer within its share needs room, the one past its share is dropped and
+    what it made the rank hold is released at once."""
+    caplog.set_level(logging.WARNING, "asynccoll.transport.ucx")
+    mib = 1 << 20
+    ts = await world(3, limits=Limits(max_held_bytes=64 * mib))  # 32 MiB a peer
+    try:
+        m = ts[0].matcher
+        big = np.zeros(24 * mib, np.uint8)
+        await ts[1].post_send(0, header(1, 1, big, execution=5), big)  # held
+        send_raw(ts[1], 0, _wire(header(1, 2, np.zeros(16 * mib, np.uint8), execution=5)))
+        for _ in range(500):  # the claim's header arrived: 40 MiB charged, past its share
+            if m.charged(1) == 40 * mib:
+                break
+            await asyncio.sleep(0.01)
+        assert m.charged(1) == 40 * mib
+        pending = ts[0].post_recv(1, SCHED, 0, 9)
+        other = np.ones(30 * mib, np.uint8)
+        await ts[2].post_send(0, header(2, 1, other, execution=5), other)  # within its share
+        with pytest.raises(PeerLostError) as info:
+            await asyncio.wait_for(pending, 5)
+        assert info.value.rank == 1
+        assert any("disconnecting rank 1: rank 1 holds 41943040 bytes here, past its share "
+                   "of 33554432" in msg for msg in caplog.messages), caplog.messages
+        assert (m.charged(1), m.charged(2), m.held_count) == (0, 30 * mib, 1)
+        got = await asyncio.wait_for(ts[0].post_recv(2, SCHED, 5, 1), 5)
+        assert bytes(got.payload[:4]) == b"\x01" * 4
+        assert m.charged_bytes == 0
+    finally:
+        await close_all(ts)
