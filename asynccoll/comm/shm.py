@@ -74,8 +74,9 @@ _TAG_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRST
 #: handler unlinks. Process-wide on purpose: a signal handler reaches no communicator, and the
 #: files are the process's whichever communicator made them.
 _OWN: set[str] = set()
-#: the launcher this process dies with (:func:`install_cleanup`; empty: none)
-_launcher: list[int] = []
+#: the process that installed the SIGTERM handler (a forked child inherits the handler, not
+#: the segments) and the launcher it dies with (:func:`install_cleanup`; 0: none)
+_installed: list[int] = [0, 0]
 
 
 def host_id() -> str:
@@ -190,8 +191,9 @@ def install_cleanup(launcher_pid: int | None = None) -> bool:
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return False
     signal.signal(signal.SIGTERM, _on_sigterm)
+    _installed[:] = [os.getpid(), 0]
     if launcher_pid and os.getppid() == launcher_pid and sys.platform.startswith("linux"):
-        _launcher[:] = [launcher_pid]
+        _installed[1] = launcher_pid
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(1, signal.SIGTERM, 0, 0, 0) == 0 and os.getppid() != launcher_pid:
             os.kill(os.getpid(), signal.SIGTERM)  # (PR_SET_PDEATHSIG) it died meanwhile
@@ -199,10 +201,12 @@ def install_cleanup(launcher_pid: int | None = None) -> bool:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    _unlink_paths(tuple(_OWN))
-    if _launcher and os.getppid() != _launcher[0] and _ENV_TAG:
-        with contextlib.suppress(ValueError):
-            unlink_job(_ENV_TAG)  # the launcher is gone: nobody else will
+    pid, launcher = _installed
+    if os.getpid() == pid:  # (a forked child, a data-loader worker say, has none of them)
+        _unlink_paths(tuple(_OWN))
+        if launcher and os.getppid() != launcher and _ENV_TAG:
+            with contextlib.suppress(ValueError):
+                unlink_job(_ENV_TAG)  # the launcher is gone: nobody else will
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
