@@ -240,6 +240,12 @@ class Communicator:
         return [] if layout is None else layout.groups
 
     @property
+    def trace_writer(self) -> TraceWriter | None:
+        """Where this communicator's executors record their executions (``trace=``), or
+        None."""
+        return self._writer
+
+    @property
     def progress(self) -> str:
         """``"thread"`` or ``"inline"``."""
         return self._engine.mode
@@ -864,7 +870,8 @@ class Communicator:
         ``survive``: whether the handle goes on without a lost rank (default:
         :attr:`survive`): the survivors agree on who is lost, settle the execution under way
         and rebuild the schedule for themselves, and ``PartialResult.lost`` names the ranks
-        lost (:mod:`asynccoll.comm.survival`, docs/groups.md). Dense handles only.
+        lost (:mod:`asynccoll.comm.survival`, docs/groups.md). Dense and sparse handles; one
+        made while a rank is being lost goes on without it like the others.
 
         ``shm``: whether the data phase goes through shared memory (:mod:`asynccoll.comm.shm`;
         the activation rides on its wake-ups). ``None``: when every rank is on this host,
@@ -887,7 +894,9 @@ class Communicator:
         the schedule at once (so other ranks' activations are answered from now on); costs
         O(P log P) Python work.
         """
-        self._check_open()
+        survives = self.survive if survive is None else bool(survive)
+        if self._closed or not survives:  # (a surviving handle made after a loss recovers)
+            self._check_open()
         like, like_kind = from_tensor(like, "like")
         sparse = isinstance(like, SparseVector)
         if not sparse:
@@ -946,13 +955,8 @@ class Communicator:
             deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window,
             like_kind=like_kind, shm_token=token))
         h.clock_offset = self.clock_offset
-        if self.survive if survive is None else survive:
-            if sparse:
-                if survive:
-                    raise ValueError("survive: sparse handles cannot go on without a lost "
-                                     "rank (dense handles only)")
-            else:
-                h._survival = Survival(h, self)
+        if survives:
+            h.follow(Survival(h, self))
         self._handles[name] = h
         return h
 

@@ -32,7 +32,11 @@ from ..collectives.partial import (
     signature,
 )
 from ..collectives.shm import SHM_NAMES, build_shm_partial_allreduce, shm_algorithm
-from ..collectives.sparse.partial import build_sparse_partial_allreduce, sparse_signature
+from ..collectives.sparse.partial import (
+    build_sparse_partial_allreduce,
+    sparse_signature,
+    stream_nbytes,
+)
 from ..collectives.sparse.schedules import choose_algorithm, read_result
 from ..collectives.sparse.streams import (
     SparseVector,
@@ -67,6 +71,7 @@ class Contribution(abc.ABC):
     dtype: np.dtype[Any]
     #: what every rank's snapshot writes for this handle; the sum over P ranks checks agreement
     signature: int
+    _acc: Any
     #: how many sets of segments executions alternate between (:class:`~.shm.PartialSegments`)
     segment_sets: ClassVar[int] = 2
 
@@ -75,6 +80,31 @@ class Contribution(abc.ABC):
         """Whether the data phase goes through shared memory (the handle then makes the
         segments, :attr:`segment_sets` of them)."""
         return False
+
+    @property
+    def send_buffer(self) -> Any:
+        """The flat send buffer (calls' data waiting for an execution; :meth:`build` made
+        it)."""
+        return self._acc
+
+    # -- what a handle that outlives a lost rank asks (:mod:`.survival`) ---------------------
+    @abc.abstractmethod
+    def snapshot_of(self, inputs: Any, params: Any) -> Any:
+        """After the snapshot kernel ran on ``inputs`` (with ``params``): a view of what it
+        moved into the execution (to keep a copy of; the count is in ``meta``)."""
+
+    @abc.abstractmethod
+    def result_buffers(self) -> tuple[Any, Any]:
+        """Where an execution's result lands: the data buffer and the int64 meta vector."""
+
+    @abc.abstractmethod
+    def put_back(self, snapshot: Any) -> None:
+        """Add ``snapshot`` (a copy of :meth:`snapshot_of`, an execution nobody completed)
+        back into the send buffer."""
+
+    @abc.abstractmethod
+    def carry(self, old: Any, new: Any) -> None:
+        """Copy the send buffer ``old`` into ``new``, the send buffer of a rebuilt schedule."""
 
     @abc.abstractmethod
     def go_network(self) -> None:
@@ -196,10 +226,17 @@ class DenseContribution(Contribution):
         if self.shm:
             self.algorithm = None
 
-    @property
-    def send_buffer(self) -> Any:
-        """The flat send buffer (calls' data waiting for an execution)."""
-        return self._acc
+    def snapshot_of(self, inputs: Any, params: Any) -> Any:
+        return inputs[1][:params["count"]]  # (acc, data, meta, state): data
+
+    def result_buffers(self) -> tuple[Any, Any]:
+        return self._work, self._meta
+
+    def put_back(self, snapshot: Any) -> None:
+        reduce_into(self.op, self._acc, snapshot)
+
+    def carry(self, old: Any, new: Any) -> None:
+        new[...] = old
 
     @property
     def work(self) -> Any:
@@ -322,6 +359,22 @@ class SparseContribution(Contribution):
     def go_network(self) -> None:
         self._shm = False
 
+    def snapshot_of(self, inputs: Any, params: Any) -> Any:
+        inp = inputs[1]  # (acc, input stream, meta, state): the stream's bytes in use
+        return inp[:stream_nbytes(inp, self.shape[0], self.dtype)]
+
+    def result_buffers(self) -> tuple[Any, Any]:
+        return self._result, self._meta
+
+    def put_back(self, snapshot: Any) -> None:
+        x = read_stream(snapshot, self.shape[0], self.dtype)
+        self.add(x if isinstance(x, np.ndarray) else SparseVector(
+            x.indices.copy(), x.values.copy(), x.size, check=False), 0, None, True)
+
+    def carry(self, old: Any, new: Any) -> None:
+        nb = stream_nbytes(old, self.shape[0], self.dtype)
+        new[:nb] = old[:nb]
+
     def build(self, like: Any, rank: int, world_size: int, kind: str,
               quorum: int | None) -> tuple[Schedule, dict[str, Any]]:
         if not isinstance(like, SparseVector):
@@ -348,6 +401,7 @@ class SparseContribution(Contribution):
         bufs.update(scratch_buffers(sched))
         self._acc = bufs["acc"]  # zeros: the empty sparse stream
         self._result = bufs[sched.meta["result"]]
+        self._meta = bufs["meta"]
         self.signature = sparse_signature(kind, quorum, size, dt, algorithm, self.delta,
                                           self.shm)
         return sched, bufs

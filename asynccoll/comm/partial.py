@@ -57,7 +57,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..buffers import reduce_into
 from ..collectives import KERNELS as COLLECTIVE_KERNELS
 from ..collectives.partial import (
     ARRIVAL_KINDS,
@@ -96,7 +95,7 @@ from ..results import PartialResult
 from ..sched import Executor, Kernel, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
 from . import clock
-from .contribution import Combine, Contribution, DenseContribution
+from .contribution import Combine, Contribution
 from .progress import ProgressEngine
 from .route import agree_flags
 from .shm import PartialSegments
@@ -211,7 +210,7 @@ class PartialAllreduce:
         self._stamps = slice(2 * P + 2, 3 * P + 2)  # the arrival stamps in the meta vector
         #: while the kept value is a result of the world before a rebuild (never handed out):
         #: that world's size (``_vmeta`` is in its layout) and the new rank of each of its
-        #: ranks (-1: lost); see :meth:`_rebuild`
+        #: ranks (-1: lost); see :meth:`rebuild`
         self._vold: tuple[int, list[int]] | None = None
         dc = self.deadline_config
         self._state[DSIG] = deadline_signature(dc)
@@ -397,7 +396,7 @@ class PartialAllreduce:
         # A failed persistent executor does not re-arm; its error ends the handle, unless
         # the handle survives a lost rank (the call recovers first).
         err = self._ex.error
-        if err is not None and not self._survivable(err):
+        if err is not None and not self.survivable(err):
             self._shm_failed(err)
             raise err
 
@@ -450,7 +449,7 @@ class PartialAllreduce:
                 await self._routed(timeout)
             finally:
                 self._busy = False
-        while self._survivable(self._ex.error) and self._round <= self._given:
+        while self.survivable(self._ex.error) and self._round <= self._given:
             # lost a rank since the last call (and nothing to hand out): go on without it
             self._busy = True
             try:
@@ -496,7 +495,7 @@ class PartialAllreduce:
                     await self._await(fut, timeout, cur)
                     break
                 except PeerLostError as exc:
-                    if not self._survivable(exc):
+                    if not self.survivable(exc):
                         raise
                     await self._survive()
                     if self._wait_result is not None:
@@ -573,7 +572,7 @@ class PartialAllreduce:
                         f"they made their segments; {self._first_words(0)}") from None
             self._route = None
             exc = route.exception()
-            if exc is not None and not self._survivable(exc):
+            if exc is not None and not self.survivable(exc):
                 raise exc
 
     def _expire(self, e: int) -> None:
@@ -674,7 +673,7 @@ class PartialAllreduce:
         c = self._contribution
         c.unpack_meta()
         if self._survival is not None:
-            self._survival.after_complete(e, *self._result_buffers())
+            self._survival.after_complete(e, *self.result_buffers())
         P = self.world_size
         if signature_sum(self._meta, P) != P * (c.signature ^ int(self._state[DSIG])):
             raise ExecutionError(
@@ -753,7 +752,7 @@ class PartialAllreduce:
         assert value is not None
         given, self._given = self._given, self._round
         # a result kept from before a rebuild is handed out as that world's (its size, its
-        # counts; :meth:`_rebuild`)
+        # counts; :meth:`rebuild`)
         P = self.world_size if self._vold is None else self._vold[0]
         stamps = slice(2 * P + 2, 3 * P + 2)
         if dest is not None:
@@ -818,9 +817,25 @@ class PartialAllreduce:
                 self._given = min(self._given, self._round - 1)  # something to hand out
 
     # -- going on without a lost rank (:mod:`.survival`) --------------------------------------
-    def _survivable(self, err: BaseException | None) -> bool:
+    def survivable(self, err: BaseException | None) -> bool:
+        """Whether ``err`` (an execution's) is a loss this handle goes on without."""
         return self._survival is not None and isinstance(err, PeerLostError) \
             and not self._closed
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What the executor failed with (None while it runs)."""
+        return self._ex.error
+
+    def follow(self, survival: Survives) -> None:
+        """Go on without lost ranks through ``survival`` (:mod:`.survival`, which drives the
+        membership side below: :meth:`result_buffers`, :meth:`complete_settled`,
+        :meth:`put_back`, :meth:`rebuild`). A loss learned before (the handle made while a
+        rank was dying) fails the executor with it now, so that the first call recovers."""
+        self._survival = survival
+        lost = survival.comm.membership.lost
+        if lost is not None and self._ex.error is None:
+            self._ex.abort(PeerLostError(lost.rank, lost.reason))
 
     async def _survive(self) -> None:
         assert self._survival is not None
@@ -829,26 +844,28 @@ class PartialAllreduce:
     def _snapped(self, inputs: Any, params: Any) -> None:
         """After a snapshot (under the lock): a surviving handle keeps a copy of it."""
         if self._survival is not None:
-            _acc, data, meta, state = inputs
-            self._survival.after_snapshot(int(state[SNAPSHOTS]) - 1, data[:params["count"]],
+            state, meta = inputs[3], inputs[2]
+            self._survival.after_snapshot(int(state[SNAPSHOTS]) - 1,
+                                          self._contribution.snapshot_of(inputs, params),
                                           int(meta[params["rank"]]))
 
-    def _result_buffers(self) -> tuple[Any, Any]:
-        """Where an execution's result lands: the work buffer and the meta vector."""
-        c = self._contribution
-        assert isinstance(c, DenseContribution)
-        return c.work, self._meta
+    def result_buffers(self) -> tuple[Any, Any]:
+        """Where an execution's result lands: the data buffer and the meta vector."""
+        return self._contribution.result_buffers()
 
-    def _put_back(self, snapshot: Any, count: int) -> None:
+    def complete_settled(self, e: int) -> None:
+        """Execution ``e``'s result was written into :meth:`result_buffers` by the recovery
+        (another survivor completed it): complete it here as if it had arrived."""
+        self._on_complete(e)
+
+    def put_back(self, snapshot: Any, count: int) -> None:
         """Put a snapshot of ``count`` contributions no execution completed back into the
         send buffer."""
-        c = self._contribution
-        assert isinstance(c, DenseContribution)
         with self._lock:
-            reduce_into(self.op, c.send_buffer, snapshot)
+            self._contribution.put_back(snapshot)
             self._state[COUNT] += count
 
-    def _rebuild(self, comm: Any, first: int, ranks: list[int]) -> None:
+    def rebuild(self, comm: Any, first: int, ranks: list[int]) -> None:
         """Go on over ``comm`` (the survivors' Communicator), from execution ``first``: the
         schedule built for its ranks, the send buffer and its count carried over
         (:mod:`.survival`). ``ranks``: the new rank of each rank of the world so far (-1:
@@ -860,7 +877,6 @@ class PartialAllreduce:
         got it; only if a new world's execution completes first are the two merged
         (accumulating), its counts then moved to the new ranks (the lost ranks' dropped)."""
         c = self._contribution
-        assert isinstance(c, DenseContribution)
         transport = comm.transport
         with self._lock:
             old_acc, st = c.send_buffer, self._state
@@ -875,7 +891,7 @@ class PartialAllreduce:
             self._shm_close()
             c.go_network()
             sched, bufs = c.build(self._like, self.rank, P, self.kind, self.quorum)
-            bufs["acc"][...] = old_acc
+            c.carry(old_acc, bufs["acc"])
             self._meta, self._state = bufs["meta"], bufs["state"]
             st = self._state
             st[COUNT], st[FLUSHING], st[SNAPSHOTS] = count, flushing, first
@@ -887,7 +903,7 @@ class PartialAllreduce:
             self._stamps = slice(2 * P + 2, 3 * P + 2)
             self._takes.clear()  # results of cancelled calls in the old world: not given back
             self._flushing_seen = 0
-            self._writer = comm._writer
+            self._writer = comm.trace_writer
             if self._wait_round >= first:
                 # the waiting call's data (put back, or never taken) goes into the new world's
                 # execution
@@ -898,7 +914,7 @@ class PartialAllreduce:
         old.close()
 
     def _relayout(self) -> None:
-        """Under the lock: if ``_vmeta`` is in an old world's layout (:meth:`_rebuild`),
+        """Under the lock: if ``_vmeta`` is in an old world's layout (:meth:`rebuild`),
         move it into this world's: counts, fresh flags and arrival stamps to the new ranks,
         the lost ranks' dropped."""
         if self._vold is None:
@@ -962,7 +978,7 @@ class PartialAllreduce:
         forced = False
         try:
             while True:
-                if self._survivable(ex.error):  # a rank was lost: go on without it
+                if self.survivable(ex.error):  # a rank was lost: go on without it
                     await self._survive()
                     ex, P, forced = self._ex, self.world_size, False
                     if self._flushing_seen == P:
@@ -975,7 +991,7 @@ class PartialAllreduce:
                 try:
                     await self._await(ex.current, left, cur)
                 except PeerLostError as exc:
-                    if not self._survivable(exc):
+                    if not self.survivable(exc):
                         raise
                     continue
                 if self._flushing_seen == P:
@@ -1019,12 +1035,12 @@ def _retrieve(fut: asyncio.Future[None]) -> None:
 def _locked_snapshots(kernels: Mapping[str, Kernel], lock: threading.RLock,
                       after: Callable[[Any, Any], None]) -> dict[str, Kernel]:
     """``kernels`` with each snapshot kernel run under ``lock`` (the handle's; module doc),
-    followed there by ``after(inputs, params)`` for the dense one."""
+    followed there by ``after(inputs, params)``."""
     out = dict(kernels)
     for name in _SNAPSHOT_KERNELS:
         fn = out.get(name)
         if fn is not None:
-            out[name] = _under(lock, fn, after if name == "partial_snapshot" else None)
+            out[name] = _under(lock, fn, after)
     return out
 
 

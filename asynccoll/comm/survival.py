@@ -26,22 +26,30 @@ The survivors exchange their last completed execution, and the result of the new
 messages of the handle's own (over the survivors' transport), so handles that recover in
 different orders on different ranks never meet. Costs while nobody is lost: one copy of this
 rank's snapshot and one of each result, per execution (``survive=False``, the default, pays
-neither). Sparse handles do not survive (they raise :class:`~asynccoll.PeerLostError` as
-before); nor do results handed out to calls cancelled at the moment of a loss.
+neither). Dense and sparse handles alike (the contribution says what a snapshot and a result
+are, :mod:`.contribution`); results handed out to calls cancelled at the moment of a loss do
+not survive.
+
+Survival drives its handle only through the handle's membership side (:class:`Survivor`:
+``completed``, ``failure``, ``survivable``, ``result_buffers``, ``complete_settled``,
+``put_back``, ``rebuild``), and knows its communicator by what it uses of it
+(:class:`Members`), so this module reaches into neither.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import CollectiveTimeoutError, PeerLostError
+from ..transport.base import Transport
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
-from .partial import PartialAllreduce, stable_id
+from .membership import Membership
+from .partial import stable_id
 
 __all__ = ["Survival"]
 
@@ -50,12 +58,46 @@ log = logging.getLogger("asynccoll.comm")
 _COMPLETED, _WORK, _META = 0, 1, 2  # tags of the recovery messages
 
 
+class Members(Protocol):
+    """What survival uses of a :class:`~asynccoll.Communicator` (named by shape: the
+    communicator imports this module)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def members(self) -> tuple[int, ...]: ...
+    @property
+    def membership(self) -> Membership: ...
+    @property
+    def transport(self) -> Transport: ...
+    async def shrink(self, timeout: float | None = None) -> Members: ...
+
+
+class Survivor(Protocol):
+    """The membership side of a persistent handle (:class:`~.partial.PartialAllreduce`)."""
+
+    name: str
+    timeout: float | None
+
+    @property
+    def completed(self) -> int: ...
+    @property
+    def failure(self) -> BaseException | None: ...
+    def survivable(self, err: BaseException | None) -> bool: ...
+    def result_buffers(self) -> tuple[Any, Any]: ...
+    def complete_settled(self, e: int) -> None: ...
+    def put_back(self, snapshot: Any, count: int) -> None: ...
+    def rebuild(self, comm: Any, first: int, ranks: list[int]) -> None: ...
+
+
 class Survival:
     """The survival state of one handle (module doc): its communicator now, copies of this
     rank's latest snapshot and result, and the ranks lost so far (in the numbering of the
     communicator the handle was made on)."""
 
-    def __init__(self, handle: PartialAllreduce, comm: Any) -> None:
+    def __init__(self, handle: Survivor, comm: Members) -> None:
         self.handle = handle
         self.comm = comm
         #: the job ranks of the handle's first communicator, in its rank order
@@ -93,7 +135,7 @@ class Survival:
         survivor's every surviving handle recovers without waiting for its caller (handles
         called in different orders on different ranks would otherwise wait on each other)."""
         h = self.handle
-        if self._task is None and h._survivable(h._ex.error):
+        if self._task is None and h.survivable(h.failure):
             self._task = asyncio.ensure_future(self._recover())
             self._task.add_done_callback(_retrieve)
 
@@ -102,7 +144,7 @@ class Survival:
         doc). Raises what it failed with (:class:`~asynccoll.PeerLostError` when the
         survivors decided this rank is lost, :class:`~asynccoll.CollectiveTimeoutError`)."""
         h = self.handle
-        while h._survivable(h._ex.error):
+        while h.survivable(h.failure):
             if self._task is None:
                 self._task = asyncio.ensure_future(self._recover())
                 self._task.add_done_callback(_retrieve)
@@ -128,7 +170,7 @@ class Survival:
                 new = await new.shrink(h.timeout)
             alive = set(new.members)
             self.lost = frozenset(i for i, m in enumerate(self.first) if m not in alive)
-            c = h._ex.completed
+            c = h.completed
             try:
                 cs = await self._exchange(new, c)
                 cmax = max(cs)
@@ -143,14 +185,14 @@ class Survival:
         log.warning("rank %d: partial allreduce %r goes on with %d ranks (lost %s) from "
                     "execution %d", self.comm.rank, h.name, new.size, sorted(self.lost),
                     cmax + 1)
-        h._rebuild(new, cmax + 1,
+        h.rebuild(new, cmax + 1,
                    [new.members.index(m) if m in alive else -1 for m in self.comm.members])
         self.comm = new
         new.membership.listeners.append(self._on_loss)
         self._mine = None  # put back, or in the settled result
         # _last stays: the newest completed result, for a survivor that missed it
 
-    async def _exchange(self, new: Any, c: int) -> list[int]:
+    async def _exchange(self, new: Members, c: int) -> list[int]:
         """Every survivor's last completed execution, by new rank (all-to-all, 8 bytes)."""
         t = new.transport
         sid = self._sched_id()
@@ -166,7 +208,7 @@ class Survival:
             out[r] = int(np.frombuffer(msg.payload, np.int64)[0])
         return out
 
-    async def _settle(self, new: Any, cs: list[int], c: int, cmax: int) -> None:
+    async def _settle(self, new: Members, cs: list[int], c: int, cmax: int) -> None:
         h = self.handle
         t = new.transport
         sid = self._sched_id()
@@ -183,7 +225,7 @@ class Survival:
                     t.post_frame(r, int(Kind.DATA), sid, 0, _META,
                                  _bytes(meta)).add_done_callback(ignore_outcome)
             elif c < cmax:
-                work, meta = h._result_buffers()
+                work, meta = h.result_buffers()
                 host = work if isinstance(work, np.ndarray) else work.get()  # CuPy: staged
                 fw = t.post_recv(root, sid, 0, _WORK, host)
                 fm = t.post_recv(root, sid, 0, _META, meta)
@@ -192,12 +234,12 @@ class Survival:
                 if host is not work:
                     work.set(host)
                 # my snapshot of cmax is in this result: complete it as if it had arrived
-                h._on_complete(cmax)
+                h.complete_settled(cmax)
                 return
         mine = self._mine
         if mine is not None and mine[0] == c + 1 and mine[0] > cmax:
             # nobody completed the execution this rank's snapshot went into: put it back
-            h._put_back(mine[1], mine[2])
+            h.put_back(mine[1], mine[2])
 
     def _sched_id(self) -> int:
         return stable_id(f"{self.handle.name}#survive", 1)
