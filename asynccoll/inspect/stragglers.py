@@ -204,7 +204,8 @@ def render_stragglers(reports: Sequence[StragglerReport], width: int = 120) -> s
 
 
 def stragglers_png(reports: Sequence[StragglerReport], path: str, title: str = "") -> None:
-    """Plot lateness per rank over time (one panel per collective) into ``path``. Needs
+    """Plot lateness per rank over time (one panel per collective) into ``path``: arrivals as
+    dots on lines, missed executions as hollow triangles at their lower bound. Needs
     matplotlib."""
     import matplotlib
 
@@ -216,9 +217,14 @@ def stragglers_png(reports: Sequence[StragglerReport], path: str, title: str = "
     for ax, rep in zip(axes[:, 0], reports, strict=False):
         t0 = min((t for rl in rep.ranks.values() for t in rl.times), default=0.0)
         for r, rl in sorted(rep.ranks.items()):
+            line = None
             if rl.lateness_ms:
-                ax.plot([t - t0 for t in rl.times], rl.lateness_ms, marker=".", lw=0.8,
-                        label=f"rank {r}")
+                (line,) = ax.plot([t - t0 for t in rl.times], rl.lateness_ms, marker=".",
+                                  lw=0.8, label=f"rank {r}")
+            if rl.missed_ms:  # hollow: a lower bound, the execution went ahead without it
+                ax.plot([t - t0 for t in rl.missed_times], rl.missed_ms, ls="none", marker="^",
+                        mfc="none", color=None if line is None else line.get_color(),
+                        label=f"rank {r} missed (at least)")
         ax.set_title(f"{rep.name} (sched_id {rep.sched_id})", fontsize=9)
         ax.set_ylabel("lateness (ms)")
         ax.legend(fontsize=7, loc="upper right", ncol=4)
