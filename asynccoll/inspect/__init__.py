@@ -7,7 +7,9 @@
 - :mod:`~asynccoll.inspect.summary`: per-collective and per-execution summaries of traces;
 - :mod:`~asynccoll.inspect.perfetto`: Chrome trace-event JSON and the HTML timeline;
 - :mod:`~asynccoll.inspect.pending`: explain hangs from snapshots or live executors;
-- :mod:`~asynccoll.inspect.stragglers`: lateness per rank (the straggler report).
+- :mod:`~asynccoll.inspect.stragglers`: lateness per rank (the straggler report);
+- :mod:`~asynccoll.inspect.visible`: which traced collectives a person sees (not the
+  runtime's own, unless asked).
 
 Writing traces, the live-op registry (with its ``SIGUSR1`` dump), what a rank waits for
 (:mod:`asynccoll.sched.waits`) and the flight recorder (:mod:`asynccoll.sched.flight`) belong

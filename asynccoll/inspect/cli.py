@@ -6,6 +6,7 @@
                                [--format text|dot|json|html|png] [--out FILE]
     asynccoll inspect trace DIR [--execution N] [--sched-id S] [--perfetto OUT.json]
                                [--html OUT.html] [--png OUT.png] [--stragglers [PLOT.png]]
+                               [--all]
     asynccoll inspect pending DIR [--pid PID --wait SECONDS]
     asynccoll inspect flight DIR [--rank R] [--all]
     asynccoll inspect kinds
@@ -15,6 +16,8 @@ installs (when created on its process's main thread) writes a ``pending`` snapsh
 waiting executor into its trace file (``rank-R.jsonl`` in DIR, when tracing into DIR) and prints
 them to the rank's stderr; the rank keeps running. The command then waits up to ``--wait``
 seconds for the files to grow and explains them.
+
+``trace`` leaves out the runtime's own collectives (:mod:`.visible`) unless ``--all``.
 
 ``flight`` prints the flight records ranks wrote into DIR (on a timeout, or on ``SIGUSR1``):
 each rank's last collectives, the latest record per rank (``--all``: every record).
