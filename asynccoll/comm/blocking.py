@@ -36,8 +36,6 @@ class _Collectives(Protocol):
                                quantize: int | None, timeout: float | None, *,
                                delta: float | None, bucket: int, seed: int) -> Any: ...
     async def solo_allreduce(self, x: Any, timeout: float | None) -> R: ...
-    def _shortcut_blocking(self, kind: str, x: Any, timeout: float | None,
-                           quorum: int | None = None) -> R: ...
     async def majority_allreduce(self, x: Any, timeout: float | None) -> R: ...
     async def two_choice_allreduce(self, x: Any, timeout: float | None) -> R: ...
     async def quorum_allreduce(self, x: Any, k: int, timeout: float | None) -> R: ...
@@ -48,6 +46,13 @@ class _Collectives(Protocol):
     def rank(self) -> int: ...
     @property
     def size(self) -> int: ...
+
+
+class _Shortcut(Protocol):
+    """The communicator's blocking shortcut call (``solo_allreduce`` and the others)."""
+
+    def __call__(self, kind: str, x: Any, timeout: float | None,
+                 quorum: int | None = None) -> R: ...
 
 
 class _Handle(Protocol):
@@ -92,10 +97,11 @@ class BlockingCollectives:
     """
 
     def __init__(self, comm: _Collectives, engine: ProgressEngine,
-                 close: Callable[[float | None], None]) -> None:
+                 close: Callable[[float | None], None], shortcut: _Shortcut) -> None:
         self._comm = comm
         self._engine = engine
         self._close = close
+        self._shortcut = shortcut
 
     def _do(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._engine.run_blocking(coro)
@@ -168,16 +174,16 @@ class BlockingCollectives:
                                                     delta=delta, bucket=bucket, seed=seed))
 
     def solo_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        return self._comm._shortcut_blocking("solo", x, timeout)
+        return self._shortcut("solo", x, timeout)
 
     def majority_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        return self._comm._shortcut_blocking("majority", x, timeout)
+        return self._shortcut("majority", x, timeout)
 
     def two_choice_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        return self._comm._shortcut_blocking("two_choice", x, timeout)
+        return self._shortcut("two_choice", x, timeout)
 
     def quorum_allreduce(self, x: Any, k: int, timeout: float | None = None) -> PartialResult:
-        return self._comm._shortcut_blocking("quorum", x, timeout, k)
+        return self._shortcut("quorum", x, timeout, k)
 
     def close(self, timeout: float | None = None) -> None:
         """:meth:`Communicator.close` (collective; ``timeout`` as there) for code without an

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import hashlib
 import itertools
@@ -108,20 +109,11 @@ def _close_at_exit() -> None:
     # Only this process's own, on a progress thread still running: a process forked after
     # connect() inherits the communicators but not the thread (their loop runs nowhere).
     pid = os.getpid()
-    comms = [c for c in list(_OPEN) if not c._closed and c._parent is None
-             and c._pid == pid and c._engine.thread_alive and not c._engine.closed]
-    if not comms:
+    closing = [(c, f) for c in list(_OPEN) if (f := c.close_at_exit(pid)) is not None]
+    if not closing:
         return
-    futs = []
-    for c in comms:
-        if c._dump_signal is not None:  # signal handlers are put back on the main thread
-            with contextlib.suppress(Exception):
-                c._dump_signal.restore()
-            c._dump_signal = None
-        with contextlib.suppress(Exception):  # a loop already stopping: nothing to say
-            futs.append(asyncio.run_coroutine_threadsafe(c.close(), c._engine.loop))
-    deadline = time.monotonic() + max(c.close_timeout for c in comms) + 5.0
-    for f in futs:
+    deadline = time.monotonic() + max(c.close_timeout for c, _ in closing) + 5.0
+    for _, f in closing:
         with contextlib.suppress(Exception):  # exiting: a failed close cannot be reported
             f.result(max(0.0, deadline - time.monotonic()))
 
@@ -186,7 +178,8 @@ class Communicator:
         self._shortcuts: dict[tuple[Any, ...], PartialAllreduce] = {}
         self._auto_names: dict[str, int] = {}
         self._closed = False
-        self.blocking = BlockingCollectives(self, self._engine, self._close_blocking)
+        self.blocking = BlockingCollectives(self, self._engine, self._close_blocking,
+                                            self._shortcut_blocking)
         self._writer: TraceWriter | None = None
         self._trace = trace
         #: the groups made from this communicator (closed before it), and how many were made
@@ -324,6 +317,24 @@ class Communicator:
         finally:
             if not self._engine.on_loop():
                 self._engine.release()
+
+    def close_at_exit(self, pid: int) -> concurrent.futures.Future[None] | None:
+        """The interpreter's exit hook's part (:func:`_close_at_exit`): when this is process
+        ``pid``'s own outermost communicator, open, on a progress thread still running, start
+        :meth:`close` there and return its future (signal handlers put back first, on this,
+        the main thread); else None."""
+        engine = self._engine
+        if self._closed or self._parent is not None or self._pid != pid \
+                or not engine.thread_alive or engine.closed:
+            return None
+        if self._dump_signal is not None:
+            with contextlib.suppress(Exception):
+                self._dump_signal.restore()
+            self._dump_signal = None
+        try:
+            return asyncio.run_coroutine_threadsafe(self.close(), engine.loop)
+        except Exception:  # a loop already stopping: nothing to say
+            return None
 
     def _close_blocking(self, timeout: float | None = None) -> None:
         """:meth:`close` for code without an event loop (``comm.blocking.close()``)."""

@@ -184,7 +184,7 @@ class GroupTransport(Transport):
             return
         self._closed = True
         try:
-            self.parent._loss_listeners.remove(self._on_parent_lost)
+            self.parent.off_peer_lost(self._on_parent_lost)
         except ValueError:
             pass
 

@@ -95,6 +95,11 @@ class Transport(abc.ABC):
         exit, the layer above can). Not called for losses after :meth:`close`."""
         self._loss_listeners.append(callback)
 
+    def off_peer_lost(self, callback: Callable[[int, PeerLostError], None]) -> None:
+        """Stop calling ``callback`` (:meth:`on_peer_lost`); ``ValueError`` if it was not
+        there."""
+        self._loss_listeners.remove(callback)
+
     def start_liveness(self, seconds: float) -> None:
         """Probe every peer and drop one silent for ``seconds`` as lost (:mod:`.liveness`).
 
