@@ -270,10 +270,13 @@ class Matcher:
         return Slot(header, _allocate(header), None, account=acct, charge=header.length)
 
     # -- the budget ----------------------------------------------------------------------------
-    def _charge(self, header: Header, what: str) -> _Account:
+    def _charge(self, header: Header, what: str) -> _Account | None:
         """Charge ``header.length`` bytes to its sender, dropping peers past their shares when
-        the budget is short (the class doc); :class:`ProtocolError` drops the sender itself."""
+        the budget is short (the class doc); :class:`ProtocolError` drops the sender itself.
+        What this rank sends itself is its own doing, not a peer's: never charged."""
         src, n = header.src, header.length
+        if src == self.rank:
+            return None
         acct = self._accounts.get(src)
         if acct is None:
             acct = self._accounts[src] = _Account(src)

@@ -457,3 +457,12 @@ async def test_a_peer_past_its_share_is_dropped_when_another_needs_its_share() -
     got = await m.post(2, 7, 0, 0)  # a held message taken releases its bytes
     assert len(got.payload) == 900
     assert m.charged_bytes == 500
+
+
+async def test_what_a_rank_sends_itself_is_not_charged() -> None:
+    m = Matcher(0, Limits(max_held_bytes=100), world_size=2)
+    arrive(m, hdr(src=0, tag=0, length=500), bytes(500))  # loopback: its own doing
+    assert m.charged_bytes == 0
+    arrive(m, hdr(src=1, tag=0, length=100), bytes(100))  # a peer still gets its whole share
+    assert m.charged_bytes == 100
+    assert len((await m.post(0, 7, 0, 0)).payload) == 500

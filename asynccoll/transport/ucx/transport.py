@@ -527,8 +527,10 @@ class UcxTransport(Transport):
         self._drop_ep(p.ep)
 
     def _disconnect(self, p: _Peer, err: ProtocolError) -> None:
-        """Close the connection of a peer that broke the protocol; log the reason."""
-        log.warning("rank %d: disconnecting rank %d: %s", self.rank, p.rank, err)
+        """Close the connection of a peer that broke the protocol; log the reason (once: its
+        frames already in flight are refused quietly)."""
+        if p.lost is None:
+            log.warning("rank %d: disconnecting rank %d: %s", self.rank, p.rank, err)
         self._lose(p, "protocol error", err)
         self._drop_ep(p.ep)
 
