@@ -38,7 +38,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import hashlib
 import itertools
 import logging
 import os
@@ -48,7 +47,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -56,26 +55,21 @@ from ..buffers import check_array
 from ..collectives import KERNELS, dense
 from ..collectives._plan import check_op
 from ..collectives.dense import block_bounds
-from ..collectives.partial import check_deadline, check_kind
-from ..collectives.sparse.schedules import choose_algorithm
-from ..collectives.sparse.streams import SparseVector
-from ..errors import CollectiveTimeoutError, PeerLostError, TransportClosedError
-from ..results import PartialResult
+from ..errors import PeerLostError, TransportClosedError
 from ..sched import DumpSignal, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
 from . import clock, groups
 from .blocking import BlockingCollectives
-from .contribution import Contribution, DenseContribution, SparseContribution
 from .dense import DenseOps
+from .handles import PartialCollectives, as_kind, avg_op
 from .hier_partial import HierPartialAllreduce
 from .membership import DEFAULT_CLOSE_TIMEOUT, Membership
-from .partial import PartialAllreduce, stable_id
+from .partial import PartialAllreduce
 from .progress import ProgressEngine
-from .route import Router, Switches, shm_flag
-from .sparse import SparseAllreduceHandle, SparseOps, as_host, to_device
+from .route import Router, Switches
+from .sparse import SparseOps
 from .stall import DEFAULT_STALL_WARN
-from .survival import Survival
-from .tensors import TensorKind, TensorPartialAllreduce, from_tensor, wrap_result
+from .tensors import TensorKind, from_tensor
 
 __all__ = ["Communicator"]
 
@@ -118,7 +112,7 @@ def _close_at_exit() -> None:
             f.result(max(0.0, deadline - time.monotonic()))
 
 
-class Communicator:
+class Communicator(PartialCollectives):
     """Collectives over a connected ``transport`` for its rank; see the module doc.
 
     ``progress``: the engine whose loop the transport lives on (default: inline on the running
@@ -211,27 +205,6 @@ class Communicator:
             self._engine.call(lambda: self.membership.watch(lambda: self._closed))
 
     # -- identity and lifecycle --------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        """This process's rank, 0..size-1."""
-        return self.transport.rank
-
-    @property
-    def size(self) -> int:
-        """The world size P."""
-        return self.transport.world_size
-
-    @property
-    def hosts(self) -> list[list[int]]:
-        """The ranks of each host, this communicator's ranks, hosts in the order of their
-        lowest rank (its leader, ``hosts[i][0]``, the rank the hierarchical collectives cross
-        the network from); learned at connect (every rank's host identity: host name and
-        boot id, or ``ASYNCCOLL_HOST_ID``), inherited by groups; ``[]`` where it is not known
-        (a communicator made without :func:`~asynccoll.connect` before its first shared-memory
-        collective)."""
-        layout = self._dense.layout
-        return [] if layout is None else layout.groups
-
     @property
     def trace_writer(self) -> TraceWriter | None:
         """Where this communicator's executors record their executions (``trace=``), or
@@ -403,113 +376,6 @@ class Communicator:
             self._writer.write({"type": "clock", "offset": off, "rounds": rounds})
         return off
 
-    # -- groups (sub-communicators) and shrinking ---------------------------------------------
-    async def split(self, color: int | str | None, key: int | None = None,
-                    timeout: float | None = None) -> Communicator | None:
-        """A sub-communicator of the ranks that pass the same ``color`` (``MPI_Comm_split``).
-
-        Collective over this communicator: every rank calls it, in the same order among its
-        collectives. ``color``: an int >= 0; ``"host"`` for the ranks of this host (its
-        identity as the shared-memory path sees it, ``ASYNCCOLL_HOST_ID`` included: MPI's
-        ``Comm_split_type(SHARED)``); or ``None`` to take part without joining any group
-        (MPI's ``UNDEFINED``; returns ``None``). Ranks in the new group are ordered by ``key``
-        (default: this rank), ties by this communicator's rank. The group shares this
-        communicator's connections (:mod:`asynccoll.comm.groups`); it costs one allgather of
-        two integers. Close it with ``await group.close()`` (collective over the group), or
-        let this communicator's ``close`` close it first.
-        """
-        self._check_open()
-        if color == "host":
-            from .shm import host_hash
-            c = host_hash()
-        elif color is None:
-            c = -1
-        elif isinstance(color, bool) or not isinstance(color, (int, np.integer)) \
-                or not 0 <= color < 1 << 63:
-            raise ValueError(f"color must be an int in 0..2**63-1, 'host' or None, got "
-                             f"{color!r}")
-        else:
-            c = int(color)
-        if key is None:
-            key = self.rank
-        elif isinstance(key, bool) or not isinstance(key, (int, np.integer)):
-            raise TypeError(f"key must be an int or None, got {key!r}")
-        elif not -(1 << 63) <= key < 1 << 63:
-            raise ValueError(f"key must fit in int64, got {key!r}")
-        got = await self.allgather(np.array([c, int(key)], np.int64), timeout)
-        colors, keys = got[:, 0].tolist(), got[:, 1].tolist()
-        n = self._groups_made
-        self._groups_made += 1
-        if c < 0:
-            return None
-        members = groups.split_members(colors, keys, c)
-        return self._make_group(members, f"{self._group_key}/{n}:{c}")
-
-    async def group(self, ranks: Any, timeout: float | None = None) -> Communicator | None:
-        """A sub-communicator of ``ranks`` (this communicator's ranks; group rank i is
-        ``ranks[i]``), as ``torch.distributed.new_group(ranks)`` and Horovod's process sets.
-
-        Collective over this communicator: every rank calls it with the same ``ranks``, in the
-        same order among its collectives; ranks outside the group get ``None``. Ranks that pass
-        different ``ranks`` all get a ``ValueError`` (one allgather of a hash compares them).
-        Raises ``ValueError``/``TypeError`` naming ``ranks`` when they are not distinct ranks.
-        """
-        self._check_open()
-        members = groups.group_members(ranks, self.size)
-        digest = _members_hash(members)
-        got = await self.allgather(np.array([digest], np.int64), timeout)
-        n = self._groups_made
-        self._groups_made += 1
-        if len(set(got[:, 0].tolist())) != 1:
-            differ = sorted(r for r in range(self.size) if int(got[r, 0]) != digest)
-            raise ValueError(f"ranks: the ranks passed different groups to group() (ranks "
-                             f"{differ} differ from rank {self.rank}'s {members})")
-        if self.rank not in members:
-            return None
-        return self._make_group(members, f"{self._group_key}/{n}:{digest}")
-
-    async def shrink(self, timeout: float | None = None) -> Communicator:
-        """A communicator of the ranks not lost (MPI ULFM's ``MPIX_Comm_shrink``).
-
-        After a :class:`~asynccoll.PeerLostError`, every survivor calls it; they agree on the
-        set of lost ranks (the same set on every survivor, even when several ranks died at once
-        or a survivor comes late: :meth:`Membership.agree <.membership.Membership.agree>`) and
-        each gets a new communicator of the others, ranked in their old order, over the
-        connections that remain. Returns the same communicator when called again. Raises
-        :class:`~asynccoll.PeerLostError` when the survivors decided that this rank is lost,
-        :class:`~asynccoll.CollectiveTimeoutError` after ``timeout`` seconds (default: the
-        communicator's timeout).
-        """
-        if self._closed:
-            raise TransportClosedError("communicator is closed")
-        if self._shrunk is not None and not self._shrunk.closed:
-            return self._shrunk
-        wait = self.timeout if timeout is None else timeout
-
-        async def agree() -> frozenset[int]:
-            try:
-                return await asyncio.wait_for(self.membership.agree(), wait)
-            except asyncio.TimeoutError:
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank}: the survivors did not agree within {wait} s "
-                    f"(lost so far: {sorted(self.membership.gone)})") from None
-
-        lost = await self._run(agree())
-        if self.rank in lost:
-            raise PeerLostError(self.rank, "the survivors decided this rank is lost")
-        if self._shrunk is not None and not self._shrunk.closed:
-            return self._shrunk  # another task's shrink() made it while this one waited
-        members = [r for r in range(self.size) if r not in lost]
-        self._groups_made += 1
-        # The key from agreed data only: a loss can leave the survivors with different counts
-        # of groups made (a split that completed on some of them), never with different lost
-        # sets.
-        self._shrunk = self._make_group(
-            members, f"{self._group_key}/shrink:{_members_hash(sorted(lost))}")
-        log.info("rank %d: shrunk to %d ranks (lost %s); rank %d of the new communicator",
-                 self.rank, len(members), sorted(lost), self._shrunk.rank)
-        return self._shrunk
-
     def _make_group(self, members: list[int], key: str) -> Communicator:
         view = groups.GroupTransport(self.transport, members, key)
         trace = None if self._trace is None else os.path.join(
@@ -535,20 +401,6 @@ class Communicator:
                                                          "lost"), tell=False)
             self._engine.call(learn)
         return child
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        """The ranks of the job (the outermost communicator) that make up this communicator,
-        in rank order: ``range(size)`` for the job itself, the members of a group else."""
-        t = self.transport
-        chain = []
-        while isinstance(t, groups.GroupTransport):
-            chain.append(t.members)
-            t = t.parent
-        out = tuple(range(t.world_size))
-        for m in reversed(chain):
-            out = tuple(out[r] for r in m)
-        return out
 
     # -- synchronous collectives -------------------------------------------------------------
     async def allreduce(self, x: Any, op: str = "sum", algorithm: str | None = None,
@@ -576,7 +428,7 @@ class Communicator:
         if out is not None:
             out, okind = (x, kind) if out is x_in else from_tensor(out, "out")
         _check_x(x)
-        op, average = _avg_op(op, x)
+        op, average = avg_op(op, x)
         check_op(op)
         if out is None:
             buf = _flat_copy(x)
@@ -610,7 +462,7 @@ class Communicator:
         key = ("broadcast", out.size, out.dtype.str, int(root))
         await self._run(self._dense_call(key, lambda: dense.broadcast(
             self.rank, self.size, out.size, out.dtype, int(root)), out, timeout))
-        return _as_kind(out.reshape(x.shape), kind)
+        return as_kind(out.reshape(x.shape), kind)
 
     async def allgather(self, x: Any, timeout: float | None = None) -> Any:
         """Return a new array of shape ``(P, *x.shape)``: row r is rank r's ``x``."""
@@ -624,7 +476,7 @@ class Communicator:
         key = ("allgather", n, flat.dtype.str)
         await self._run(self._dense_call(key, lambda: dense.allgather(
             self.rank, self.size, n, flat.dtype), flat, timeout))
-        return _as_kind(out.reshape((self.size, *x.shape)), kind)
+        return as_kind(out.reshape((self.size, *x.shape)), kind)
 
     async def reduce_scatter(self, x: Any, op: str = "sum",
                              timeout: float | None = None) -> Any:
@@ -636,7 +488,7 @@ class Communicator:
         """
         x, kind = from_tensor(x, "x")
         _check_x(x)
-        op, average = _avg_op(op, x)
+        op, average = avg_op(op, x)
         check_op(op)
         work = _flat_copy(x)
         key = ("reduce_scatter", work.size, work.dtype.str, op)
@@ -646,7 +498,7 @@ class Communicator:
         res = work[b[self.rank]:b[self.rank + 1]].copy()
         if average:
             res /= self.size
-        return _as_kind(res, kind)
+        return as_kind(res, kind)
 
     async def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32,
                     timeout: float | None = None) -> Any:
@@ -689,393 +541,9 @@ class Communicator:
         self._check_open()
         await self._dense.call(key, build, data, self.timeout if timeout is None else timeout)
 
-    async def sparse_allreduce(self, x: Any, density: float | None = None,
-                               algorithm: str | None = None, quantize: int | None = None,
-                               timeout: float | None = None, *, delta: float | None = None,
-                               bucket: int = 512, seed: int = 0) -> Any:
-        """Sum sparse (or sparsified dense) ``x`` over all ranks (SparCML; docs/sparse.md).
-
-        ``x``: a :class:`~asynccoll.SparseVector`, or an array whose nonzeros are this rank's
-        contribution (CuPy is staged through host memory; the result comes back as CuPy).
-        ``density``: the expected fraction of nonzeros per rank, the same on every rank, to
-        choose the algorithm; ``algorithm`` (``ssar_recursive_double``,
-        ``ssar_split_allgather``, ``dsar_split_allgather``) overrides it. ``quantize``: 2, 4
-        or 8 QSGD bits for the dense stage (implies ``dsar_split_allgather``; ``bucket``
-        entries per scale, ``seed`` for the rounding). ``delta``: the switch point to dense.
-
-        Returns a new :class:`~asynccoll.SparseVector` (sorted unique indices, no exact zeros)
-        while the sum fits the sparse form, else a new dense array (shaped like ``x`` when
-        ``x`` is an array; DSAR always returns it dense); every rank gets the same type and
-        bitwise the same values. Call it in the same order on every rank, like the other
-        collectives: the schedule of each distinct (size, dtype, algorithm, quantize, delta,
-        bucket, seed) is built once and reused. Raises ``TypeError``/``ValueError`` naming
-        ``x``, ``density``, ``algorithm``, ``quantize`` or ``delta``,
-        :class:`~asynccoll.CollectiveTimeoutError` after ``timeout`` seconds (default: the
-        communicator's), ``ExecutionError`` when ranks disagree on the vector.
-        """
-        self._check_open()
-        x, kind = from_tensor(x, "x")
-        host, device = as_host(x)
-        if isinstance(host, np.ndarray) and not host.flags.c_contiguous:
-            raise ValueError(f"x must be C-contiguous (got strides {host.strides})")
-        dt = host.values.dtype if isinstance(host, SparseVector) else host.dtype
-        alg = self._sparse.resolve(int(host.size), np.dtype(dt), density, algorithm, quantize,
-                                   delta)
-        t = self.timeout if timeout is None else timeout
-        agree = None if self.size == 1 else (
-            lambda what: self._dense.agree_on("sparse_allreduce", what, t))
-        res = await self._run(self._sparse.run(host, algorithm=alg, quantize=quantize,
-                                               delta=delta, bucket=bucket, seed=seed,
-                                               timeout=t, agree=agree))
-        if isinstance(res, np.ndarray) and not isinstance(x, SparseVector):
-            res = res.reshape(x.shape)
-        res = to_device(res) if device else res
-        return res if isinstance(res, SparseVector) else _as_kind(res, kind)
-
-    def sparse_allreduce_handle(self, size: int, dtype: Any = np.float32, *,
-                                name: str | None = None, density: float | None = None,
-                                algorithm: str | None = None, quantize: int | None = None,
-                                delta: float | None = None, bucket: int = 512, seed: int = 0,
-                                timeout: float | None = None,
-                                shm: bool | None = None) -> SparseAllreduceHandle:
-        """A persistent sparse allreduce ``h`` of length-``size`` vectors of ``dtype``:
-        ``await h(x)`` sums ``x`` as :meth:`sparse_allreduce` does, with the schedule built
-        once for the handle's life (for a training loop's every step).
-
-        ``name`` identifies the handle across ranks (its schedule id derives from it, so the
-        handle stays out of the order of the other collectives; default: the order of
-        creation of sparse handles). ``density``, ``algorithm``, ``quantize``, ``delta``,
-        ``bucket``, ``seed``: as for :meth:`sparse_allreduce`, fixed per handle; ``timeout``:
-        the default per call (default: the communicator's). ``await h.close()`` frees it;
-        ``comm.close()`` closes it.
-
-        ``shm``: whether the data goes through this host's shared memory, as
-        :meth:`sparse_allreduce`'s does (docs/sparse.md, *On one host: shared memory*), with a
-        partial handle's segments (made here, mapped at the first call, nothing left in
-        ``/dev/shm`` after it, nor after a SIGKILL of one rank once a survivor learns of it).
-        ``None`` (the default): when every rank is on this host, the algorithm is a split one
-        and not quantised, ``ASYNCCOLL_SHM`` is not ``0`` and ``/dev/shm`` is large enough for
-        every rank's segment twice over (its size, the same on every rank, not what is free).
-        ``True``: asks for it (``ssar_split_allgather`` when no ``algorithm`` is given and the
-        chooser's pick is not a split one; ``ValueError`` naming ``shm`` where it cannot be).
-        ``False``: over the network. ``h.shm`` says which. As for partial handles, nothing
-        checks that the ranks chose alike: give every rank the same ``shm``, ``algorithm`` and
-        ``ASYNCCOLL_SHM`` (ranks that differ time out at the first call, whose
-        ``CollectiveTimeoutError`` says so and names this rank's path).
-
-        Raises ``ValueError`` naming ``name`` (in use), ``density``, ``algorithm``,
-        ``quantize``, ``delta``, ``size`` or ``shm``; ``OSError`` (ENOSPC naming the fix) where
-        this rank's segment cannot be created (``/dev/shm`` full of other segments: give
-        ``shm=False``). Costs the schedule's construction and, through shared memory, creating
-        this rank's segment; no I/O with the peers.
-        """
-        self._check_open()
-        dt = np.dtype(dtype)
-        shm = shm_flag(shm)
-        alg = self._sparse.resolve(int(size), dt, density, algorithm, quantize, delta)
-        token: int | None = None
-        if quantize is not None:
-            if shm is True:
-                raise ValueError("shm=True: a quantised sparse allreduce goes over the network "
-                                 "(quantisation is for fewer bytes on a network); give "
-                                 "quantize=None or shm=None")
-        else:
-            alg, token = self._dense.router.sparse_partial(self._dense.layout, alg, algorithm,
-                                                           shm)
-        name = self._handle_name(name, "sparse")
-        sid = stable_id(name, 3)
-        entry = self._engine.call(lambda: self._sparse.named(
-            name, sid, int(size), dt, algorithm=alg, quantize=quantize, delta=delta,
-            bucket=bucket, seed=seed, shm_token=token))
-        t = self.timeout if timeout is None else timeout
-        return SparseAllreduceHandle(entry, name, run=self._run, release=self._sparse.release,
-                                     timeout=t)
-
-    def _handle_name(self, name: str | None, kind: str) -> str:
-        """``name`` checked, or the next of ``kind#0``, ``kind#1``, ... by order of creation."""
-        if name is None:
-            # By order of creation only: ranks that disagree on the arguments then share a
-            # schedule id and get an ExecutionError instead of waiting on each other forever.
-            n = self._auto_names.get(kind, 0)
-            self._auto_names[kind] = n + 1
-            return f"{kind}#{n}"
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str or None, got {name!r}")
-        return name
-
-    # -- partial collectives -----------------------------------------------------------------
-    @overload
-    def partial_allreduce(self, kind: str, like: Any, op: str = ...,
-                          accumulate: bool | str = ..., quorum: int | None = ...,
-                          seed: int | None = ..., name: str | None = ..., *,
-                          algorithm: Literal["hier"], timeout: float | None = ...,
-                          density: float | None = ..., delta: float | None = ...,
-                          deadline: float | tuple[float, float] | None = ...,
-                          mad_factor: float | None = ..., deadline_window: int | None = ...,
-                          survive: bool | None = ..., shm: bool | None = ...
-                          ) -> HierPartialAllreduce: ...
-
-    @overload
-    def partial_allreduce(self, kind: str, like: Any, op: str = ...,
-                          accumulate: bool | str = ..., quorum: int | None = ...,
-                          seed: int | None = ..., name: str | None = ...,
-                          algorithm: str | None = ..., timeout: float | None = ..., *,
-                          density: float | None = ..., delta: float | None = ...,
-                          deadline: float | tuple[float, float] | None = ...,
-                          mad_factor: float | None = ..., deadline_window: int | None = ...,
-                          survive: bool | None = ..., shm: bool | None = ...
-                          ) -> PartialAllreduce: ...
-
-    def partial_allreduce(self, kind: str, like: Any, op: str = "sum",
-                          accumulate: bool | str = False,
-                          quorum: int | None = None, seed: int | None = None,
-                          name: str | None = None, algorithm: str | None = None,
-                          timeout: float | None = None, *, density: float | None = None,
-                          delta: float | None = None,
-                          deadline: float | tuple[float, float] | None = None,
-                          mad_factor: float | None = None,
-                          deadline_window: int | None = None,
-                          survive: bool | None = None,
-                          shm: bool | None = None) -> PartialAllreduce | HierPartialAllreduce:
-        """A persistent partial allreduce handle ``h``: ``await h(x) -> PartialResult``.
-
-        ``kind``: ``solo`` (any rank's call starts an execution), ``majority`` (one drawn rank
-        per execution), ``two_choice`` (two drawn ranks, the first to arrive), ``quorum``
-        (starts once ``quorum`` ranks have arrived; ``quorum = P - b`` is synchronous SGD with
-        b backup workers), ``deadline`` (starts once ``quorum`` ranks have arrived, default
-        all P, or an adaptive deadline after the first arrival, whichever is first: the
-        median plus ``mad_factor`` (default 3) median absolute deviations of the arrival
-        spreads of the last ``deadline_window`` (default 16) executions, within
-        ``deadline=(lo, hi)`` seconds (default ``(0.001, 1.0)``; one number: a fixed
-        deadline); ``PartialResult.deadline`` and ``.deadline_expired`` say what happened;
-        docs/partial.md). ``like``: an array of the shape and dtype of every call's data.
-        ``accumulate``: ``True`` (or ``"sum"``): a call returns the sum of every result
-        completed since the previous call instead of the latest; ``"mean"``: the sum of each
-        of those results divided by its own ``count`` (the per-execution average, what
-        averaging by contributions needs: dividing summed results by summed counts would weigh
-        executions by their size; dense floating-point data and ``op="sum"`` only);
-        ``"world"``: the sum of each of those results divided by the size of the world it
-        spanned (P, or the survivors' number after a lost rank: ``survive``), as it completes:
-        synchronous SGD's average over every gradient, still right when a loss changes the
-        world between a result's completion and the call that takes it (dense floating-point
-        data and ``op="sum"`` only).
-        ``op="avg"``: **averaging by contributions**: each execution's sum is divided by its
-        own ``count`` (the local contributions summed into it, over all ranks; an empty
-        execution stays zeros), not by P; with ``accumulate`` the value is the sum of those
-        per-execution averages (``"mean"``). Floating-point data only.
-        **Tensors**: ``like`` and every call's ``x`` may be torch tensors (CPU or CUDA, see
-        :mod:`asynccoll.comm.tensors`); a call returns its value as the type of its ``x``,
-        ``flush`` as the type of ``like``.
-        ``seed``: the initiator draws' seed (default: from the name). ``name``: identifies
-        the handle across ranks (default: the order of creation). ``timeout``: default per
-        call.
-
-        **Sparse contributions**: with ``like`` a :class:`~asynccoll.SparseVector`, calls take
-        SparseVectors (or dense arrays) of its size and dtype, stale data accumulates sparse
-        until it passes ``delta``, and each result's ``value`` is a SparseVector or a dense
-        1-D array as the sum's density dictates (docs/partial.md). ``op`` must be ``sum``;
-        ``algorithm`` names a sparse algorithm, or is chosen from ``density`` (the expected
-        per-rank fraction of nonzeros, the same on every rank) and P. ``density`` and
-        ``delta`` apply to sparse handles only.
-
-        ``survive``: whether the handle goes on without a lost rank (default:
-        :attr:`survive`): the survivors agree on who is lost, settle the execution under way
-        and rebuild the schedule for themselves, and ``PartialResult.lost`` names the ranks
-        lost (:mod:`asynccoll.comm.survival`, docs/groups.md). Dense and sparse handles; one
-        made while a rank is being lost goes on without it like the others.
-
-        ``shm``: whether the data phase goes through shared memory (:mod:`asynccoll.comm.shm`;
-        the activation rides on its wake-ups). ``None``: when every rank is on this host,
-        ``like`` is a NumPy array of at least 128 KiB and ``algorithm`` is None (unless
-        ``ASYNCCOLL_SHM=0``); ``True`` (or ``algorithm="shm"``, ``"shm_one_shot"``,
-        ``"shm_two_shot"``): always, ``ValueError`` if the ranks are on several hosts;
-        ``False``: never. Creating the handle stays free of collectives: this rank's segments
-        are made at once, its peers' mapped at the first execution (docs/collectives.md).
-        A handle that survives a lost rank goes on over the network. For sparse handles
-        (``like`` a SparseVector): with the split algorithms only (``ssar_split_allgather``,
-        ``dsar_split_allgather``; ``shm=True`` without ``algorithm`` takes the first), their
-        sparse allreduce through shared memory; ``None`` takes it when every rank is on this
-        host, the algorithm (chosen or given) is a split one and ``/dev/shm`` could hold every
-        rank's segment twice over, at any size; the activation keeps its broadcast
-        (docs/sparse.md).
-
-        Raises ``ValueError`` naming ``kind``, ``quorum``, ``op``, ``algorithm``, ``name`` (in
-        use), ``like``, ``deadline``, ``mad_factor``, ``deadline_window`` or ``shm``;
-        ``OSError`` when this rank's shared-memory segments cannot be created. Builds and arms
-        the schedule at once (so other ranks' activations are answered from now on); costs
-        O(P log P) Python work.
-        """
-        survives = self.survive if survive is None else bool(survive)
-        if self._closed or not survives:  # (a surviving handle made after a loss recovers)
-            self._check_open()
-        like, like_kind = from_tensor(like, "like")
-        sparse = isinstance(like, SparseVector)
-        if not sparse:
-            check_array(like, "like")
-            if density is not None or delta is not None:
-                raise ValueError("density and delta apply to sparse handles only (like must "
-                                 "be a SparseVector)")
-        check_kind(kind, self.size, quorum)
-        check_deadline(kind, deadline, mad_factor, deadline_window)
-        if accumulate not in (False, True, "sum", "mean", "world"):
-            raise ValueError(f"accumulate must be False, True, 'sum', 'mean' or 'world', got "
-                             f"{accumulate!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                                 or seed < 0):
-            raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
-        if algorithm == "hier":
-            return self._hier_partial(kind, like, like_kind, op, accumulate, quorum, seed, name,
-                                      timeout, deadline, mad_factor, deadline_window, survive,
-                                      shm)
-        average = op == "avg"
-        if average:
-            _avg_op(op, like)
-            if accumulate == "world":
-                raise ValueError("accumulate='world' divides by the world size; op='avg' "
-                                 "divides by contributions: give one of them")
-            op = "sum"
-            accumulate = "mean" if accumulate else False
-        check_op(op)
-        if accumulate in ("mean", "world") and (
-                sparse or op != "sum" or not np.issubdtype(np.dtype(like.dtype), np.floating)):
-            raise ValueError(f"accumulate={accumulate!r} needs dense floating-point data and "
-                             f"op='sum' (got like={type(like).__name__}, op={op!r})")
-        token: int | None = None
-        # before the name is taken: a refusal must not shift the automatic names
-        if sparse:
-            sdt = np.dtype(like.values.dtype)
-            chosen = choose_algorithm(density, self.size, like.size, sdt, delta)  # checks it
-            algorithm, token = self._dense.router.sparse_partial(
-                self._dense.layout, algorithm or chosen, algorithm, shm)
-        else:
-            token, algorithm = self._dense.router.dense_partial(self._dense.layout, like,
-                                                                algorithm, shm)
-        name = self._partial_name(name)
-        s = stable_id(name, 2) if seed is None else int(seed)
-        t = self.timeout if timeout is None else timeout
-        contribution: Contribution = (
-            SparseContribution(op, algorithm, density=density, delta=delta,
-                               shm=token is not None) if sparse
-            else DenseContribution(op, algorithm))
-        h = self._engine.call(lambda: TensorPartialAllreduce(
-            self._engine, self.transport, contribution, kind=kind, like=like,
-            accumulate="sum" if accumulate is True else accumulate, quorum=quorum, seed=s,
-            name=name, timeout=t,
-            trace=self._writer, kernels=self.kernels, live=self.live,
-            stall_warn=self.stall_warn, average=average and not accumulate,
-            deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window,
-            like_kind=like_kind, shm_token=token))
-        h.clock_offset = self.clock_offset
-        if survives:
-            h.follow(Survival(h, self))
-        self._handles[name] = h
-        return h
-
-    def _partial_name(self, name: str | None) -> str:
-        """``name`` checked (or the next automatic one) for a new partial handle, flat or
-        hierarchical; ``ValueError`` when one of this communicator's has it already."""
-        name = self._handle_name(name, "partial")
-        if name in self._handles or name in self._hier_handles:
-            raise ValueError(f"name {name!r} is already used by a partial allreduce of this "
-                             "communicator")
-        return name
-
-    def _hier_partial(self, kind: str, like: Any, like_kind: Any, op: str,
-                      accumulate: bool | str, quorum: int | None, seed: int | None,
-                      name: str | None, timeout: float | None, deadline: Any,
-                      mad_factor: float | None, deadline_window: int | None,
-                      survive: bool | None, shm: bool | None) -> HierPartialAllreduce:
-        """``partial_allreduce(..., algorithm="hier")``: :mod:`.hier_partial`, each option it
-        does not offer refused by name."""
-        if isinstance(like, SparseVector) or like_kind is not None:
-            raise TypeError("algorithm='hier' takes NumPy arrays (like), got "
-                            f"{type(like).__name__}")
-        if op == "avg" or accumulate in ("mean", "world"):
-            raise ValueError(f"algorithm='hier': op={op!r}, accumulate={accumulate!r}: "
-                             "averaging divisors would count host sums, not ranks (use "
-                             "op='sum' and divide)")
-        check_op(op)
-        if self.hosts:  # known (connect() learns them): quorum counts hosts
-            check_kind(kind, len(self.hosts), quorum)
-        if survive:
-            raise ValueError("algorithm='hier' cannot survive a lost rank (survive=True)")
-        if shm is not None:
-            raise ValueError("algorithm='hier' takes shared memory within each host itself "
-                             f"(shm must be None, got {shm!r})")
-        name = self._partial_name(name)
-        options: dict[str, Any] = {
-            "op": op, "accumulate": accumulate, "quorum": quorum, "seed": seed,
-            "timeout": timeout, "deadline": deadline, "mad_factor": mad_factor,
-            "deadline_window": deadline_window, "survive": False}
-        h = HierPartialAllreduce(self, kind, like, name, options)
-        self._hier_handles[name] = h
-        return h
-
-    def _shortcut(self, kind: str, x: Any, quorum: int | None = None) -> PartialAllreduce:
-        if isinstance(x, SparseVector):
-            key: tuple[Any, ...] = (kind, "sparse", x.size, x.values.dtype.str, quorum)
-        else:
-            check_array(x, "x")
-            key = (kind, tuple(x.shape), np.dtype(x.dtype).str, quorum)
-        h = self._shortcuts.get(key)
-        if h is None:
-            h = self.partial_allreduce(kind, x, quorum=quorum)
-            self._shortcuts[key] = h
-        return h
-
-    async def _shortcut_call(self, kind: str, x: Any, timeout: float | None,
-                             quorum: int | None = None) -> PartialResult:
-        a, tkind = from_tensor(x, "x")
-        return wrap_result(await self._shortcut(kind, a, quorum)(a, timeout), tkind)
-
-    def _shortcut_blocking(self, kind: str, x: Any, timeout: float | None,
-                           quorum: int | None = None) -> PartialResult:
-        # the handle's own blocking call: a call that rule 1 answers stays on this thread
-        a, tkind = from_tensor(x, "x")
-        return wrap_result(self._shortcut(kind, a, quorum).blocking(a, timeout), tkind)
-
-    async def solo_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        """``partial_allreduce("solo", like=x)(x)`` with the handle cached per shape/dtype."""
-        return await self._shortcut_call("solo", x, timeout)
-
-    async def majority_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        """``partial_allreduce("majority", like=x)(x)``, cached per shape/dtype."""
-        return await self._shortcut_call("majority", x, timeout)
-
-    async def two_choice_allreduce(self, x: Any,
-                                   timeout: float | None = None) -> PartialResult:
-        """``partial_allreduce("two_choice", like=x)(x)``, cached per shape/dtype."""
-        return await self._shortcut_call("two_choice", x, timeout)
-
-    async def quorum_allreduce(self, x: Any, k: int,
-                               timeout: float | None = None) -> PartialResult:
-        """``partial_allreduce("quorum", like=x, quorum=k)(x)``, cached per shape/dtype/k."""
-        return await self._shortcut_call("quorum", x, timeout, k)
-
-
-def _members_hash(members: list[int]) -> int:
-    """A non-negative int64 hash of a list of ranks (equal lists, equal hashes)."""
-    d = hashlib.blake2b(np.asarray(members, np.int64).tobytes(), digest_size=8).digest()
-    return int.from_bytes(d, "little") >> 1
-
 
 def _check_x(x: Any) -> None:
     check_array(x, "x")
-
-
-def _avg_op(op: Any, x: Any) -> tuple[Any, bool]:
-    """``("sum", True)`` for ``op="avg"`` on floating-point ``x`` (``ValueError`` naming
-    ``op`` for other data), else ``(op, False)``."""
-    if op != "avg":
-        return op, False
-    dt = x.values.dtype if isinstance(x, SparseVector) else x.dtype
-    if np.dtype(dt).kind not in "fc":
-        raise ValueError(f"op='avg' needs floating-point data, got dtype {dt}")
-    return "sum", True
-
-
-def _as_kind(a: Any, kind: TensorKind | None) -> Any:
-    return a if kind is None else kind.wrap(a)
 
 
 def _flat_copy(x: Any) -> Any:
