@@ -13,11 +13,13 @@ Each trial runs ``asynccoll run -n P`` (P = 3) in a private segment directory
 * ``launcher-term`` / ``launcher-kill``: the mixed workload, the launcher itself sent
   ``SIGTERM`` / ``SIGKILL`` at a random moment once every rank has connected.
 
-In the first six a random rank SIGKILLs itself at a random moment of its life (from its start
-to past its end), under ``--max-failures`` 0 (the launcher stops the others) or 1 (they go
-on) alternately. A row per mode: trials, bytes and files left after the launcher (and every
-rank) exited, which must be 0, and what the launcher found and unlinked (what the ranks'
-own cleanup left to it; it says so under ``--verbose``).
+In the first six a random rank SIGKILLs itself at a random moment: in three trials of four
+within 1.5 s of its connect (mostly in the collectives), in the fourth within 4 s of its start
+(its import and rendezvous included); under ``--max-failures`` 0 (the launcher stops the
+others) or 1 (they go on) alternately. A row per mode: trials, how many killed the victim after
+it connected, bytes and files left after the launcher (and every rank) exited, which must be
+0, and what the launcher found and unlinked (what the ranks' own cleanup left to it; it says
+so under ``--verbose``).
 
     python bench/shm_leaks.py [--quick] [--trials 20] [--modes plain,cma0] [--out F.json]
 """
@@ -48,11 +50,17 @@ RANK = r'''
 import os, sys
 mode, victim, kill_at, steps = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 R = int(os.environ["ASYNCCOLL_RANK"])
-if R == victim and kill_at >= 0:
+
+
+def arm(at):
     import signal, threading
-    t = threading.Timer(kill_at, os.kill, (os.getpid(), signal.SIGKILL))
+    t = threading.Timer(at, os.kill, (os.getpid(), signal.SIGKILL))
     t.daemon = True
     t.start()
+
+
+if R == victim and kill_at >= 0 and sys.argv[5] == "start":
+    arm(kill_at)
 import asyncio
 import numpy as np
 import asynccoll
@@ -61,6 +69,8 @@ import asynccoll
 async def main():
     comm = await asynccoll.connect(timeout=15, collective_timeout=15)
     print("connected", os.getpid(), flush=True)
+    if R == victim and kill_at >= 0 and sys.argv[5] == "connect":
+        arm(kill_at)
     try:
         async with comm:
             n = 1 << 18
@@ -141,11 +151,15 @@ def trial(mode: str, seed: int, steps: int = 30, timeout: float = 90.0) -> dict[
         env["ASYNCCOLL_CMA"] = "0"
     env.pop("ASYNCCOLL_JOB_TAG", None)
     at_launcher = mode.startswith("launcher-")
-    victim, kill_at = rng.randrange(P), rng.uniform(0.0, 4.0)
+    # Three trials in four: the kill lands within 1.5 s of the victim's connect (mostly in the
+    # collectives); the fourth: within 4 s of its start (its import and rendezvous too).
+    start = seed % 4 == 3
+    victim, kill_at = rng.randrange(P), rng.uniform(0.0, 4.0 if start else 1.5)
     failures = seed % 2 if not at_launcher else 0
     cmd = [sys.executable, "-m", "asynccoll.cli", "run", "-n", str(P), "--verbose",
            "--grace", "2", "--max-failures", str(failures), script, mode,
-           str(victim if not at_launcher else -1), str(kill_at), str(steps)]
+           str(victim if not at_launcher else -1), str(kill_at), str(steps),
+           "start" if start else "connect"]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -166,6 +180,7 @@ def trial(mode: str, seed: int, steps: int = 30, timeout: float = 90.0) -> dict[
         files, held = left(segs)
         found = _REMOVED.search(out or b"")
         return {"mode": mode, "seed": seed, "code": proc.returncode,
+                "after_connect": f"[{victim}] connected".encode() in (out or b""),
                 "files_left": files, "bytes_left": held,
                 "launcher_files": int(found.group(1)) if found else 0,
                 "launcher_bytes": int(found.group(2)) if found else 0,
@@ -198,6 +213,7 @@ def main() -> None:
         row = {"mode": mode, "P": P, "trials": trials,
                "bytes_left_max": max(r["bytes_left"] for r in runs),
                "files_left_max": max(r["files_left"] for r in runs),
+               "victim_killed_after_connect": sum(r["after_connect"] for r in runs),
                "trials_with_leftovers_for_the_launcher": sum(bool(r["launcher_files"])
                                                              for r in runs),
                "launcher_bytes_max": max(r["launcher_bytes"] for r in runs),

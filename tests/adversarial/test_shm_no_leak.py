@@ -34,9 +34,9 @@ pytestmark = [pytest.mark.multiprocess]
 @pytest.mark.parametrize(("mode", "seed"), [("plain", 0), ("cma0", 7), ("empty", 6),
                                             ("partial", 26), ("sparse", 14), ("mixed", 28)])
 def test_a_rank_killed_at_random_leaves_nothing(mode: str, seed: int) -> None:
-    # (seeds whose kill lands 2.5 to 4 s after the start, mostly in the collectives here;
-    # --max-failures 0 for even seeds, 1 for odd ones, whose survivors go on: a kill before
-    # they connect costs them the rendezvous timeout, hence one such seed only)
+    # (the kill lands within 1.5 s of the victim's connect, mostly in the collectives; cma0's
+    # seed 7, 3.8 s after its start; --max-failures 0 for even seeds, 1 for odd ones, whose
+    # survivors go on: a kill before they connect costs them the rendezvous timeout)
     r = shm_leaks.trial(mode, seed, timeout=100)
     assert (r["files_left"], r["bytes_left"]) == (0, 0), r["output"]
 
