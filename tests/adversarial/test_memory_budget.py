@@ -2,7 +2,7 @@
 header-only claims cannot take a rank past its cap; it is dropped with a logged reason and
 everything it made the rank hold is released at once (DESIGN §11).
 
-The victim is a real process (a tcp transport with a 256 MiB budget, set through
+The victim is a real process (a tcp or ucx transport with a 256 MiB budget, set through
 ``Limits.max_held_bytes``); the rogue, in the test process, knows the secret and writes frames by
 hand. The victim's resident memory is read from ``/proc``.
 """
@@ -144,3 +144,103 @@ def test_a_rogue_peer_mixing_claims_stays_within_the_cap_and_is_dropped() -> Non
     assert after < 32 * MiB, f"{after / MiB:.0f} MiB still resident after the drop"
     assert "closing the connection of rank 0: rank 0 claims 33554432 bytes for an early " \
         "message while holding 268435456 here: past its share" in err, err
+
+
+UCX_VICTIM = """
+import asyncio, logging, sys
+from asynccoll.transport.frames import Limits
+from asynccoll.transport.ucx import UcxTransport
+
+async def main():
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(message)s")
+    limits = Limits(max_held_bytes=int(sys.argv[2]))
+    t = UcxTransport(1, 2, secret=sys.argv[1].encode(), limits=limits)
+    print(await t.listen("ucx://127.0.0.1:0"), flush=True)
+    await t.connect({0: "ucx://127.0.0.1:1"}, timeout=30)  # rank 0 dials in
+    loop = asyncio.get_running_loop()
+    while await loop.run_in_executor(None, sys.stdin.readline):
+        print(t.matcher.charged_bytes, t.matcher.held_count, int(t.matcher.is_lost(0)),
+              flush=True)
+    await t.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rogue_ucx_peer_mixing_claims_stays_within_the_cap_and_is_dropped() -> None:
+    pytest.importorskip("ucxx")
+    from asynccoll.buffers import dtype_to_wire
+    from asynccoll.transport.frames import Header, encode_header
+    from asynccoll.transport.ucx import UcxTransport
+    from asynccoll.transport.ucx.library import load
+    from asynccoll.transport.ucx.transport import PREFIX
+
+    victim = subprocess.Popen([sys.executable, "-c", UCX_VICTIM, SECRET.decode(), str(CAP)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+    assert victim.stdout is not None
+    assert victim.stdin is not None
+
+    def stat() -> list[int]:
+        assert victim.stdin is not None
+        assert victim.stdout is not None
+        victim.stdin.write("\n")
+        victim.stdin.flush()
+        return [int(v) for v in victim.stdout.readline().split()]
+
+    def header(tag: int, n: int) -> Header:
+        return Header(PROTOCOL_VERSION, int(Kind.DATA), 7, 9, tag, 0,
+                      dtype_to_wire(np.dtype(np.uint8)), (n,), int(Format.DENSE), n)
+
+    try:
+        addr = victim.stdout.readline().strip()
+
+        async def attack() -> tuple[int, list[int]]:
+            rogue = UcxTransport(0, 2, secret=SECRET)
+            await rogue.connect({1: addr}, timeout=20)
+            await asyncio.sleep(0.5)
+            base = _rss(victim.pid)[0]
+            try:
+                for tag in (1, 2):  # held: two complete early messages of 96 MiB
+                    x = np.ones(96 * MiB, np.uint8)
+                    await rogue.post_send(1, header(tag, x.nbytes), x)
+
+                def claim(tag: int, n: int) -> None:  # a header whose payload never comes
+                    raw = encode_header(header(tag, n))
+                    keep = load().Array(PREFIX.pack(len(raw), 0) + raw)
+                    p = rogue._peers[1]
+                    rogue._progress.watch(p.tx.tag_send(keep, p.send_htag),
+                                          lambda exc, k=keep: None)
+
+                claim(3, 64 * MiB)
+                await asyncio.sleep(1.0)
+                full = stat()
+                claim(4, 32 * MiB)  # past the cap: dropped
+                for _ in range(100):
+                    if (s := stat())[2]:
+                        break
+                    await asyncio.sleep(0.05)
+                assert s[2], "the rogue peer was not dropped"
+                return base, full
+            finally:
+                await rogue.close()
+
+        base, full = asyncio.run(asyncio.wait_for(attack(), 40))
+        assert full == [256 * MiB, 2, 0]
+        peak = _rss(victim.pid)[1] - base
+        deadline = time.monotonic() + 5
+        while _rss(victim.pid)[0] - base > 32 * MiB and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = _rss(victim.pid)[0] - base
+        charged_after = stat()[:2]
+    finally:
+        _, err = victim.communicate(input="", timeout=20)
+    print(f"ucx victim RSS above its connected state: peak {peak / MiB:.0f} MiB, after the "
+          f"drop {after / MiB:.0f} MiB (cap {CAP / MiB:.0f} MiB)")
+    assert peak < CAP + 64 * MiB, f"peak {peak / MiB:.0f} MiB"
+    assert charged_after == [0, 0]
+    assert after < 32 * MiB, f"{after / MiB:.0f} MiB still resident after the drop"
+    assert "disconnecting rank 0: rank 0 claims 33554432 bytes for an early message while " \
+        "holding 268435456 here: past its share" in err, err
