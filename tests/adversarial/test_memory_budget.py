@@ -33,20 +33,66 @@ pytestmark = [pytest.mark.multiprocess]
 VICTIM = """
 import asyncio, logging, sys
 from asynccoll.transport.frames import Limits
-from asynccoll.transport.tcp import TcpTransport
+from asynccoll.transport.registry import make_transport
 
 async def main():
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(message)s")
-    limits = Limits(max_held_bytes=int(sys.argv[2]))
-    t = TcpTransport(1, 2, secret=sys.argv[1].encode(), limits=limits)
-    print(await t.listen("tcp://127.0.0.1:0"), flush=True)
+    scheme, limits = sys.argv[3], Limits(max_held_bytes=int(sys.argv[2]))
+    t = make_transport(scheme, 1, 2, secret=sys.argv[1].encode(), limits=limits)
+    print(await t.listen(f"{scheme}://127.0.0.1:0"), flush=True)  # rank 0 dials in
     loop = asyncio.get_running_loop()
     while await loop.run_in_executor(None, sys.stdin.readline):
-        print(t.matcher.charged_bytes, t.matcher.held_count, flush=True)
+        m = t.matcher
+        print(m.charged_bytes, m.held_count, int(m.is_lost(0)), flush=True)
     await t.close()
 
 asyncio.run(main())
 """
+
+
+class _Victim:
+    """Rank 1 in a process of its own: its address, its budget in use, its memory."""
+
+    def __init__(self, scheme: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", VICTIM, SECRET.decode(), str(CAP), scheme],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": ROOT})
+        assert self.proc.stdout is not None
+        self.address = self.proc.stdout.readline().strip()
+
+    def stat(self) -> list[int]:
+        """[bytes charged, messages held, whether rank 0 is dropped]."""
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        return [int(v) for v in self.proc.stdout.readline().split()]
+
+    def rss(self) -> tuple[int, int]:
+        return _rss(self.proc.pid)
+
+    def settled(self, base: int) -> int:
+        """Resident bytes above ``base`` once they stop falling (5 s at most)."""
+        deadline = time.monotonic() + 5
+        while self.rss()[0] - base > 32 * MiB and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.rss()[0] - base
+
+    def end(self) -> str:
+        """Stop it; its log."""
+        return self.proc.communicate(input="", timeout=20)[1]
+
+
+def _check(kind: str, peak: int, after: int, charged_after: list[int], err: str,
+           reason: str) -> None:
+    print(f"{kind} victim RSS above its start: peak {peak / MiB:.0f} MiB, after the drop "
+          f"{after / MiB:.0f} MiB (cap {CAP / MiB:.0f} MiB)")
+    assert peak < CAP + 64 * MiB, f"peak {peak / MiB:.0f} MiB"
+    assert charged_after[:2] == [0, 0]
+    assert after < 32 * MiB, f"{after / MiB:.0f} MiB still resident after the drop"
+    assert f"{reason}rank 0 claims 33554432 bytes for an early message while holding " \
+        "268435456 here: past its share" in err, err
 
 
 def _rss(pid: int) -> tuple[int, int]:
@@ -91,32 +137,17 @@ async def _send(w: asyncio.StreamWriter, msgid: int, length: int, send: int) -> 
 
 @pytest.mark.timeout(60)
 def test_a_rogue_peer_mixing_claims_stays_within_the_cap_and_is_dropped() -> None:
-    victim = subprocess.Popen([sys.executable, "-c", VICTIM, SECRET.decode(), str(CAP)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": ROOT})
-    assert victim.stdout is not None
-    assert victim.stdin is not None
-
-    def stat() -> tuple[int, int]:
-        assert victim.stdin is not None
-        assert victim.stdout is not None
-        victim.stdin.write("\n")
-        victim.stdin.flush()
-        charged, held = victim.stdout.readline().split()
-        return int(charged), int(held)
-
+    victim = _Victim("tcp")
     try:
-        addr = victim.stdout.readline().strip()
-        base = _rss(victim.pid)[0]
+        base = victim.rss()[0]
 
         async def attack() -> bool:
-            r, w = await _rogue(addr)
+            r, w = await _rogue(victim.address)
             await _send(w, 1, 96 * MiB, 96 * MiB)  # held: an early message, complete
             await _send(w, 2, 96 * MiB, 64 * MiB)  # streaming: two thirds of it sent
             await _send(w, 3, 64 * MiB, 0)  # header-only: a claim, never sent
             await asyncio.sleep(0.5)
-            assert stat() == (256 * MiB, 1)  # the whole budget, and not a byte more
+            assert victim.stat() == [256 * MiB, 1, 0]  # the whole budget, not a byte more
             await _send(w, 4, 32 * MiB, 0)  # one claim more: past the cap
             try:
                 while await asyncio.wait_for(r.read(65536), 5):
@@ -129,42 +160,12 @@ def test_a_rogue_peer_mixing_claims_stays_within_the_cap_and_is_dropped() -> Non
             return True
 
         assert asyncio.run(asyncio.wait_for(attack(), 40)), "the rogue peer was not dropped"
-        peak = _rss(victim.pid)[1] - base
-        deadline = time.monotonic() + 5
-        while _rss(victim.pid)[0] - base > 32 * MiB and time.monotonic() < deadline:
-            time.sleep(0.05)
-        after = _rss(victim.pid)[0] - base
-        charged_after = stat()
+        peak = victim.rss()[1] - base
+        after = victim.settled(base)
+        charged_after = victim.stat()
     finally:
-        _, err = victim.communicate(input="", timeout=20)
-    print(f"victim RSS above its start: peak {peak / MiB:.0f} MiB, after the drop "
-          f"{after / MiB:.0f} MiB (cap {CAP / MiB:.0f} MiB)")
-    assert peak < CAP + 64 * MiB, f"peak {peak / MiB:.0f} MiB"
-    assert charged_after == (0, 0)
-    assert after < 32 * MiB, f"{after / MiB:.0f} MiB still resident after the drop"
-    assert "closing the connection of rank 0: rank 0 claims 33554432 bytes for an early " \
-        "message while holding 268435456 here: past its share" in err, err
-
-
-UCX_VICTIM = """
-import asyncio, logging, sys
-from asynccoll.transport.frames import Limits
-from asynccoll.transport.ucx import UcxTransport
-
-async def main():
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(message)s")
-    limits = Limits(max_held_bytes=int(sys.argv[2]))
-    t = UcxTransport(1, 2, secret=sys.argv[1].encode(), limits=limits)
-    print(await t.listen("ucx://127.0.0.1:0"), flush=True)
-    await t.connect({0: "ucx://127.0.0.1:1"}, timeout=30)  # rank 0 dials in
-    loop = asyncio.get_running_loop()
-    while await loop.run_in_executor(None, sys.stdin.readline):
-        print(t.matcher.charged_bytes, t.matcher.held_count, int(t.matcher.is_lost(0)),
-              flush=True)
-    await t.close()
-
-asyncio.run(main())
-"""
+        err = victim.end()
+    _check("tcp", peak, after, charged_after, err, "closing the connection of rank 0: ")
 
 
 @pytest.mark.timeout(60)
@@ -176,32 +177,18 @@ def test_a_rogue_ucx_peer_mixing_claims_stays_within_the_cap_and_is_dropped() ->
     from asynccoll.transport.ucx.library import load
     from asynccoll.transport.ucx.transport import PREFIX
 
-    victim = subprocess.Popen([sys.executable, "-c", UCX_VICTIM, SECRET.decode(), str(CAP)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": ROOT})
-    assert victim.stdout is not None
-    assert victim.stdin is not None
-
-    def stat() -> list[int]:
-        assert victim.stdin is not None
-        assert victim.stdout is not None
-        victim.stdin.write("\n")
-        victim.stdin.flush()
-        return [int(v) for v in victim.stdout.readline().split()]
+    victim = _Victim("ucx")
 
     def header(tag: int, n: int) -> Header:
         return Header(PROTOCOL_VERSION, int(Kind.DATA), 7, 9, tag, 0,
                       dtype_to_wire(np.dtype(np.uint8)), (n,), int(Format.DENSE), n)
 
     try:
-        addr = victim.stdout.readline().strip()
-
         async def attack() -> tuple[int, list[int]]:
             rogue = UcxTransport(0, 2, secret=SECRET)
-            await rogue.connect({1: addr}, timeout=20)
+            await rogue.connect({1: victim.address}, timeout=20)
             await asyncio.sleep(0.5)
-            base = _rss(victim.pid)[0]
+            base = victim.rss()[0]
             try:
                 for tag in (1, 2):  # held: two complete early messages of 96 MiB
                     x = np.ones(96 * MiB, np.uint8)
@@ -216,10 +203,10 @@ def test_a_rogue_ucx_peer_mixing_claims_stays_within_the_cap_and_is_dropped() ->
 
                 claim(3, 64 * MiB)
                 await asyncio.sleep(1.0)
-                full = stat()
+                full = victim.stat()
                 claim(4, 32 * MiB)  # past the cap: dropped
                 for _ in range(100):
-                    if (s := stat())[2]:
+                    if (s := victim.stat())[2]:
                         break
                     await asyncio.sleep(0.05)
                 assert s[2], "the rogue peer was not dropped"
@@ -229,18 +216,9 @@ def test_a_rogue_ucx_peer_mixing_claims_stays_within_the_cap_and_is_dropped() ->
 
         base, full = asyncio.run(asyncio.wait_for(attack(), 40))
         assert full == [256 * MiB, 2, 0]
-        peak = _rss(victim.pid)[1] - base
-        deadline = time.monotonic() + 5
-        while _rss(victim.pid)[0] - base > 32 * MiB and time.monotonic() < deadline:
-            time.sleep(0.05)
-        after = _rss(victim.pid)[0] - base
-        charged_after = stat()[:2]
+        peak = victim.rss()[1] - base
+        after = victim.settled(base)
+        charged_after = victim.stat()
     finally:
-        _, err = victim.communicate(input="", timeout=20)
-    print(f"ucx victim RSS above its connected state: peak {peak / MiB:.0f} MiB, after the "
-          f"drop {after / MiB:.0f} MiB (cap {CAP / MiB:.0f} MiB)")
-    assert peak < CAP + 64 * MiB, f"peak {peak / MiB:.0f} MiB"
-    assert charged_after == [0, 0]
-    assert after < 32 * MiB, f"{after / MiB:.0f} MiB still resident after the drop"
-    assert "disconnecting rank 0: rank 0 claims 33554432 bytes for an early message while " \
-        "holding 268435456 here: past its share" in err, err
+        err = victim.end()
+    _check("ucx", peak, after, charged_after, err, "disconnecting rank 0: ")
