@@ -26,14 +26,28 @@ Costs: one timer wake-up per probe interval and one small frame per peer (P - 1 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..errors import PeerLostError
 from .frames import LIVENESS_SCHED, Kind
-from .matching import ignore_outcome
+from .matching import Matcher, ignore_outcome
 
-if TYPE_CHECKING:
-    from .base import Transport
+
+class Transport(Protocol):
+    """What the probes use of a :class:`~.base.Transport` (named by shape: the transport
+    imports this module)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def matcher(self) -> Matcher: ...
+    def post_frame(self, dst: int, kind: int, sched: int, execution: int, tag: int,
+                   payload: Any) -> asyncio.Future[None]: ...
+    def drop_peer(self, rank: int, exc: PeerLostError) -> None: ...
 
 __all__ = ["LIVENESS_SCHED", "PROBES", "Liveness", "SilentPeerError"]
 
