@@ -32,9 +32,16 @@ from .membership import Membership
 from .partial import PartialAllreduce, stable_id
 from .progress import ProgressEngine
 from .route import shm_flag
-from .sparse import SparseAllreduceHandle, SparseOps, as_host, to_device
+from .sparse import SparseAllreduceHandle, SparseOps
 from .survival import Survival
-from .tensors import TensorKind, TensorPartialAllreduce, from_tensor, wrap_result
+from .tensors import (
+    TensorKind,
+    TensorPartialAllreduce,
+    as_host,
+    from_tensor,
+    to_device,
+    wrap_result,
+)
 
 __all__ = ["PartialCollectives", "as_kind", "avg_op"]
 

@@ -13,20 +13,8 @@ The rules (issue 4, DESIGN §5), for a call ``h(x)`` on rank r:
    it starts e when r is in S(e) (for quorum and deadline: it announces its arrival), else it
    waits for an external activation; it returns e's result with ``included=True``.
 
-**Deadline.** ``kind="deadline"`` runs the quorum's schedule (k of P arrivals activate) and
-adds a timer: a call of rule 2 arms ``loop.call_later(d_e, ...)`` and cancels it when it
-returns; if it fires before e was activated on r, r sets its ``EXPIRED`` flag and forces e
-(the self-message a flush uses), and the activation broadcast starts e everywhere. So e starts
-at its k-th arrival or ``d_e`` after its first arrival (the first caller's timer is the
-earliest), whichever comes first. *Agreement on how e started*: every rank's snapshot adds its
-flag to the meta vector, which is allreduced with the data, so every rank reads the same
-``deadline_expired``. *Agreement on d_e*: after each completed execution every rank computes
-its arrival spread from that execution's allreduced meta (the waiting calls' arrival stamps,
-and the late calls reported in it: a call that found the execution it was meant for already
-activated or completed records how long after that execution's first arrival it came, and
-its next snapshot carries it) and ``d = next_deadline(window of spreads, m, lo, hi)``; the
-same data and the same pure function give the same deadline on every rank. Flushed
-executions are left out of the window; the first execution uses ``hi``.
+**Deadline** and what a call is handed: :mod:`.partial_results`. **Routes, shared memory and
+lost ranks**: :mod:`.partial_member`.
 
 Corner case of 2: if e was already activated on r from outside (its snapshot taken, maybe of
 an empty buffer) before ``x`` arrived, ``x`` cannot be in e any more. The call then waits for e
@@ -49,11 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -63,25 +49,17 @@ from ..collectives.partial import (
     ARRIVED,
     COUNT,
     DSIG,
-    EXPIRED,
     FLUSHING,
     FRESH,
-    LATE,
     SHM_ATTACH,
     SNAPSHOTS,
     TAG_FORCE,
     DeadlineConfig,
-    arrival_spread,
     arrival_stamp,
     check_deadline,
     check_kind,
     deadline_signature,
-    decode_arrivals,
-    decode_expired,
-    first_stamp,
     initiators,
-    late_offset,
-    next_deadline,
     signature_sum,
 )
 from ..errors import (
@@ -92,30 +70,15 @@ from ..errors import (
     TransportClosedError,
 )
 from ..results import PartialResult
-from ..sched import Executor, Kernel, KernelRegistry, LiveOps, Schedule, TraceWriter
+from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
 from ..transport.base import Transport
 from . import clock
 from .contribution import Combine, Contribution
+from .partial_member import MemberSide, Survives, locked_snapshots, stable_id
+from .partial_results import KeptResults
 from .progress import ProgressEngine
-from .route import agree_flags
 from .shm import PartialSegments
 from .stall import wait_or_warn
-
-
-class Survives(Protocol):
-    """What a handle needs of its survival state (:class:`.survival.Survival`; typed here
-    so that this module does not import it, nor the Communicator it holds)."""
-
-    lost: frozenset[int]
-    comm: Any
-
-    def after_snapshot(self, e: int, data: Any, count: int) -> None: ...
-
-    def after_complete(self, e: int, work: Any, meta: Any) -> None: ...
-
-    async def recover(self) -> None: ...
-
-    def cancel(self) -> None: ...
 
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]
 
@@ -124,13 +87,7 @@ log = logging.getLogger("asynccoll.comm")
 _NONE: frozenset[int] = frozenset()
 
 
-def stable_id(text: str, space: int) -> int:
-    """A 60-bit id of ``text`` in id space ``space`` (0-3): equal on every rank and run."""
-    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-    return ((4 + space) << 60) | (h & ((1 << 60) - 1))
-
-
-class PartialAllreduce:
+class PartialAllreduce(KeptResults, MemberSide):
     """A persistent partial allreduce (solo, majority, two-choice, quorum or deadline); see
     the module doc.
 
@@ -236,7 +193,7 @@ class PartialAllreduce:
         # Guards the send buffer, the kept result and the call state between the caller's
         # thread (rule-1 calls) and the runtime's loop (snapshots, completions, other calls).
         self._lock = threading.RLock()
-        self._kernels = _locked_snapshots(COLLECTIVE_KERNELS if kernels is None else kernels,
+        self._kernels = locked_snapshots(COLLECTIVE_KERNELS if kernels is None else kernels,
                                           self._lock, self._snapped)
         #: the shared-memory segments of the data phase (:mod:`.shm`), or None (network)
         self._segments: PartialSegments | None = None
@@ -272,8 +229,7 @@ class PartialAllreduce:
         # (its error, its completed count) but posts nothing; peers' first messages wait in
         # the transport until it does.
         self._ex = self._executor(transport, sched, bufs, live, 0)
-        self._route = asyncio.ensure_future(self._agree_route(refused))
-        self._route.add_done_callback(_retrieve)
+        self._start_route(refused)
 
     def _executor(self, transport: Transport, sched: Schedule, bufs: dict[str, Any],
                   live: LiveOps | None, first: int) -> Executor:
@@ -425,16 +381,6 @@ class PartialAllreduce:
                 self._recycle(res)  # handed to the caller right here
             return res
 
-    def _note_late(self, stamp: int, first: int | None = None) -> None:
-        """Record (deadline kind) that a call stamped ``stamp`` missed the execution whose
-        first arrival was stamped ``first`` (default: the latest completed one's); this rank's
-        next snapshot reports it (the latest, or the largest of several, wins). Under the
-        lock."""
-        first = self._first_stamp if first is None else first
-        if self.deadline_config is None or not first:
-            return
-        st = self._state
-        st[LATE] = max(int(st[LATE]), late_offset(stamp, first))
 
     def _add(self, flat: Any, combine: Combine | None, late: bool) -> None:
         st = self._state
@@ -519,71 +465,6 @@ class PartialAllreduce:
         assert res is not None
         return res
 
-    # -- the route: shared memory, or the network on every rank alike (:mod:`.route`) -------
-    async def _agree_route(self, refused: OSError | None) -> None:
-        """Before the first execution: every rank says whether its segments exist; unless
-        all do, every rank's data phase goes over the network, with one warning naming why
-        (:mod:`.route`). A rank lost meanwhile fails the executor with it (a surviving handle
-        then goes on over the network, as after any loss)."""
-        what = f"partial allreduce {self.name!r}"
-        try:
-            failed = await agree_flags(self._transport, stable_id(f"{self.name}#route", 1),
-                                       refused is None, self.timeout, what)
-        except BaseException as exc:  # a lost rank, a timeout, the handle closed
-            self._take_network()
-            self._ex.abort(exc)
-            raise
-        if not failed:
-            self._arm(self._ex)
-            return
-        why = f"here: {refused}" if refused is not None else "see the log of those ranks"
-        log.warning("rank %d: %s: rank(s) %s could not make their shared-memory segments (%s); "
-                    "its data goes over the network on every rank", self.rank, what, failed, why)
-        self._take_network()
-        sched, bufs = self._contribution.build(self._like, self.rank, self.world_size,
-                                               self.kind, self.quorum)
-        self._meta, self._state, self.schedule, self._bufs = \
-            bufs["meta"], bufs["state"], sched, bufs
-        self._state[DSIG] = deadline_signature(self.deadline_config)
-        if self._live is not None:
-            # never armed, so nothing posted to retire (closing it would make the transport
-            # drop the peers' early messages, held under the same schedule id)
-            self._live.discard(self._ex)
-        self._arm(self._executor(self._transport, sched, bufs, self._live, 0))
-
-    def _take_network(self) -> None:
-        """Leave shared memory for the network (the segments unlinked and unmapped)."""
-        self._shm_close()
-        self._contribution.go_network()
-
-    async def _routed(self, timeout: float | None) -> None:
-        """Wait for the route's agreement (the first call only), at most ``timeout`` seconds
-        (default: the handle's); raise what it failed with."""
-        route = self._route
-        if route is not None:
-            if not route.done():
-                t = self.timeout if timeout is None else timeout
-                try:
-                    await asyncio.wait_for(asyncio.shield(route), t)
-                except asyncio.TimeoutError:
-                    raise CollectiveTimeoutError(
-                        f"rank {self.rank}: {self.kind} allreduce {self.name!r} execution 0 not "
-                        f"complete after {t} s; waiting on: the other ranks to say whether "
-                        f"they made their segments; {self._first_words(0)}") from None
-            self._route = None
-            exc = route.exception()
-            if exc is not None and not self.survivable(exc):
-                raise exc
-
-    def _expire(self, e: int) -> None:
-        """The deadline of execution ``e`` expired on this rank (a loop timer): unless ``e``
-        was activated here meanwhile, flag it and force it (module doc)."""
-        with self._lock:
-            if self._closed or self._ex.error is not None or self._state[SNAPSHOTS] > e:
-                return
-            self._state[EXPIRED] = 1
-        self._force(e)
-
     async def _await(self, fut: asyncio.Future[int], timeout: float | None, e: int) -> None:
         t = self.timeout if timeout is None else timeout
         try:
@@ -609,17 +490,6 @@ class PartialAllreduce:
                 f"{'' if self.quorum is None else f', quorum {self.quorum}'}); waiting on: "
                 + "; ".join(d for _, _, d in pend) + first, pend) from None
 
-    def _first_words(self, e: int) -> str:
-        """What a timeout of execution ``e`` adds when it is the first: a handle's schedule
-        and data path are chosen at its creation on each rank alone, so ranks that chose
-        differently wait for messages that never come."""
-        if e:
-            return ""
-        path = "through shared memory" if self._segments is not None else "over the network"
-        return (f"the first execution of {self.name!r}: every rank must create the handle "
-                "alike (kind, like, algorithm, quorum, shm) under the same ASYNCCOLL_SHM (this "
-                f"rank's data goes {path})")
-
     def _on_complete(self, e: int) -> None:
         # Runs inside the executor right after execution e completes and before it re-arms:
         # copy the result out, since the next snapshot overwrites ``data``.
@@ -627,47 +497,6 @@ class PartialAllreduce:
             self._complete(e)
         if self._segments is not None:
             self._shm_next(e)
-
-    # -- the data phase through shared memory (:class:`.shm.PartialSegments`) ----------------
-    def _attach(self, out: Any, inputs: Any, params: Any, msgs: Any) -> None:
-        """The schedule's :data:`~.shm.SHM_ATTACH` kernel: every peer has said "written", so
-        its segments exist; map those not mapped yet and bind them (the first execution)."""
-        segs = self._segments
-        if segs is not None and segs.attach():
-            self._ex.bind({**self._bufs, **segs.buffers(self._ex.execution % 2)})
-
-    def _shm_next(self, e: int) -> None:
-        """After execution ``e``: unlink this rank's segments once every peer has mapped them
-        (``e >= 1``, :class:`~.shm.PartialSegments`), and bind the other set for ``e + 1``."""
-        segs = self._segments
-        assert segs is not None
-        if e >= 1 and not segs.unlinked:
-            segs.unlink_own()
-        if segs.parts > 1:  # one set: bound already (by the attach, the first time)
-            self._ex.bind({**self._bufs, **segs.buffers((e + 1) % 2)})
-
-    def _shm_failed(self, err: BaseException | None) -> None:
-        """The executor failed: nobody maps this rank's segments any more, so unlink them, and
-        a lost peer's, which it cannot unlink itself (by name)."""
-        segs = self._segments
-        if segs is None or err is None:
-            return
-        if isinstance(err, PeerLostError):
-            segs.forget(err.rank)
-        segs.unlink_own()
-
-    def _shm_close(self) -> None:
-        """Unlink and unmap the segments (at close, or when the data phase leaves them)."""
-        segs, self._segments = self._segments, None
-        if segs is not None:
-            err = self._ex.error
-            if isinstance(err, PeerLostError):
-                segs.forget(err.rank)
-            if self._survival is not None:
-                for q in self._survival.lost:
-                    segs.forget(q)
-            segs.close()
-            self._kernels.pop(SHM_ATTACH, None)
 
     def _complete(self, e: int) -> None:
         c = self._contribution
@@ -691,258 +520,6 @@ class PartialAllreduce:
             self._trace_extra(e)
         if e == self._wait_round:
             self._wait_result = self._take(self._wait_included, 0, self._wait_dest)
-
-    def _adapt(self, e: int) -> None:
-        """Deadline kind, after execution ``e`` completed: note the deadline it used, its
-        first arrival (for late calls), a late waiting call, and the next deadline."""
-        dc = self.deadline_config
-        assert dc is not None
-        assert self.next_deadline is not None
-        P, m = self.world_size, self._meta
-        self._deadline_of[e] = self.next_deadline
-        self._deadline_of.pop(e - 64, None)
-        first = first_stamp(m[self._stamps])
-        self._first_stamp = first
-        if e == self._wait_round and not self._wait_included:
-            self._note_late(self._wait_stamp, first)  # activated here before this call came
-        if not m[2 * P + 1]:  # a flush's executions say nothing of the arrivals
-            spread = arrival_spread(m, P, self.quorum or P)
-            if spread is not None:
-                self._spreads.append(spread)
-        self.next_deadline = next_deadline(list(self._spreads), dc.m, dc.lo, dc.hi)
-
-    def _keep(self) -> None:
-        """Keep the result just completed (and its meta) for the next call to hand out."""
-        self._relayout()  # a result kept from before a rebuild: meet this world's layout
-        summed = self._value is not None and bool(self.accumulate)
-        scale = 1.0
-        if self.accumulate == "mean":
-            n = int(self._meta[:self.world_size].sum())
-            scale = 1.0 / n if n else 1.0
-        elif self.accumulate == "world":  # each execution by the size of the world it spanned
-            scale = 1.0 / self.world_size
-        # the kept value was never handed out, so nobody sees it change
-        self._value = self._contribution.keep(self._value, bool(self.accumulate), scale)
-        if summed:
-            self._vmeta += self._meta
-            self._vmeta[self._stamps] = self._meta[self._stamps]  # the latest execution's
-        else:
-            self._vmeta[...] = self._meta
-
-    def _trace_extra(self, e: int) -> None:
-        P = self.world_size
-        m = self._meta
-        extra = self._ex.trace.extra[e % self._ex.trace.capacity]
-        extra["contributors"] = np.flatnonzero(m[:P]).tolist()
-        extra["fresh"] = np.flatnonzero(m[P:2 * P]).tolist()
-        extra["count"] = int(m[:P].sum())
-        extra["flushed"] = bool(m[2 * P + 1])
-        if self.next_deadline is not None:
-            extra["deadline"] = self._deadline_of.get(e)
-            extra["deadline_expired"] = bool(decode_expired(m[self._stamps]))
-        if self.kind not in ARRIVAL_KINDS and not extra["flushed"]:
-            extra["initiators"] = sorted(initiators(self.kind, e, P, self.seed))
-
-    def _take(self, included: bool, missed: int,
-              dest: tuple[Any, Any] | None = None) -> PartialResult:
-        """The kept result as a call's (``dest``: the call's ``out=`` and its flat view, which
-        receive a copy; the kept value goes back to the contribution once the call has it,
-        :meth:`_recycle`)."""
-        value, self._value = self._value, None
-        assert value is not None
-        given, self._given = self._given, self._round
-        # a result kept from before a rebuild is handed out as that world's (its size, its
-        # counts; :meth:`rebuild`)
-        P = self.world_size if self._vold is None else self._vold[0]
-        stamps = slice(2 * P + 2, 3 * P + 2)
-        if dest is not None:
-            dest[1][...] = value
-        shown = self._contribution.present(value) if dest is None else dest[0]
-        res = PartialResult.from_meta(shown, self._round, included,
-                                      self._vmeta, P, missed, self.rank,
-                                      decode_arrivals(self._vmeta[stamps]),
-                                      *self._deadline_fields(stamps),
-                                      lost=_NONE if self._survival is None
-                                      else self._survival.lost)
-        self._relayout()  # what a cancelled call gives back is merged in this world's layout
-        self._takes.append((res, value, self._vmeta.copy(), given))
-        return res
-
-    def _deadline_fields(self, stamps: slice) -> tuple[float | None, bool | None]:
-        """``deadline`` and ``deadline_expired`` of the result to take (None, None unless the
-        deadline kind), its arrival stamps at ``stamps`` in ``_vmeta``."""
-        if self.deadline_config is None:
-            return None, None
-        return (self._deadline_of.get(self._round),
-                bool(decode_expired(self._vmeta[stamps])))
-
-    def _recycle(self, res: PartialResult) -> None:
-        """``res`` reached its caller, its value copied into the call's ``out``: it can no
-        longer be given back, so its kept value may serve the next result (no fresh array,
-        no page faults). Any thread."""
-        with self._lock:
-            i = next((i for i, t in enumerate(self._takes) if t[0] is res), None)
-            if i is None:
-                return
-            value = self._takes[i][1]
-            del self._takes[i]
-            self._contribution.recycle(value)
-
-    def _give_back(self, res: PartialResult) -> None:
-        """Take back ``res``, a result taken for a call that never received it (the call was
-        cancelled after the take): the next call or flush hands it out, summed with what is
-        kept when accumulating, else only if nothing newer was taken or kept since (a newer
-        result supersedes it). So a cancelled call loses no contribution. Any thread."""
-        with self._lock:
-            i = next((i for i, t in enumerate(self._takes) if t[0] is res), None)
-            if i is None:
-                return
-            self._relayout()  # the takes are in this world's layout
-            _, value, vmeta, given = self._takes[i]
-            newest = i == len(self._takes) - 1
-            del self._takes[i]
-            if self._value is None and newest:  # nothing taken or kept since: as if never
-                self._value = value
-                self._vmeta[...] = vmeta
-                self._given = min(self._given, given)
-            elif self.accumulate:
-                if self._value is None:
-                    self._value = value
-                    self._vmeta[...] = vmeta
-                else:
-                    self._value = self._contribution.merge(self._value, value)
-                    stamps = self._vmeta[self._stamps].copy()
-                    self._vmeta += vmeta
-                    self._vmeta[self._stamps] = stamps  # the newer execution's
-                self._given = min(self._given, self._round - 1)  # something to hand out
-
-    # -- going on without a lost rank (:mod:`.survival`) --------------------------------------
-    def survivable(self, err: BaseException | None) -> bool:
-        """Whether ``err`` (an execution's) is a loss this handle goes on without."""
-        return self._survival is not None and isinstance(err, PeerLostError) \
-            and not self._closed
-
-    @property
-    def failure(self) -> BaseException | None:
-        """What the executor failed with (None while it runs)."""
-        return self._ex.error
-
-    def follow(self, survival: Survives) -> None:
-        """Go on without lost ranks through ``survival`` (:mod:`.survival`, which drives the
-        membership side below: :meth:`result_buffers`, :meth:`complete_settled`,
-        :meth:`put_back`, :meth:`rebuild`). A loss learned before (the handle made while a
-        rank was dying) fails the executor with it now, so that the first call recovers."""
-        self._survival = survival
-        lost = survival.comm.membership.lost
-        if lost is not None and self._ex.error is None:
-            self._ex.abort(PeerLostError(lost.rank, lost.reason))
-
-    async def _survive(self) -> None:
-        assert self._survival is not None
-        await self._survival.recover()
-
-    def _snapped(self, inputs: Any, params: Any) -> None:
-        """After a snapshot (under the lock): a surviving handle keeps a copy of it."""
-        if self._survival is not None:
-            state, meta = inputs[3], inputs[2]
-            self._survival.after_snapshot(int(state[SNAPSHOTS]) - 1,
-                                          self._contribution.snapshot_of(inputs, params),
-                                          int(meta[params["rank"]]))
-
-    def result_buffers(self) -> tuple[Any, Any]:
-        """Where an execution's result lands: the data buffer and the meta vector."""
-        return self._contribution.result_buffers()
-
-    def complete_settled(self, e: int) -> None:
-        """Execution ``e``'s result was written into :meth:`result_buffers` by the recovery
-        (another survivor completed it): complete it here as if it had arrived."""
-        self._on_complete(e)
-
-    def put_back(self, snapshot: Any, count: int) -> None:
-        """Put a snapshot of ``count`` contributions no execution completed back into the
-        send buffer."""
-        with self._lock:
-            self._contribution.put_back(snapshot)
-            self._state[COUNT] += count
-
-    def rebuild(self, comm: Any, first: int, ranks: list[int]) -> None:
-        """Go on over ``comm`` (the survivors' Communicator), from execution ``first``: the
-        schedule built for its ranks, the send buffer and its count carried over
-        (:mod:`.survival`). ``ranks``: the new rank of each rank of the world so far (-1:
-        lost).
-
-        A result kept and not yet handed out (an execution of the world so far, completed
-        here or settled by the recovery) stays as it is: the next call or flush hands it out
-        with that world's size and counts, as the survivors that received it before the loss
-        got it; only if a new world's execution completes first are the two merged
-        (accumulating), its counts then moved to the new ranks (the lost ranks' dropped)."""
-        c = self._contribution
-        transport = comm.transport
-        with self._lock:
-            old_acc, st = c.send_buffer, self._state
-            count, flushing = int(st[COUNT]), int(st[FLUSHING])
-            self._relayout()  # (kept across an earlier rebuild, still not handed out)
-            kept = None if self._value is None else (self.world_size, list(ranks))
-            P = self.world_size = transport.world_size
-            self.rank = transport.rank
-            if self.quorum is not None:
-                self.quorum = min(self.quorum, P)
-            # the survivors' world goes over the network (docs/collectives.md)
-            self._shm_close()
-            c.go_network()
-            sched, bufs = c.build(self._like, self.rank, P, self.kind, self.quorum)
-            c.carry(old_acc, bufs["acc"])
-            self._meta, self._state = bufs["meta"], bufs["state"]
-            st = self._state
-            st[COUNT], st[FLUSHING], st[SNAPSHOTS] = count, flushing, first
-            st[DSIG] = deadline_signature(self.deadline_config)
-            self.schedule = sched
-            self._vold = kept
-            if kept is None:
-                self._vmeta = np.zeros(len(self._meta), np.int64)
-            self._stamps = slice(2 * P + 2, 3 * P + 2)
-            self._takes.clear()  # results of cancelled calls in the old world: not given back
-            self._flushing_seen = 0
-            self._writer = comm.trace_writer
-            if self._wait_round >= first:
-                # the waiting call's data (put back, or never taken) goes into the new world's
-                # execution
-                self._wait_included = True
-            self._bufs = bufs
-            old = self._ex
-            self._arm(self._executor(transport, sched, bufs, comm.live, first))
-        old.close()
-
-    def _relayout(self) -> None:
-        """Under the lock: if ``_vmeta`` is in an old world's layout (:meth:`rebuild`),
-        move it into this world's: counts, fresh flags and arrival stamps to the new ranks,
-        the lost ranks' dropped."""
-        if self._vold is None:
-            return
-        (Q, ranks), old = self._vold, self._vmeta
-        P = self.world_size
-        new = np.zeros(len(self._meta), np.int64)
-        for i, j in enumerate(ranks):
-            if j >= 0:
-                new[j], new[P + j], new[2 * P + 2 + j] = \
-                    old[i], old[Q + i], old[2 * Q + 2 + i]
-        new[2 * P:2 * P + 2] = old[2 * Q:2 * Q + 2]
-        new[3 * P + 2] = old[3 * Q + 2]
-        self._vmeta, self._vold = new, None
-
-    def _rejoin(self, e: int, stamp: int) -> asyncio.Future[int]:
-        """After a recovery that left execution ``e`` to the new world: the waiting call
-        takes part in it afresh (its data is in the send buffer again)."""
-        with self._lock:
-            self._wait_included = True
-            self._state[FRESH] = 1
-            self._state[ARRIVED] = stamp
-        fut = self._ex.current
-        if self._flushing_seen:
-            self._force(e)
-        elif self.rank in initiators(self.kind, e, self.world_size, self.seed):
-            self._ex.start()
-        return fut
 
     def _initiators(self, e: int) -> frozenset[int]:
         return initiators(self.kind, e, self.world_size, self.seed)
@@ -1020,37 +597,3 @@ class PartialAllreduce:
                             self.rank, self.name, left, self.flush_hint)
             self._ex.close()  # a waiting call fails with TransportClosedError
             self._shm_close()
-
-
-#: the kernels that move a send buffer into an execution (dense and sparse partials)
-_SNAPSHOT_KERNELS = ("partial_snapshot", "partial_sparse_snapshot")
-
-
-def _retrieve(fut: asyncio.Future[None]) -> None:
-    """Mark the route agreement's outcome retrieved (the first call raises it, if it failed)."""
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _locked_snapshots(kernels: Mapping[str, Kernel], lock: threading.RLock,
-                      after: Callable[[Any, Any], None]) -> dict[str, Kernel]:
-    """``kernels`` with each snapshot kernel run under ``lock`` (the handle's; module doc),
-    followed there by ``after(inputs, params)``."""
-    out = dict(kernels)
-    for name in _SNAPSHOT_KERNELS:
-        fn = out.get(name)
-        if fn is not None:
-            out[name] = _under(lock, fn, after)
-    return out
-
-
-def _under(lock: threading.RLock, fn: Kernel,
-           after: Callable[[Any, Any], None] | None) -> Kernel:
-    def kernel(out: Any, inputs: Any, params: Any, msgs: Any) -> Any:
-        with lock:
-            got = fn(out, inputs, params, msgs)
-            if after is not None:
-                after(inputs, params)
-            return got
-    return kernel
-

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
-from ..buffers import is_cupy
 from ..collectives.partial import SHM_ATTACH
 from ..collectives.sparse import quantize as qsgd
 from ..collectives.sparse.kernels import SPARSE_KERNELS
@@ -44,41 +43,16 @@ from ..sched import Executor, Kernel, LiveOps, Schedule
 from ..transport.base import Transport
 from .dense import ShmUnavailable
 from .shm import PartialSegments
+from .tensors import as_host, to_device
 
 if TYPE_CHECKING:
     from .dense import DenseOps
 
 __all__ = ["HandleShmSparseAllreduce", "ShmSparseAllreduce", "SparseAllreduce",
-           "SparseAllreduceHandle", "SparseOps", "as_host", "sparse_allreduce", "to_device"]
+           "SparseAllreduceHandle", "SparseOps", "sparse_allreduce"]
 
 T = TypeVar("T")
 log = logging.getLogger("asynccoll.comm")
-
-
-def as_host(x: Any) -> tuple[SparseVector | np.ndarray, bool]:
-    """``x`` in host memory and whether it was on the device (CuPy). Raises ``TypeError``
-    naming ``x`` unless it is a SparseVector or an array."""
-    if isinstance(x, SparseVector):
-        if is_cupy(x.values):
-            dev: Any = x
-            return SparseVector(dev.indices.get(), dev.values.get(), x.size, check=False), True
-        return x, False
-    if isinstance(x, np.ndarray):
-        return x, False
-    if is_cupy(x):
-        host: np.ndarray = x.get()
-        return host, True
-    raise TypeError(f"x must be a SparseVector or an array, got {type(x).__name__}")
-
-
-def to_device(res: SparseVector | np.ndarray) -> Any:
-    """A result moved to the current CuPy device (the form of a CuPy input)."""
-    import cupy
-
-    if isinstance(res, SparseVector):
-        return SparseVector(cupy.asarray(res.indices), cupy.asarray(res.values), res.size,
-                            check=False)
-    return cupy.asarray(res)
 
 
 # -- one sparse allreduce over a transport -------------------------------------------------------

@@ -27,12 +27,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from ..buffers import is_cupy
 from ..collectives.sparse.streams import SparseVector
 from ..results import PartialResult
 from .contribution import Combine
 from .partial import PartialAllreduce
 
-__all__ = ["TensorKind", "TensorPartialAllreduce", "from_tensor", "is_tensor", "wrap_result"]
+__all__ = ["TensorKind", "TensorPartialAllreduce", "as_host", "from_tensor", "is_tensor",
+           "to_device", "wrap_result"]
 
 
 def is_tensor(x: Any) -> bool:
@@ -154,3 +158,29 @@ class TensorPartialAllreduce(PartialAllreduce):
     def flush_blocking(self, timeout: float | None = None) -> PartialResult:
         return wrap_result(super().flush_blocking(timeout), self.like_kind,
                            divide=self.average)
+
+
+def as_host(x: Any) -> tuple[SparseVector | np.ndarray, bool]:
+    """``x`` in host memory and whether it was on the device (CuPy). Raises ``TypeError``
+    naming ``x`` unless it is a SparseVector or an array."""
+    if isinstance(x, SparseVector):
+        if is_cupy(x.values):
+            dev: Any = x
+            return SparseVector(dev.indices.get(), dev.values.get(), x.size, check=False), True
+        return x, False
+    if isinstance(x, np.ndarray):
+        return x, False
+    if is_cupy(x):
+        host: np.ndarray = x.get()
+        return host, True
+    raise TypeError(f"x must be a SparseVector or an array, got {type(x).__name__}")
+
+
+def to_device(res: SparseVector | np.ndarray) -> Any:
+    """A result moved to the current CuPy device (the form of a CuPy input)."""
+    import cupy
+
+    if isinstance(res, SparseVector):
+        return SparseVector(cupy.asarray(res.indices), cupy.asarray(res.values), res.size,
+                            check=False)
+    return cupy.asarray(res)
