@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import mmap
 import os
@@ -74,6 +75,11 @@ _TAG_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRST
 #: handler unlinks. Process-wide on purpose: a signal handler reaches no communicator, and the
 #: files are the process's whichever communicator made them.
 _OWN: set[str] = set()
+#: held while a segment is created and registered, and by the SIGTERM handler while it takes
+#: the list (so that no thread creates one it misses); reentrant, since the handler runs on
+#: the main thread, which may hold it; ``_ending`` set: no segment is created any more
+_CREATING = threading.RLock()
+_ending = threading.Event()
 #: the process that installed the SIGTERM handler (a forked child inherits the handler, not
 #: the segments) and the launcher it dies with (:func:`install_cleanup`; 0: none)
 _installed: list[int] = [0, 0]
@@ -203,7 +209,12 @@ def install_cleanup(launcher_pid: int | None = None) -> bool:
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     pid, launcher = _installed
     if os.getpid() == pid:  # (a forked child, a data-loader worker say, has none of them)
-        _unlink_paths(tuple(_OWN))
+        _ending.set()
+        locked = _CREATING.acquire(timeout=1.0)  # a thread mid-creation finishes it first
+        own = tuple(_OWN)
+        if locked:
+            _CREATING.release()
+        _unlink_paths(own)
         if launcher and os.getppid() != launcher and _ENV_TAG:
             with contextlib.suppress(ValueError):
                 unlink_job(_ENV_TAG)  # the launcher is gone: nobody else will
@@ -222,8 +233,15 @@ class Segment:
     @classmethod
     def create(cls, path: str, nbytes: int) -> Segment:
         """Create ``path`` (``FileExistsError`` if it exists), ``nbytes`` long, mode 0600."""
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-        _OWN.add(path)
+        with _CREATING:
+            if _ending.is_set():
+                raise OSError(errno.ESHUTDOWN, f"not creating {path}: the process is ending")
+            _OWN.add(path)  # first: the handler may run between any two lines here
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+            except BaseException:
+                _OWN.discard(path)
+                raise
         try:
             os.ftruncate(fd, nbytes)
             # Reserve the pages now: a tmpfs too small for them (a container's default
