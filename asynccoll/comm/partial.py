@@ -64,7 +64,6 @@ from ..collectives.partial import (
 )
 from ..errors import (
     BusyError,
-    CollectiveTimeoutError,
     ExecutionError,
     PeerLostError,
     TransportClosedError,
@@ -78,7 +77,6 @@ from .partial_member import MemberSide, Survives, locked_snapshots, stable_id
 from .partial_results import KeptResults
 from .progress import ProgressEngine
 from .shm import PartialSegments
-from .stall import wait_or_warn
 
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]
 
@@ -188,6 +186,7 @@ class PartialAllreduce(KeptResults, MemberSide):
         self._takes: collections.deque[tuple[PartialResult, Any, Any, int]] = \
             collections.deque(maxlen=16)
         self._busy = False
+        self._owner: asyncio.Task[Any] | None = None  # the call or flush that holds the handle
         self._closed = False
         self._flushing_seen = 0  # ranks flushing in the latest completed execution
         # Guards the send buffer, the kept result and the call state between the caller's
@@ -362,7 +361,20 @@ class PartialAllreduce(KeptResults, MemberSide):
         if self._busy:
             raise BusyError(f"partial allreduce {self.name!r} already has a call or flush "
                             "under way; one at a time per handle")
+        self._owner = asyncio.current_task()
         return flat
+
+    async def _after_cancelled(self) -> None:
+        """A call or flush made while the one before it still unwinds from its cancellation
+        (its caller has had the ``CancelledError``, as ``asyncio.wait_for`` gives on a
+        timeout; the runtime's side of it, on the progress thread, has not finished) waits
+        for it instead of raising :class:`~asynccoll.BusyError`: retrying after a timeout is
+        what callers do. Its data stays in the send buffer (module doc), so each call's is
+        counted once."""
+        owner = self._owner
+        if self._busy and owner is not None and owner is not asyncio.current_task() \
+                and _cancelling(owner):
+            await asyncio.wait({owner})
 
     def _answer_now(self, x: Any, combine: Combine | None,
                     dest: tuple[Any, Any] | None = None) -> PartialResult | None:
@@ -388,6 +400,7 @@ class PartialAllreduce(KeptResults, MemberSide):
 
     async def _call(self, x: Any, timeout: float | None, combine: Combine | None = None,
                     dest: tuple[Any, Any] | None = None) -> PartialResult:
+        await self._after_cancelled()
         flat = self._check(x)
         if self._route is not None:
             self._busy = True
@@ -465,31 +478,6 @@ class PartialAllreduce(KeptResults, MemberSide):
         assert res is not None
         return res
 
-    async def _await(self, fut: asyncio.Future[int], timeout: float | None, e: int) -> None:
-        t = self.timeout if timeout is None else timeout
-        try:
-            await wait_or_warn(fut, t, self.stall_warn,
-                               lambda: f"rank {self.rank}: {self.kind} allreduce {self.name!r} "
-                                       f"execution {e}", self._ex.pending_text)
-        except PeerLostError as exc:
-            self._shm_failed(exc)
-            raise
-        except asyncio.TimeoutError:
-            pend = self._ex.pending()
-            if self._writer is not None:
-                self._writer.write_pending(self._ex, reason=f"timeout after {t} s")
-            who = sorted(initiators(self.kind, e, self.world_size, self.seed))
-            # A handle's schedule and data path are chosen at its creation on each rank alone:
-            # ranks that chose differently wait for messages that never come. Say so at the
-            # first execution, where it shows.
-            first = "" if e else f"; {self._first_words(e)}"
-            raise CollectiveTimeoutError(
-                f"rank {self.rank}: {self.kind} allreduce {self.name!r} execution {e} not "
-                f"complete after {t} s (initiators "
-                f"{who if self.kind not in ARRIVAL_KINDS else 'any'}"
-                f"{'' if self.quorum is None else f', quorum {self.quorum}'}); waiting on: "
-                + "; ".join(d for _, _, d in pend) + first, pend) from None
-
     def _on_complete(self, e: int) -> None:
         # Runs inside the executor right after execution e completes and before it re-arms:
         # copy the result out, since the next snapshot overwrites ``data``.
@@ -531,11 +519,13 @@ class PartialAllreduce(KeptResults, MemberSide):
 
     async def _flush(self, timeout: float | None) -> PartialResult:
         self._check_open()
+        await self._after_cancelled()
         with self._lock:
             if self._busy:
                 raise BusyError(f"partial allreduce {self.name!r} already has a call or flush "
                                 "under way")
             self._busy = True
+            self._owner = asyncio.current_task()
         try:
             await self._routed(timeout)
         except BaseException:
@@ -597,3 +587,10 @@ class PartialAllreduce(KeptResults, MemberSide):
                             self.rank, self.name, left, self.flush_hint)
             self._ex.close()  # a waiting call fails with TransportClosedError
             self._shm_close()
+
+
+def _cancelling(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` finished or was asked to cancel (``Task.cancelling``, Python 3.11;
+    before it a cancelled call still unwinding is a :class:`~asynccoll.BusyError`)."""
+    cancelling = getattr(task, "cancelling", None)
+    return task.done() or (cancelling is not None and cancelling() > 0)

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..collectives.partial import (
+    ARRIVAL_KINDS,
     ARRIVED,
     COUNT,
     DSIG,
@@ -50,6 +51,7 @@ from ..transport.base import Transport
 from .contribution import Contribution
 from .route import agree_flags
 from .shm import PartialSegments
+from .stall import wait_or_warn
 
 __all__ = ["MemberSide", "Survives", "locked_snapshots", "stable_id"]
 
@@ -89,6 +91,7 @@ class MemberSide:
     quorum: int | None
     seed: int
     timeout: float | None
+    stall_warn: float | None
     accumulate: bool | str
     deadline_config: DeadlineConfig | None
     next_deadline: float | None
@@ -140,6 +143,31 @@ class MemberSide:
 
     def _relayout(self) -> None:
         raise NotImplementedError
+
+    async def _await(self, fut: asyncio.Future[int], timeout: float | None, e: int) -> None:
+        t = self.timeout if timeout is None else timeout
+        try:
+            await wait_or_warn(fut, t, self.stall_warn,
+                               lambda: f"rank {self.rank}: {self.kind} allreduce {self.name!r} "
+                                       f"execution {e}", self._ex.pending_text)
+        except PeerLostError as exc:
+            self._shm_failed(exc)
+            raise
+        except asyncio.TimeoutError:
+            pend = self._ex.pending()
+            if self._writer is not None:
+                self._writer.write_pending(self._ex, reason=f"timeout after {t} s")
+            who = sorted(initiators(self.kind, e, self.world_size, self.seed))
+            # A handle's schedule and data path are chosen at its creation on each rank alone:
+            # ranks that chose differently wait for messages that never come. Say so at the
+            # first execution, where it shows.
+            first = "" if e else f"; {self._first_words(e)}"
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: {self.kind} allreduce {self.name!r} execution {e} not "
+                f"complete after {t} s (initiators "
+                f"{who if self.kind not in ARRIVAL_KINDS else 'any'}"
+                f"{'' if self.quorum is None else f', quorum {self.quorum}'}); waiting on: "
+                + "; ".join(d for _, _, d in pend) + first, pend) from None
 
     def _first_words(self, e: int) -> str:
         """What a timeout of execution ``e`` adds when it is the first: a handle's schedule
