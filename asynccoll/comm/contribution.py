@@ -133,11 +133,13 @@ class Contribution(abc.ABC):
         """Bring ``meta`` up to date after an execution completed."""
 
     @abc.abstractmethod
-    def keep(self, kept: Any, accumulate: bool, scale: float = 1.0) -> Any:
+    def keep(self, kept: Any, accumulate: bool, divisor: int = 1) -> Any:
         """The result just completed, as a value of its own (the next snapshot overwrites the
         result buffer): a copy, or with ``accumulate`` the sum with ``kept`` (``None``:
-        nothing kept), the result multiplied by ``scale`` first (per-execution averaging;
-        dense floating-point data only). May reuse ``kept``, which has never been handed out."""
+        nothing kept), the result divided by ``divisor`` first (per-execution averaging;
+        dense floating-point data only: a true division in the data's dtype, as
+        ``torch.distributed``'s averaging does, not a multiplication by its reciprocal, which
+        rounds twice). May reuse ``kept``, which has never been handed out."""
 
     @abc.abstractmethod
     def merge(self, kept: Any, other: Any) -> Any:
@@ -280,9 +282,9 @@ class DenseContribution(Contribution):
     def recycle(self, value: Any) -> None:
         self._spare = value
 
-    def keep(self, kept: Any, accumulate: bool, scale: float = 1.0) -> Any:
-        if scale != 1.0:
-            self._data *= scale  # in place: the next snapshot overwrites the result buffer
+    def keep(self, kept: Any, accumulate: bool, divisor: int = 1) -> Any:
+        if divisor != 1:
+            self._data /= divisor  # in place: the next snapshot overwrites the result buffer
         if kept is None:
             # A fresh array per result costs its page faults (at 16 MiB 25-30 ms on the
             # development machine, against about 1 ms to copy into memory already touched):
@@ -452,8 +454,8 @@ class SparseContribution(Contribution):
             dense_view(buf, n, dt)[:] = d
         return count + 1
 
-    def keep(self, kept: Any, accumulate: bool, scale: float = 1.0) -> Any:
-        if scale != 1.0:
+    def keep(self, kept: Any, accumulate: bool, divisor: int = 1) -> Any:
+        if divisor != 1:
             raise ValueError("per-execution averaging needs dense contributions")
         res = read_result(self._result, self.shape[0], self.dtype)  # views: copy or merge
         if kept is None or not accumulate:

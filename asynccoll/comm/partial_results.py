@@ -152,14 +152,13 @@ class KeptResults:
         """Keep the result just completed (and its meta) for the next call to hand out."""
         self._relayout()  # a result kept from before a rebuild: meet this world's layout
         summed = self._value is not None and bool(self.accumulate)
-        scale = 1.0
+        divisor = 1
         if self.accumulate == "mean":
-            n = int(self._meta[:self.world_size].sum())
-            scale = 1.0 / n if n else 1.0
+            divisor = int(self._meta[:self.world_size].sum()) or 1
         elif self.accumulate == "world":  # each execution by the size of the world it spanned
-            scale = 1.0 / self.world_size
+            divisor = self.world_size
         # the kept value was never handed out, so nobody sees it change
-        self._value = self._contribution.keep(self._value, bool(self.accumulate), scale)
+        self._value = self._contribution.keep(self._value, bool(self.accumulate), divisor)
         if summed:
             self._vmeta += self._meta
             self._vmeta[self._stamps] = self._meta[self._stamps]  # the latest execution's

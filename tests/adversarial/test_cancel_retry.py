@@ -44,3 +44,26 @@ async def test_a_cancelled_call_and_an_immediate_retry(transport: str) -> None:
             for r in range(P):
                 got[r] += fl[r].value
                 assert np.array_equal(got[r], want), (kind, r, got[r], want)
+
+
+@pytest.mark.timeout(60)
+async def test_averaging_by_contributions_divides() -> None:
+    # accumulate="mean" (op="avg" with accumulate) divides each execution's sum by its count
+    # as torch's averaging does (x / 3 is rounded once; x * (1 / 3) twice and differs by an
+    # ulp for some x): the values are picked so that it shows
+    P = 3
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(4096).astype(np.float32) for _ in range(P)]
+    total = xs[0] + xs[1] + xs[2]  # the order the allreduce sums in at P = 3 is not asked:
+    assert np.any(total / np.float32(3) != total * np.float32(1 / 3))  # the case exists
+    async with local_world(P, "inproc", timeout=30) as comms:
+        hs = [c.partial_allreduce("quorum", like=np.zeros(4096, np.float32), op="avg",
+                                  accumulate=True, quorum=P) for c in comms]
+        res = await asyncio.wait_for(
+            asyncio.gather(*(h(x) for h, x in zip(hs, xs, strict=True))), 30)
+        sums = await asyncio.wait_for(asyncio.gather(*(
+            c.allreduce(x) for c, x in zip(comms, xs, strict=True))), 30)
+    for r in range(P):
+        assert res[r].count == P
+        assert np.array_equal(res[r].value, sums[r] / np.float32(P))  # one rounding
+        assert np.array_equal(res[r].value.view(np.uint32), res[0].value.view(np.uint32))
