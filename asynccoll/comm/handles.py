@@ -401,6 +401,7 @@ class PartialCollectives(Grouping):
         h = self._shortcuts.get(key)
         if h is None:
             h = self.partial_allreduce(kind, x, quorum=quorum)
+            h.flush_hint = None  # no flush to advise (PartialAllreduce.flush_hint)
             self._shortcuts[key] = h
         return h
 

@@ -105,10 +105,10 @@ class PartialAllreduce(KeptResults, MemberSide):
     they cannot be).
     """
 
-    #: the call that the warning of a handle closed holding contributions advises; the
-    #: training classes and the torch wrappers that own a handle set their own
-    flush_hint = ("'await h.flush()' on the handle (a comm.*_allreduce shortcut has no flush: "
-                  "use h = comm.partial_allreduce(kind, like=x) to flush)")
+    #: the call the warning of a handle closed holding contributions advises (the training
+    #: classes and torch wrappers set theirs); None: a shortcut's, which has no flush to
+    #: advise, so its leftovers are said at INFO (missing the last execution is by design)
+    flush_hint: str | None = "'await h.flush()' on the handle"
 
     def __init__(self, engine: ProgressEngine, transport: Transport, contribution: Contribution,
                  *, kind: str, like: Any, accumulate: bool | str, quorum: int | None,
@@ -581,7 +581,12 @@ class PartialAllreduce(KeptResults, MemberSide):
             if self._route is not None:
                 self._route.cancel()
             left = int(self._state[COUNT])
-            if left and self._ex.error is None:
+            if left and self._ex.error is None and self.flush_hint is None:
+                log.info("rank %d: shortcut partial allreduce %r closed holding %d "
+                         "contribution(s) that no execution took (a shortcut has no flush; "
+                         "a handle's does: h = comm.partial_allreduce(kind, like=x))",
+                         self.rank, self.name, left)
+            elif left and self._ex.error is None:
                 log.warning("rank %d: partial allreduce %r closed holding %d contribution(s) "
                             "that no execution took; call %s before closing to include them",
                             self.rank, self.name, left, self.flush_hint)
@@ -590,7 +595,6 @@ class PartialAllreduce(KeptResults, MemberSide):
 
 
 def _cancelling(task: asyncio.Task[Any]) -> bool:
-    """Whether ``task`` finished or was asked to cancel (``Task.cancelling``, Python 3.11;
-    before it a cancelled call still unwinding is a :class:`~asynccoll.BusyError`)."""
+    """Whether ``task`` finished or was asked to cancel (``Task.cancelling``, Python 3.11+)."""
     cancelling = getattr(task, "cancelling", None)
     return task.done() or (cancelling is not None and cancelling() > 0)
