@@ -192,7 +192,9 @@ def install_cleanup(launcher_pid: int | None = None) -> bool:
     when the parent dies, so that ranks do not outlive a launcher killed with ``SIGKILL``;
     their handler, finding the launcher gone, then unlinks every segment of the job's tag
     (``ASYNCCOLL_JOB_TAG``), the files of ranks lost before included, as the launcher would
-    have."""
+    have. (A Python handler runs on the main thread only, and never when that thread is
+    stuck, e.g. in an exit that waits for a thread the dead job will not release: the
+    launcher's reaper, :mod:`asynccoll.launch.reaper`, then kills the rank and unlinks.)"""
     if threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return False
@@ -207,19 +209,25 @@ def install_cleanup(launcher_pid: int | None = None) -> bool:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    pid, launcher = _installed
-    if os.getpid() == pid:  # (a forked child, a data-loader worker say, has none of them)
-        _ending.set()
-        locked = _CREATING.acquire(timeout=1.0)  # a thread mid-creation finishes it first
-        own = tuple(_OWN)
-        if locked:
-            _CREATING.release()
-        _unlink_paths(own)
-        if launcher and os.getppid() != launcher and _ENV_TAG:
-            with contextlib.suppress(ValueError):
-                unlink_job(_ENV_TAG)  # the launcher is gone: nobody else will
+    if os.getpid() == _installed[0]:  # (a forked child, a data-loader worker say, has none)
+        _clean_up()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _clean_up() -> None:
+    """Unlink this process's segments (none is created afterwards) and, when its launcher is
+    gone, every segment of the job's tag."""
+    _ending.set()
+    locked = _CREATING.acquire(timeout=1.0)  # a thread mid-creation finishes it first
+    own = tuple(_OWN)
+    if locked:
+        _CREATING.release()
+    _unlink_paths(own)
+    launcher = _installed[1]
+    if launcher and os.getppid() != launcher and _ENV_TAG:
+        with contextlib.suppress(ValueError):
+            unlink_job(_ENV_TAG)  # the launcher is gone: nobody else will
 
 
 class Segment:

@@ -40,8 +40,10 @@ When the job ends, however it ends (the ranks exit, a rank fails, the launcher g
 ``SIGTERM``, ``SIGINT`` or ``SIGHUP``), the launcher unlinks whatever files of that tag are
 left, once its ranks are stopped (:func:`asynccoll.comm.shm.unlink_job`; ``--verbose`` says
 how much it found). A launcher killed with ``SIGKILL`` cannot: its ranks (its direct children,
-told its pid in ``ASYNCCOLL_LAUNCHER_PID``) die with it instead, and unlink the job's files
-first (:func:`asynccoll.comm.shm.install_cleanup`).
+told its pid in ``ASYNCCOLL_LAUNCHER_PID``) get ``SIGTERM`` when it dies and unlink the job's
+files (:func:`asynccoll.comm.shm.install_cleanup`), and its reaper (:mod:`.reaper`, a small
+process in a session of its own that outlives it) kills those still running after the grace
+period (at most 5 s) and unlinks what is left.
 """
 
 from __future__ import annotations
@@ -279,6 +281,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     abort_task: asyncio.Task[bytes] | None = None
     silent: asyncio.Task[None] | None = None
     tag: str | None = None
+    reaper: asyncio.subprocess.Process | None = None
     try:
         if cfg.node_rank == 0:
             host, port = cfg.rdzv or ("127.0.0.1", 0)
@@ -297,6 +300,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             abort_task = asyncio.create_task(client.get(ABORT_KEY, timeout=float(1 << 31)))
         master = await _master(cfg, store, client)
         tag = await _job_tag(cfg, client)
+        reaper = await _start_reaper(cfg, tag)
         job = {"ASYNCCOLL_JOB_TAG": tag, "ASYNCCOLL_LAUNCHER_PID": str(os.getpid())}
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else os.cpu_count() or 1
@@ -314,6 +318,8 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
             ranks.procs[rank] = p
+            if reaper is not None and reaper.stdin is not None:
+                reaper.stdin.write(f"{p.pid}\n".encode())
             prefix = f"[{rank}] ".encode()
             pumps.append(asyncio.create_task(_pump(p.stdout, prefix, out, muted)))
             pumps.append(asyncio.create_task(_pump(p.stderr, prefix, err, muted)))
@@ -334,6 +340,8 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
         await ranks.stop(signal.SIGKILL)
         if tag is not None:
             _unlink_left(cfg, tag, err)
+        if reaper is not None:
+            await _stop_reaper(reaper)
         if pumps:
             await asyncio.wait(pumps, timeout=5.0)
         for t in pumps:
@@ -368,6 +376,29 @@ async def _job_tag(cfg: LaunchConfig, client: StoreClient | None) -> str:
         return tag
     assert client is not None
     return (await client.get(TAG_KEY, timeout=cfg.join_timeout)).decode()
+
+
+async def _start_reaper(cfg: LaunchConfig, tag: str) -> asyncio.subprocess.Process:
+    """Start the job's reaper (:mod:`.reaper`: should this launcher die, it ends the ranks and
+    unlinks their segments), in a session of its own so that no signal to ours reaches it."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "asynccoll.launch.reaper", tag,
+        cfg.env.get("ASYNCCOLL_SHM_DIR") or SHM_DIR, str(min(cfg.grace, 5.0)),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+        start_new_session=True)
+
+
+async def _stop_reaper(reaper: asyncio.subprocess.Process) -> None:
+    """Tell the reaper the launcher cleaned up itself, and let it go."""
+    if reaper.stdin is not None:
+        with contextlib.suppress(OSError):
+            reaper.stdin.write(b"done\n")
+            reaper.stdin.close()
+    try:
+        await asyncio.wait_for(reaper.wait(), 10.0)
+    except TimeoutError:
+        reaper.kill()
+        await reaper.wait()
 
 
 def _unlink_left(cfg: LaunchConfig, tag: str, err: BinaryIO) -> None:
