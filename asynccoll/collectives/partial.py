@@ -94,7 +94,11 @@ from .select import choose_allreduce
 
 __all__ = [
     "ARRIVAL_KINDS",
+    "CallRule",
     "SHM_ATTACH",
+    "activation",
+    "call_rule",
+    "late_mark",
     "ARRIVAL_MOD",
     "ARRIVED",
     "COUNT",
@@ -221,6 +225,48 @@ def _mix64(x: int) -> int:
 
 def _draw(seed: int, execution: int, i: int) -> int:
     return _mix64(_mix64(_mix64(seed & _M64) ^ (execution & _M64)) ^ i)
+
+
+class CallRule(NamedTuple):
+    """What a call of a partial handle does (rules 1 and 2 of :mod:`asynccoll.comm.partial`),
+    decided by :func:`call_rule`; the runtime and the simulator (:mod:`asynccoll.sim.handle`)
+    both follow it, so a rule changed here changes in both."""
+
+    #: rule 1: a result completed since the last one given: the call returns it at once
+    answer_now: bool
+    #: rule 1: how many results the one returned folds in (accumulating) or supersedes
+    missed: int
+    #: rule 2: the execution the call takes part in (rule 1: the one whose result it returns)
+    execution: int
+    #: the call's data cannot be in that execution: rule 1, or rule 2's corner case (the
+    #: execution was activated here from outside before the data came)
+    late: bool
+
+
+def call_rule(kept: int, given: int, snapshots: int) -> CallRule:
+    """The rule for a call on a rank whose latest kept result is execution ``kept``, whose
+    last result given was execution ``given``, and which has taken ``snapshots`` snapshots."""
+    if kept > given:
+        return CallRule(True, kept - given, kept, True)
+    cur = kept + 1
+    return CallRule(False, 0, cur, snapshots > cur)
+
+
+def activation(initiator: bool, flushing: bool) -> str | None:
+    """How a call of rule 2 whose data is in its execution activates it: ``"force"`` while
+    some rank is flushing (it will never call again, so S(e) may never come), ``"start"`` when
+    this rank is an initiator (``initiator``: in S(e), or an arrival kind, whose start
+    announces the arrival), else None (it waits for an external activation)."""
+    if flushing:
+        return "force"
+    return "start" if initiator else None
+
+
+def late_mark(current: int, stamp: int, first: int) -> int:
+    """The deadline kind's ``LATE`` state after a call stamped ``stamp`` missed the execution
+    whose first arrival was stamped ``first`` (0: none known: nothing to record): the
+    latest, or largest, lateness wins."""
+    return max(current, late_offset(stamp, first)) if first else current
 
 
 def initiators(kind: str, execution: int, world_size: int, seed: int = 0) -> frozenset[int]:

@@ -55,7 +55,9 @@ from ..collectives.partial import (
     SNAPSHOTS,
     TAG_FORCE,
     DeadlineConfig,
+    activation,
     arrival_stamp,
+    call_rule,
     check_deadline,
     check_kind,
     deadline_signature,
@@ -366,11 +368,9 @@ class PartialAllreduce(KeptResults, MemberSide):
 
     async def _after_cancelled(self) -> None:
         """A call or flush made while the one before it still unwinds from its cancellation
-        (its caller has had the ``CancelledError``, as ``asyncio.wait_for`` gives on a
-        timeout; the runtime's side of it, on the progress thread, has not finished) waits
-        for it instead of raising :class:`~asynccoll.BusyError`: retrying after a timeout is
-        what callers do. Its data stays in the send buffer (module doc), so each call's is
-        counted once."""
+        (its caller had the ``CancelledError`` of a ``wait_for`` timeout; its side on the
+        progress thread has not finished) waits for it instead of raising
+        :class:`~asynccoll.BusyError`: callers retry after a timeout."""
         owner = self._owner
         if self._busy and owner is not None and owner is not asyncio.current_task() \
                 and _cancelling(owner):
@@ -384,11 +384,12 @@ class PartialAllreduce(KeptResults, MemberSide):
         flat = self._contribution.check(x)
         with self._lock:
             # busy: the loop says BusyError, or finds the call ahead of it gone (cancelled)
-            if self._round <= self._given or self._busy or self._closed:
+            rule = call_rule(self._round, self._given, int(self._state[SNAPSHOTS]))
+            if not rule.answer_now or self._busy or self._closed:
                 return None
             self._note_late(arrival_stamp(clock.now() + self.clock_offset))
             self._add(flat, combine, True)
-            res = self._take(False, self._round - self._given, dest)
+            res = self._take(False, rule.missed, dest)
             if dest is not None:
                 self._recycle(res)  # handed to the caller right here
             return res
@@ -418,14 +419,13 @@ class PartialAllreduce(KeptResults, MemberSide):
         ex = self._ex
         timer: asyncio.TimerHandle | None = None
         with self._lock:
-            c = self._round
+            rule = call_rule(self._round, self._given, int(self._state[SNAPSHOTS]))
             stamp = arrival_stamp(clock.now() + self.clock_offset)
-            if c > self._given:
+            if rule.answer_now:
                 self._note_late(stamp)
                 self._add(flat, combine, True)
-                return self._take(False, c - self._given, dest)
-            cur = c + 1
-            late = bool(self._state[SNAPSHOTS] > cur)
+                return self._take(False, rule.missed, dest)
+            cur, late = rule.execution, rule.late
             self._add(flat, combine, late)
             # Set before start(): a world of one completes the execution inside start().
             self._wait_round = cur
@@ -438,17 +438,17 @@ class PartialAllreduce(KeptResults, MemberSide):
                 self._state[ARRIVED] = stamp
         fut = ex.current  # execution cur's completion
         try:
-            if not late:
-                if self._flushing_seen:
-                    # Some rank is flushing and will never call again: S(e) may never come,
-                    # so this call activates e itself.
-                    self._force(cur)
-                else:
-                    if self.next_deadline is not None:
-                        timer = asyncio.get_running_loop().call_later(
-                            self.next_deadline, self._expire, cur)
-                    if self.rank in initiators(self.kind, cur, self.world_size, self.seed):
-                        ex.start()
+            how = None if late else activation(
+                self.rank in initiators(self.kind, cur, self.world_size, self.seed),
+                bool(self._flushing_seen))
+            if how == "force":
+                self._force(cur)
+            elif not late:
+                if self.next_deadline is not None:
+                    timer = asyncio.get_running_loop().call_later(
+                        self.next_deadline, self._expire, cur)
+                if how == "start":
+                    ex.start()
             while True:
                 try:
                     await self._await(fut, timeout, cur)

@@ -44,7 +44,7 @@ from ..collectives.partial import (
     decode_expired,
     first_stamp,
     initiators,
-    late_offset,
+    late_mark,
     next_deadline,
 )
 from ..results import PartialResult
@@ -114,11 +114,10 @@ class KeptResults:
         first arrival was stamped ``first`` (default: the latest completed one's); this rank's
         next snapshot reports it (the latest, or the largest of several, wins). Under the
         lock."""
-        first = self._first_stamp if first is None else first
-        if self.deadline_config is None or not first:
-            return
-        st = self._state
-        st[LATE] = max(int(st[LATE]), late_offset(stamp, first))
+        if self.deadline_config is not None:
+            st = self._state
+            st[LATE] = late_mark(int(st[LATE]), stamp,
+                                 self._first_stamp if first is None else first)
 
     def _expire(self, e: int) -> None:
         """The deadline of execution ``e`` expired on this rank (a loop timer): unless ``e``

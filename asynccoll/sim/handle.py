@@ -47,6 +47,7 @@ import numpy as np
 
 from ..collectives import KERNELS
 from ..collectives.partial import (
+    ARRIVAL_KINDS,
     ARRIVED,
     COUNT,
     DSIG,
@@ -58,15 +59,17 @@ from ..collectives.partial import (
     STATE_LEN,
     TAG_FORCE,
     DeadlineConfig,
+    activation,
     arrival_spread,
     arrival_stamp,
     build_partial_allreduce,
+    call_rule,
     deadline_signature,
     decode_arrivals,
     decode_expired,
     first_stamp,
     initiators,
-    late_offset,
+    late_mark,
     meta_len,
     next_deadline,
     signature,
@@ -291,18 +294,17 @@ class SimPartial:
         cid = self._calls
         self._pending[rank].append(cid)
         self._calls += 1
-        c = self._round[rank]
+        rule = call_rule(self._round[rank], self._given[rank], int(st[SNAPSHOTS]))
         stamp = arrival_stamp(self.world.now)
-        if c > self._given[rank]:
+        if rule.answer_now:
             self._note_late(rank, stamp)
             self._add(rank, x, True)
-            res = self._take(rank, False, c - self._given[rank])
+            res = self._take(rank, False, rule.missed)
             self.returned_round[cid] = res.round
             w = self.world
             w.at(w.cpu(rank, w.gamma), on_return, res, rank)
             return
-        cur = c + 1
-        late = bool(st[SNAPSHOTS] > cur)
+        cur, late = rule.execution, rule.late
         self._add(rank, x, late)
         self._wait_round[rank] = cur
         self._wait_included[rank] = not late
@@ -313,7 +315,9 @@ class SimPartial:
         if not late:
             st[FRESH] = 1
             st[ARRIVED] = stamp
-            if self._flushing_seen[rank]:
+            how = activation(self.kind in ARRIVAL_KINDS or rank in self.initiators(cur),
+                             bool(self._flushing_seen[rank]))
+            if how == "force":
                 self._force(rank, cur)
             else:
                 d = self._next[rank]
@@ -322,7 +326,7 @@ class SimPartial:
                     if cur not in self.first_arrival:
                         self.first_arrival[cur] = w.now
                     w.at(w.now + d, self._expire, rank, cur)
-                if self.kind in ("quorum", "deadline") or rank in self.initiators(cur):
+                if how == "start":
                     ex.start()
 
     def flush(self, rank: int, on_return: Returned) -> None:
@@ -348,11 +352,10 @@ class SimPartial:
         self.world.post(rank, rank, self.sched_id, e, TAG_FORCE, 2, 0, None, None)
 
     def _note_late(self, rank: int, stamp: int, first: int | None = None) -> None:
-        first = self._first_stamp[rank] if first is None else first
-        if self.config is None or not first:
-            return
-        st = self._state[rank]
-        st[LATE] = max(int(st[LATE]), late_offset(stamp, first))
+        if self.config is not None:
+            st = self._state[rank]
+            st[LATE] = late_mark(int(st[LATE]), stamp,
+                                 self._first_stamp[rank] if first is None else first)
 
     def _expire(self, rank: int, e: int) -> None:
         st = self._state[rank]
