@@ -53,7 +53,7 @@ from .route import agree_flags
 from .shm import PartialSegments
 from .stall import wait_or_warn
 
-__all__ = ["MemberSide", "Survives", "locked_snapshots", "stable_id"]
+__all__ = ["HandleState", "MemberSide", "Survives", "locked_snapshots", "stable_id"]
 
 log = logging.getLogger("asynccoll.comm")
 
@@ -80,10 +80,11 @@ def stable_id(text: str, space: int) -> int:
     return ((4 + space) << 60) | (h & ((1 << 60) - 1))
 
 
-class MemberSide:
-    """The membership side of :class:`~.partial.PartialAllreduce` (module doc)."""
+class HandleState:
+    """The state of :class:`~.partial.PartialAllreduce` that its parts (:class:`MemberSide`,
+    :class:`~.partial_results.KeptResults`) use, declared once for the type checker; the
+    handle sets it."""
 
-    # the handle's state these methods use (:class:`~.partial.PartialAllreduce` sets it)
     name: str
     kind: str
     rank: int
@@ -126,6 +127,10 @@ class MemberSide:
     _first_stamp: int
     _deadline_of: dict[int, float]
     _spreads: collections.deque[float]
+
+
+class MemberSide(HandleState):
+    """The membership side of :class:`~.partial.PartialAllreduce` (module doc)."""
 
     # the handle's own (this class is a part of it)
     def _on_complete(self, e: int) -> None:

@@ -26,9 +26,6 @@ for size; the handle's state is declared here for the type checker and set by th
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import threading
 from typing import Any
 
 import numpy as np
@@ -38,7 +35,6 @@ from ..collectives.partial import (
     EXPIRED,
     LATE,
     SNAPSHOTS,
-    DeadlineConfig,
     arrival_spread,
     decode_arrivals,
     decode_expired,
@@ -48,62 +44,15 @@ from ..collectives.partial import (
     next_deadline,
 )
 from ..results import PartialResult
-from ..sched import Executor, Kernel, LiveOps, Schedule, TraceWriter
-from ..transport.base import Transport
-from .contribution import Contribution
-from .partial_member import Survives
-from .shm import PartialSegments
+from .partial_member import HandleState
 
 __all__ = ["KeptResults"]
 
 _NONE: frozenset[int] = frozenset()
 
 
-class KeptResults:
+class KeptResults(HandleState):
     """Results kept and handed out, and deadlines (module doc)."""
-
-    # the handle's state these methods use (:class:`~.partial.PartialAllreduce` sets it)
-    name: str
-    kind: str
-    rank: int
-    world_size: int
-    quorum: int | None
-    seed: int
-    timeout: float | None
-    accumulate: bool | str
-    deadline_config: DeadlineConfig | None
-    next_deadline: float | None
-    schedule: Schedule
-    _ex: Executor
-    _lock: threading.RLock
-    _closed: bool
-    _busy: bool
-    _contribution: Contribution
-    _like: Any
-    _meta: Any
-    _state: Any
-    _bufs: dict[str, Any]
-    _kernels: dict[str, Kernel]
-    _transport: Transport
-    _live: LiveOps | None
-    _writer: TraceWriter | None
-    _segments: PartialSegments | None
-    _route: asyncio.Future[None] | None
-    _survival: Survives | None
-    _value: Any
-    _vmeta: Any
-    _vold: tuple[int, list[int]] | None
-    _given: int
-    _round: int
-    _stamps: slice
-    _takes: collections.deque[tuple[PartialResult, Any, Any, int]]
-    _flushing_seen: int
-    _wait_round: int
-    _wait_included: bool
-    _wait_stamp: int
-    _first_stamp: int
-    _deadline_of: dict[int, float]
-    _spreads: collections.deque[float]
 
     # the handle's own (this class is a part of it)
     def _force(self, e: int) -> None:

@@ -9,7 +9,7 @@ is lost, rebuild their schedules for the smaller world and go on, without an err
   rank's no more than it made, and the same counts on every survivor.
 * **Training**: eager-SGD with solo, majority and quorum, and backup workers, keep training on
   3 ranks after rank 3 dies; with ``accumulate=True`` (and no parameter averaging at the end)
-  the survivors' replicas are equal, and training converges.
+  the survivors' replicas are equal to the bit, and training converges.
 
 Real processes over loopback tcp, started without the launcher.
 """
@@ -117,8 +117,8 @@ def test_contributions_are_counted_exactly_once(tmp_path: Path, kind: str, kill:
 def test_eager_sgd_trains_on_without_the_lost_rank(tmp_path: Path, kind: str) -> None:
     got = _run(tmp_path, f"train:{kind}", "3")
     ws = [np.array(o["w"]) for o in got.values()]
-    for w in ws[1:]:
-        np.testing.assert_allclose(w, ws[0], rtol=1e-10, atol=1e-12)
+    for w in ws[1:]:  # replicas equal to the bit after a survived loss (JSON keeps float64)
+        assert w.tobytes() == ws[0].tobytes()
     for o in got.values():
         assert o["size"] == 3
         assert o["excess"] < 0.2, o["excess"]
