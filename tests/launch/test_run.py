@@ -121,7 +121,8 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(
 
 @pytest.mark.timeout(60)
 def test_sigint_stops_all_ranks_cleanly(job: list[Job], tmp_path: Path) -> None:
-    j = start(job, tmp_path, ["-n", "3", WORKER, "sleep"])
+    # --verbose: each rank's own output after Ctrl-C (else one launcher line per rank)
+    j = start(job, tmp_path, ["-n", "3", "--verbose", WORKER, "sleep"])
     pids = j.wait_for_ranks(3)
     time.sleep(0.3)  # let the ranks reach their sleep
     j.proc.send_signal(signal.SIGINT)
