@@ -262,12 +262,12 @@ def test_groups_probe_and_index_process_ids_by_group_rank() -> None:
 
 # -- a rank whose probe cannot read (or write) a peer ----------------------------------------
 async def _refuse_main(rank: int, P: int, port: int, how: str) -> dict[str, Any]:
-    from asynccoll.comm import dense
+    from asynccoll.comm import shm_ops
 
     if rank == P - 1:
         def refuse(*args: Any) -> None:
             raise PermissionError(1, "Operation not permitted")
-        setattr(dense, how, refuse)  # only the probe calls these through dense
+        setattr(shm_ops, how, refuse)  # only the probe calls these through shm_ops
     comm = await _connect(rank, P, port)
     got: dict[str, Any] = {"bad": []}
     async with comm:
