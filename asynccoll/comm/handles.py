@@ -348,7 +348,7 @@ class PartialCollectives(Grouping):
             like_kind=like_kind, shm_token=token))
         h.clock_offset = self.clock_offset
         if survives:
-            h.follow(Survival(h, self))
+            self._engine.call(lambda: h.follow(Survival(h, self)))
         self._handles[name] = h
         return h
 

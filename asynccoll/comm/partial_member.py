@@ -71,6 +71,8 @@ class Survives(Protocol):
 
     async def recover(self) -> None: ...
 
+    def start(self) -> None: ...
+
     def cancel(self) -> None: ...
 
 
@@ -300,11 +302,14 @@ class MemberSide(HandleState):
         """Go on without lost ranks through ``survival`` (:mod:`.survival`, which drives the
         membership side below: :meth:`result_buffers`, :meth:`complete_settled`,
         :meth:`put_back`, :meth:`rebuild`). A loss learned before (the handle made while a
-        rank was dying) fails the executor with it now, so that the first call recovers."""
+        rank was dying) fails the executor with it now and starts the recovery, as a loss
+        learned later would. On the runtime's loop."""
         self._survival = survival
         lost = survival.comm.membership.lost
-        if lost is not None and self._ex.error is None:
-            self._ex.abort(PeerLostError(lost.rank, lost.reason))
+        if lost is not None:
+            if self._ex.error is None:
+                self._ex.abort(PeerLostError(lost.rank, lost.reason))
+            survival.start()
 
     async def _survive(self) -> None:
         assert self._survival is not None

@@ -134,6 +134,12 @@ class Survival:
         once, on the runtime's loop, whether or not a call is under way, so that every
         survivor's every surviving handle recovers without waiting for its caller (handles
         called in different orders on different ranks would otherwise wait on each other)."""
+        self.start()
+
+    def start(self) -> None:
+        """Start the recovery now, on the runtime's loop, unless one is under way or the
+        handle has nothing to recover from (also for a handle made after the loss was
+        learned: :meth:`PartialAllreduce.follow <.partial.PartialAllreduce.follow>`)."""
         h = self.handle
         if self._task is None and h.survivable(h.failure):
             self._task = asyncio.ensure_future(self._recover())

@@ -302,12 +302,22 @@ async def test_group_refuses_float_and_numpy_bool_ranks() -> None:
 
 # -- surviving handles (logic) ---------------------------------------------------------------
 @pytest.mark.timeout(30)
-async def test_a_handle_made_after_the_loss_raises_until_shrink() -> None:
+async def test_a_handle_made_after_the_loss_goes_on_without_it() -> None:
+    # (before, creation raised PeerLostError until shrink; a surviving handle made after the
+    # loss now takes part in the recovery, even called one rank after the other)
     async with local_world(3, "tcp", timeout=5) as cs:
         _fast(cs, survive=True)
         await _lose(cs[2])
+        late = [c.partial_allreduce("solo", like=np.ones(2), accumulate=True) for c in cs[:2]]
+        got = [await h(np.ones(2), timeout=10) for h in late]
+        fl = await asyncio.gather(*(h.flush(timeout=10) for h in late))
+        for r, f in zip(got, fl, strict=True):
+            assert r.lost == frozenset({2})
+            assert r.world_size == 2
+            assert np.array_equal(r.value + f.value, [2.0, 2.0])
+        # a communicator made after the loss raises until shrink (synchronous collectives)
         with pytest.raises(asynccoll.PeerLostError):
-            cs[0].partial_allreduce("solo", like=np.ones(2))
+            cs[0].partial_allreduce("solo", like=np.ones(2), survive=False)
         gs = await asyncio.gather(cs[0].shrink(3), cs[1].shrink(3))
         hs = [g.partial_allreduce("solo", like=np.ones(2), accumulate=True) for g in gs]
         acc = [(await h(np.ones(2))).value for h in hs]
