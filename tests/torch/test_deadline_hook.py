@@ -49,7 +49,8 @@ async def test_deadline_hook_cuts_a_straggler_and_conserves_gradients() -> None:
                 futs.append(states[r].reduce(Bucket(grad(r, s), params[r])))
             for r, f in enumerate(futs):
                 applied[r] += await asyncio.to_thread(f.wait)
-        held = await asyncio.gather(*(asyncio.to_thread(st.finish) for st in states))
+        # finish(None): the in-flight gradients into .grad, for the check below to apply
+        held = await asyncio.gather(*(asyncio.to_thread(st.finish, None) for st in states))
         assert len(set(held)) == 1
         for r in range(P):
             g = params[r][0].grad
