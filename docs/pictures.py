@@ -109,7 +109,36 @@ def _bench(script: str, results: str | None = None) -> Callable[[Path], None]:
 
 
 #: file name in docs/img -> how it is drawn (the doc that shows it says the same command)
+def _shm_leaks(out: Path) -> None:
+    """docs/benchmarks.md's shm_leaks table as bars (``python bench/shm_leaks.py --trials 20``,
+    2026-11-29: 0 bytes left in every trial; the trials where the launcher unlinked what the
+    ranks' own cleanup left)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = ["plain", "CMA off", "comm.empty", "partial", "sparse\npartial", "mixed",
+             "launcher\nSIGTERM", "launcher\nSIGKILL"]
+    unlinked = [0, 0, 0, 1, 0, 2, 0, 0]
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    ax.bar(range(len(cases)), [20] * len(cases), color="#9ecae1",
+           label="trials, 0 bytes left after exit")
+    ax.bar(range(len(cases)), unlinked, color="#e6550d",
+           label="trials where the launcher unlinked what the ranks left")
+    ax.set_xticks(range(len(cases)), cases, fontsize=8)
+    ax.set_ylabel("trials (of 20)")
+    ax.set_ylim(0, 28)
+    ax.set_title("bench/shm_leaks.py --trials 20: bytes left in shared memory, per case "
+                 "(3 ranks)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", ncol=2, framealpha=0.9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 PICTURES: dict[str, Callable[[Path], None]] = {
+    "shm-leaks.png": _shm_leaks,
     "inspect-solo-p8-rank0.png": _schedule("solo", "--rank", "0"),
     "inspect-allreduce-p8.png": _schedule("allreduce", "--algorithm", "recursive_doubling"),
     "inspect-solo-trace.png": _trace,
