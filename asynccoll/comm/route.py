@@ -38,9 +38,8 @@ from ..errors import CollectiveTimeoutError
 from ..transport.base import Transport
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
-from .shm import SHM_DIR
 
-__all__ = ["Layout", "Router", "Switches", "agree_flags", "free_bytes", "shm_flag"]
+__all__ = ["Layout", "Router", "Switches", "agree_flags", "shm_flag"]
 
 #: the paths a plan names
 NETWORK, SHM, HIER = "network", "shm", "hier"
@@ -98,16 +97,6 @@ def shm_flag(shm: Any) -> bool | None:
     if shm is not None and not isinstance(shm, (bool, np.bool_)):
         raise ValueError(f"shm must be True, False or None, got {shm!r}")
     return None if shm is None else bool(shm)
-
-
-def free_bytes(directory: str = SHM_DIR) -> int:
-    """The bytes free for an unprivileged user in ``directory``'s file system (0 when it
-    cannot be read): what new segments can still take, not the tmpfs's size."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
 
 
 class Router:
