@@ -30,6 +30,17 @@ EXPECTED = {
     "connect",
     "init",
     "register_kernel",
+    # straggler policies as values (asynccoll.collectives.policy)
+    "Accumulate",
+    "Backup",
+    "Deadline",
+    "Majority",
+    "Policy",
+    "Quorum",
+    "Solo",
+    "Sync",
+    "TwoChoice",
+    "as_policy",
     # sparse allreduce (asynccoll.collectives.sparse, .feedback)
     "ErrorFeedback",
     "SparseAllreduceHandle",
