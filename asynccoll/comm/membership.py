@@ -86,7 +86,7 @@ class Membership:
         #: every rank this rank learned is lost
         self.gone: set[int] = set()
         self._closing: Callable[[], bool] = lambda: False
-        self._sent = 0
+        self._sent: dict[int, int] = {}  # per peer: the loss notices sent to it
         self._recvs: dict[int, asyncio.Future[Message]] = {}
         self._asks: dict[int, asyncio.Future[Message]] = {}
         self._probes = 0
@@ -98,6 +98,11 @@ class Membership:
         #: ``cb(rank)`` for each rank learned lost, after the executions were failed (on the
         #: transport's loop; a surviving partial handle starts its recovery there)
         self.listeners: list[Callable[[int], None]] = []
+        #: ``cb(rank)`` each time a new process took lost ``rank``'s place (on the transport's
+        #: loop, after this membership forgot the loss; :mod:`.joining`)
+        self.join_listeners: list[Callable[[int], None]] = []
+        #: the ranks whose place a new process took, in order (a rank may come back twice)
+        self.rejoined: list[int] = []
 
     @property
     def _peers(self) -> list[int]:
@@ -110,6 +115,7 @@ class Membership:
         whether the communicator is closing (a peer that leaves then is no loss)."""
         self._closing = closing
         self.transport.on_peer_lost(self._on_peer_lost)
+        self.transport.on_peer_joined(self._on_peer_joined)
         for r in self._peers:
             self._post_recv(r, 0)
             self._post_ask(r, 0)
@@ -118,6 +124,32 @@ class Membership:
             fut = self.transport.post_recv(r, AGREE_ASK, r, 0)
             fut.add_done_callback(functools.partial(self._on_agree_ask, r))
             self._agree_asks.append(fut)
+
+    def _on_peer_joined(self, rank: int) -> None:
+        """A new process took lost ``rank``'s place (the transport admitted it): forget the
+        loss (and the first loss learned, when it was this one), listen to the new process
+        from its first notice on, and tell the join listeners. The executions failed by the
+        loss stay failed, and the survivors' agreement stands (:meth:`agree` decides once per
+        communicator: ``shrink`` keeps returning the survivors' communicator); who trains with
+        the new process is agreed by the handles' own admission (:mod:`.joining`), on a
+        communicator of its own."""
+        if self._closing():
+            return
+        self.gone.discard(rank)
+        if self.lost is not None and self.lost.rank == rank:
+            self.lost = None if not self.gone else PeerLostError(
+                min(self.gone), "lost (an earlier loss; another rank rejoined since)")
+        self._sent[rank] = 0
+        self._post_recv(rank, 0)
+        self._post_ask(rank, 0)
+        self.rejoined.append(rank)
+        log.warning("rank %d: a restarted process took the place of lost rank %d",
+                    self.transport.rank, rank)
+        for cb in list(self.join_listeners):
+            try:
+                cb(rank)
+            except Exception:  # a listener's bug must not stop the others
+                log.exception("rank %d: a join listener failed", self.transport.rank)
 
     def stop(self) -> None:
         """Stop listening for notices and probes (the communicator closes)."""
@@ -233,12 +265,7 @@ class Membership:
             log.warning("rank %d: rank %d lost (%s); failing every collective", t.rank,
                         exc.rank, exc.reason)
         if tell:
-            note = np.array([exc.rank], np.int64).data.cast("B")
-            for r in self._peers:
-                if r != exc.rank:
-                    t.post_frame(r, int(Kind.DATA), LOST_SCHED, self._sent, 0,
-                                 note).add_done_callback(ignore_outcome)
-            self._sent += 1
+            self._notify(exc.rank)
         if first:
             # the post-mortem: this rank's last collectives, into its trace (when it traces)
             try:
@@ -256,12 +283,19 @@ class Membership:
     def announce_leaving(self) -> None:
         """Tell every peer that this rank leaves without a goodbye (an abort), as a broken
         connection would: for a group, whose connections are its parent's and stay up."""
+        self._notify(self.transport.rank)
+
+    def _notify(self, lost: int) -> None:
+        """Send every peer but ``lost`` a loss notice naming ``lost`` (numbered per peer:
+        a process that took a lost rank's place counts them from 0)."""
         t = self.transport
-        note = np.array([t.rank], np.int64).data.cast("B")
+        note = np.array([lost], np.int64).data.cast("B")
         for r in self._peers:
-            t.post_frame(r, int(Kind.DATA), LOST_SCHED, self._sent, 0,
-                         note).add_done_callback(ignore_outcome)
-        self._sent += 1
+            if r != lost:
+                seq = self._sent.get(r, 0)
+                self._sent[r] = seq + 1
+                t.post_frame(r, int(Kind.DATA), LOST_SCHED, seq, 0,
+                             note).add_done_callback(ignore_outcome)
 
     # -- the survivors' agreement -----------------------------------------------------------
     def _on_agree_ask(self, src: int, fut: asyncio.Future[Message]) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from ..buffers import as_bytes
-from ..errors import PeerLostError, ProtocolError, TransportClosedError
+from ..errors import PeerLostError, ProtocolError, TransportClosedError, TransportError
 from .frames import PROTOCOL_VERSION, Format, Header, Limits, Message
 from .liveness import Liveness
 from .matching import Matcher, Slot
@@ -77,7 +77,13 @@ class Transport(abc.ABC):
         self._listening = False
         self._closed = False
         self._loss_listeners: list[Callable[[int, PeerLostError], None]] = []
+        self._join_listeners: list[Callable[[int], None]] = []
         self._liveness: Liveness | None = None
+        #: whether a new process may take a lost rank's place (it proves the job's secret and
+        #: claims the rank; :meth:`rejoin`). Off by default: the communicator turns it on when
+        #: its partial collectives survive losses (``survive``), where a restarted rank can be
+        #: admitted again (docs/groups.md, "Joining").
+        self.admit_rejoins = False
 
     @property
     @abc.abstractmethod
@@ -99,6 +105,49 @@ class Transport(abc.ABC):
         """Stop calling ``callback`` (:meth:`on_peer_lost`); ``ValueError`` if it was not
         there."""
         self._loss_listeners.remove(callback)
+
+    def on_peer_joined(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(rank)`` on the transport's loop each time a new process took the
+        place of lost ``rank`` (:attr:`admit_rejoins`): its frames are matched afresh from
+        then on."""
+        self._join_listeners.append(callback)
+
+    def off_peer_joined(self, callback: Callable[[int], None]) -> None:
+        """Stop calling ``callback`` (:meth:`on_peer_joined`)."""
+        self._join_listeners.remove(callback)
+
+    def _peer_joined(self, rank: int) -> None:
+        """For the backends: a new process is connected as lost ``rank``."""
+        self.matcher.readmit(rank)
+        log.info("rank %d: a new process took the place of lost rank %d", self.rank, rank)
+        for cb in list(self._join_listeners):
+            try:
+                cb(rank)
+            except Exception:  # a listener's bug must not break the transport
+                log.exception("rank %d: a peer-join listener failed", self.rank)
+
+    async def rejoin(self, peers: Mapping[int, str], timeout: float = 30.0) -> list[int]:
+        """Take the place of this rank in a running job: connect to every peer in ``peers``
+        that answers within ``timeout`` seconds (each must have lost this rank and admit
+        rejoins, :attr:`admit_rejoins`); returns the ranks reached, the others are lost here.
+
+        Used by :func:`asynccoll.connect` in a restarted process (``ASYNCCOLL_RESTART``).
+        Raises :class:`~asynccoll.TransportError` for a transport that cannot rejoin,
+        :class:`PeerLostError` when no peer is reached.
+        """
+        if self._closed:
+            raise TransportClosedError("transport closed")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        for rank in peers:
+            if not 0 <= rank < self.world_size:
+                raise ValueError(f"peers: rank {rank} outside 0..{self.world_size - 1}")
+        return await self._rejoin({r: a for r, a in peers.items() if r != self.rank}, timeout)
+
+    async def _rejoin(self, peers: Mapping[int, str], timeout: float) -> list[int]:
+        """The backend's rejoin (:meth:`rejoin`); only tcp has one so far."""
+        raise TransportError(f"transport {self.scheme!r} cannot rejoin a running job; restart "
+                             "ranks over tcp (ASYNCCOLL_TRANSPORT=tcp)")
 
     def start_liveness(self, seconds: float) -> None:
         """Probe every peer and drop one silent for ``seconds`` as lost (:mod:`.liveness`).

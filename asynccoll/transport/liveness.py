@@ -111,9 +111,14 @@ class Liveness:
         # our own loop was held up: what the peers sent meanwhile is not read yet
         stalled = elapsed > 2 * self.interval
         for r in range(t.world_size):
-            if r == t.rank or t.matcher.is_lost(r):
+            if r == t.rank:
                 continue
-            if r in heard or stalled:
+            if r in heard or stalled or t.matcher.is_lost(r):
+                # (a lost rank's count starts afresh: a process that takes its place later,
+                # :meth:`~.base.Transport.on_peer_joined`, is not dropped for the old one's
+                # silence)
+                self._silent[r] = 0.0
+                continue
                 self._silent[r] = 0.0
                 continue
             self._silent[r] += elapsed

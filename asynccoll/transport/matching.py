@@ -318,17 +318,8 @@ class Matcher:
     def drop(self, rank: int, err: ProtocolError) -> None:
         """Release everything ``rank`` made this rank hold, at once, and refuse its later
         frames with ``err`` (its connection is closing; the transport fails its receives)."""
-        acct = self._accounts.pop(rank, None)
-        if acct is not None:
-            acct.open = False
-            self._charged -= acct.bytes
-            acct.bytes = 0
+        self._release_peer(rank)
         self._dropped[rank] = err
-        for key in [k for k in self._held if k[0] == rank]:
-            for _, data in self._held.pop(key):
-                self._held_bytes -= len(data)
-                self._held_count -= 1
-            self._unindex(key)
 
     def _bound(self, header: Header, limit: int, what: str) -> None:
         """Refuse (ProtocolError: the transport drops the peer) a payload over ``limit``
@@ -394,6 +385,28 @@ class Matcher:
                 fail_quietly(p.fut, exc)
             self._unindex(key)
         return failed
+
+    def readmit(self, rank: int) -> None:
+        """A new process took lost ``rank``'s place (:meth:`.base.Transport.on_peer_joined`):
+        forget the old one, its loss, its account and the frames of it held here, so that the
+        new one's frames, numbered afresh, never meet the old one's."""
+        self._lost.pop(rank, None)
+        self._dropped.pop(rank, None)
+        self._release_peer(rank)
+        self._heard.discard(rank)
+
+    def _release_peer(self, rank: int) -> None:
+        """Close ``rank``'s account and throw away the frames of it held here."""
+        acct = self._accounts.pop(rank, None)
+        if acct is not None:
+            acct.open = False
+            self._charged -= acct.bytes
+            acct.bytes = 0
+        for key in [k for k in self._held if k[0] == rank]:
+            for _, data in self._held.pop(key):
+                self._held_bytes -= len(data)
+                self._held_count -= 1
+            self._unindex(key)
 
     def close(self, exc: BaseException | None = None) -> None:
         """Fail every posted receive; later posts fail at once."""

@@ -165,6 +165,56 @@ class TcpTransport(Transport):
                            exc) from exc
             return
 
+    async def _rejoin(self, peers: Mapping[int, str], timeout: float) -> list[int]:
+        # A process taking a lost rank's place dials every peer, whatever its rank: a member
+        # accepts it because it lost this rank (admit_rejoins). A member that has not noticed
+        # the loss yet refuses ("already connected"): retried until the deadline. Nobody
+        # listening at a peer's address (ECONNREFUSED: its process is gone) makes that peer
+        # lost here at once; a peer that restarts too dials this one when it joins. A peer of
+        # lower rank that is itself rejoining refuses a dial from above and dials this rank
+        # (lower dials higher, as always), which ends the dial loop here.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        jobs = [self._dial_rejoin(r, a, deadline) for r, a in peers.items()]
+        got = await asyncio.gather(*jobs)
+        reached = [r for r, ok in zip(peers, got, strict=True) if ok]
+        if peers and not reached:
+            raise lost(min(peers), f"no rank of the job answered within {timeout} s")
+        return sorted(reached)
+
+    async def _dial_rejoin(self, rank: int, addr: str, deadline: float) -> bool:
+        host, port = _host_port(addr)
+        loop = asyncio.get_running_loop()
+        delay = 0.005
+        while rank not in self._conns:
+            if self._closed:
+                raise TransportClosedError("transport closed")
+            conn = TcpConnection(self, rank, self._secret)
+            try:
+                await asyncio.wait_for(loop.create_connection(_factory(conn), host, port),
+                                       max(deadline - loop.time(), 0.001))
+                await asyncio.wait_for(asyncio.shield(conn.ready),
+                                       max(deadline - loop.time(), 0.001))
+                return True
+            except ConnectionRefusedError as exc:
+                if rank in self._conns:  # it dialed us meanwhile
+                    return True
+                self._lost[rank] = lost(rank, f"nobody listens at {addr}", exc)
+                self.matcher.fail_peer(rank, self._lost[rank])
+                return False
+            except (OSError, asyncio.TimeoutError, AuthenticationError, PeerLostError) as exc:
+                conn.abort(AuthenticationError("rejoin dial abandoned"))
+                if loop.time() + delay >= deadline:
+                    if rank in self._conns:
+                        return True
+                    self._lost[rank] = lost(rank, f"did not admit this rank within the "
+                                                  f"rejoin timeout ({exc})", exc)
+                    self.matcher.fail_peer(rank, self._lost[rank])
+                    return False
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(2 * delay, 0.5)
+        return True
+
     async def _await_inbound(self, rank: int, deadline: float, timeout: float) -> None:
         if rank in self._conns:
             return
@@ -218,19 +268,25 @@ class TcpTransport(Transport):
             return
         self._pending.add(conn)
 
+    def may_rejoin(self, rank: int) -> bool:
+        return self.admit_rejoins and rank in self._lost
+
     def check_peer(self, rank: int) -> None:
         if self.closed:
             raise AuthenticationError("transport closed")
         if rank in self._conns:
             raise AuthenticationError(f"rank {rank} is already connected")
-        if rank in self._lost:
-            raise AuthenticationError(f"rank {rank} was lost; reconnecting is not supported")
+        if rank in self._lost and not self.admit_rejoins:
+            raise AuthenticationError(f"rank {rank} was lost, and this job does not admit "
+                                      "restarted ranks (asynccoll run --max-restarts)")
 
     def connection_ready(self, conn: TcpConnection) -> None:
         self.check_peer(conn.peer)
         self._pending.discard(conn)
         self._conns[conn.peer] = conn
         self.stats.connections += 1
+        if self._lost.pop(conn.peer, None) is not None:
+            self._peer_joined(conn.peer)  # a new process in a lost rank's place
         w = self._waiters.pop(conn.peer, None)
         if w is not None and not w.done():
             w.set_result(None)

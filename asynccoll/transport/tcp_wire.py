@@ -87,6 +87,10 @@ class ConnectionOwner(Protocol):
     def connection_opened(self, conn: TcpConnection) -> None:
         """``conn`` is open and starts its handshake."""
 
+    def may_rejoin(self, rank: int) -> bool:
+        """Whether a new process may take lost ``rank``'s place."""
+        ...
+
     def check_peer(self, rank: int) -> None:
         """Raise :class:`AuthenticationError` unless a connection of ``rank`` may be admitted
         (asked before the handshake proves anything, to refuse early)."""
@@ -397,10 +401,15 @@ class TcpConnection(asyncio.BufferedProtocol):
             if hello.world_size != o.world_size:
                 raise AuthenticationError(f"peer has world size {hello.world_size}, "
                                           f"this rank {o.world_size}")
-            if not 0 <= hello.rank < o.rank or hello.wanted != o.rank:
+            if 0 <= hello.rank < o.world_size and hello.rank != o.rank:
+                o.check_peer(hello.rank)  # says why first: connected already, lost for good
+            if not 0 <= hello.rank < o.world_size or hello.rank == o.rank \
+                    or hello.wanted != o.rank \
+                    or (hello.rank > o.rank and not o.may_rejoin(hello.rank)):
                 raise AuthenticationError(
                     f"peer claims rank {hello.rank} and wants rank {hello.wanted}; rank "
-                    f"{o.rank} accepts connections from ranks 0..{o.rank - 1} only")
+                    f"{o.rank} accepts connections from ranks 0..{o.rank - 1} only (and "
+                    "from a process taking a lost rank's place, when rejoins are admitted)")
             o.check_peer(hello.rank)
             self._nonce_c = hello.nonce
             self._nonce_a = auth.new_nonce()

@@ -1,0 +1,142 @@
+"""tcp: a new process takes a lost rank's place (``Transport.rejoin``, ``admit_rejoins``).
+
+Real sockets on 127.0.0.1; the ranks are transports of one process, so that the test can close
+one (its peers see the connection end, as when a process dies) and start another in its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from asynccoll.errors import PeerLostError, TransportError
+from asynccoll.transport.frames import Kind
+from asynccoll.transport.inproc import InprocTransport
+from asynccoll.transport.tcp import TcpTransport
+
+SECRET = b"r" * 32
+SCHED = 5
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _world(n: int) -> tuple[list[TcpTransport], dict[int, str]]:
+    ts = [TcpTransport(r, n, secret=SECRET) for r in range(n)]
+    addrs = {t.rank: await t.listen("tcp://127.0.0.1:0") for t in ts}
+    await asyncio.gather(*(t.connect({r: a for r, a in addrs.items() if r != t.rank}, timeout=10)
+                           for t in ts))
+    return ts, addrs
+
+
+async def _lose(ts: list[TcpTransport], victim: int) -> list[int]:
+    """Close ``victim``'s transport; wait until every other one saw it lost."""
+    seen: list[int] = []
+    done = asyncio.Event()
+
+    def on_lost(rank: int, exc: PeerLostError) -> None:
+        seen.append(rank)
+        if len(seen) == len(ts) - 1:
+            done.set()
+
+    for t in ts:
+        if t.rank != victim:
+            t.on_peer_lost(on_lost)
+    await ts[victim].close()
+    await asyncio.wait_for(done.wait(), 10)
+    return seen
+
+
+async def _ping(a: TcpTransport, b: TcpTransport, execution: int) -> bytes:
+    data = np.arange(4, dtype=np.int64) + 100 * a.rank + execution
+    fut = b.post_recv(a.rank, SCHED, execution, 0)
+    a.post_frame(b.rank, int(Kind.DATA), SCHED, execution, 0, data.data.cast("B"))
+    msg = await asyncio.wait_for(fut, 10)
+    return bytes(msg.payload)
+
+
+async def test_a_new_process_takes_a_lost_ranks_place_when_rejoins_are_admitted() -> None:
+    ts, addrs = await _world(4)
+    try:
+        for t in ts:
+            t.admit_rejoins = True
+        joined: list[tuple[int, int]] = []
+        for t in ts:
+            t.on_peer_joined(lambda r, me=t.rank: joined.append((me, r)))
+        # a frame of the old rank 2 held at rank 0, never received: it must not reach the new
+        # process's receive of the same key
+        ts[2].post_frame(0, int(Kind.DATA), SCHED, 7, 0, memoryview(b"old!"))
+        await asyncio.sleep(0.2)
+        assert ts[0].matcher.held_count == 1
+        assert await _lose(ts, 2) == [2, 2, 2]
+        new = TcpTransport(2, 4, secret=SECRET)
+        await new.listen("tcp://127.0.0.1:0")
+        reached = await new.rejoin({r: a for r, a in addrs.items() if r != 2}, timeout=10)
+        assert reached == [0, 1, 3]
+        await asyncio.sleep(0.1)
+        assert sorted(joined) == [(0, 2), (1, 2), (3, 2)]
+        assert ts[0].matcher.held_count == 0  # the old process's frame is gone
+        ts[2] = new
+        for a in ts:  # every pair talks, both ways, the new process included
+            for b in ts:
+                if a is not b:
+                    want = (np.arange(4, dtype=np.int64) + 100 * a.rank + 7).tobytes()
+                    assert await _ping(a, b, 7) == want
+    finally:
+        await asyncio.gather(*(t.close() for t in ts))
+
+
+async def test_a_lost_rank_stays_lost_unless_rejoins_are_admitted() -> None:
+    ts, addrs = await _world(3)
+    try:
+        await _lose(ts, 1)
+        new = TcpTransport(1, 3, secret=SECRET)
+        await new.listen("tcp://127.0.0.1:0")
+        with pytest.raises(PeerLostError, match="no rank of the job answered"):
+            await new.rejoin({r: a for r, a in addrs.items() if r != 1}, timeout=1.5)
+        await new.close()
+        assert ts[0].stats.reasons and "does not admit restarted ranks" in ts[0].stats.reasons[-1]
+    finally:
+        await asyncio.gather(*(t.close() for t in ts))
+
+
+async def test_a_rank_nobody_listens_for_is_lost_at_once_to_the_joiner() -> None:
+    ts, addrs = await _world(3)
+    try:
+        for t in ts:
+            t.admit_rejoins = True
+        await _lose(ts, 1)
+        await ts[2].close()  # rank 2 is gone too: nothing listens at its address
+        new = TcpTransport(1, 3, secret=SECRET)
+        await new.listen("tcp://127.0.0.1:0")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await new.rejoin({0: addrs[0], 2: addrs[2]}, timeout=20) == [0]
+        assert loop.time() - t0 < 5  # refused, not waited out
+        assert new.matcher.is_lost(2)
+        ts[1] = new
+    finally:
+        await asyncio.gather(*(t.close() for t in ts))
+
+
+async def test_a_stranger_cannot_take_a_lost_ranks_place() -> None:
+    ts, addrs = await _world(3)
+    try:
+        for t in ts:
+            t.admit_rejoins = True
+        await _lose(ts, 2)
+        stranger = TcpTransport(2, 3, secret=b"x" * 32)
+        await stranger.listen("tcp://127.0.0.1:0")
+        with pytest.raises(PeerLostError):
+            await stranger.rejoin({0: addrs[0], 1: addrs[1]}, timeout=1.5)
+        await stranger.close()
+        assert all(t.matcher.is_lost(2) for t in ts[:2])  # still lost: nobody was admitted
+    finally:
+        await asyncio.gather(*(t.close() for t in ts))
+
+
+async def test_rejoin_is_refused_by_a_transport_that_cannot() -> None:
+    t = InprocTransport(0, 2)
+    with pytest.raises(TransportError, match="cannot rejoin"):
+        await t.rejoin({1: "inproc://x/1"}, timeout=1)
