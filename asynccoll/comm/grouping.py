@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -51,6 +51,10 @@ class Grouping:
     _group_key: str
     _shrunk: Any
     _parent: Any
+    #: whether this process took a lost rank's place in a running job (``connect()`` in a
+    #: process restarted by ``asynccoll run --max-restarts``): its training classes receive
+    #: the state from the members before they contribute (:mod:`.joining`)
+    joined: bool = False
 
     @property
     def rank(self) -> int:
@@ -193,6 +197,47 @@ class Grouping:
         log.info("rank %d: shrunk to %d ranks (lost %s); rank %d of the new communicator",
                  self.rank, len(members), sorted(lost), shrunk.rank)
         return shrunk
+
+    async def on_runtime(self, fn: Callable[[], T]) -> T:
+        """Run the plain function ``fn`` on the runtime's loop (for objects bound to it:
+        futures of the transport, handles' membership side) and return what it returns."""
+        self._check_open()
+        return self._engine.call(fn)
+
+    async def run_on_runtime(self, make: Callable[[], Coroutine[Any, Any, T]],
+                             timeout: float | None) -> T:
+        """Await the coroutine ``make()`` on the runtime's loop, at most ``timeout`` seconds
+        (``asyncio.TimeoutError`` after; ``None``: no limit)."""
+
+        async def bounded() -> T:
+            return await asyncio.wait_for(make(), timeout)
+
+        return await self._run(bounded())
+
+    @property
+    def job(self: G) -> G:
+        """The job's communicator (the outermost one: this one, unless it is a group)."""
+        c = self
+        while c._parent is not None:
+            c = c._parent
+        return c
+
+    def rejoined_group(self: G, members: list[int], key: str) -> G:
+        """A communicator of the job's ranks ``members`` (sorted, this rank among them) keyed
+        ``key``, made without a collective: every member calls it with the same arguments at
+        the same point of the joining protocol (:mod:`.joining`), a process that took a lost
+        rank's place among them. Call it on the job's communicator (:attr:`job`). Its data
+        paths are the network's: the host layout of a process that took a lost rank's place
+        is not known to the others (the next start of the job sets shared memory up again)."""
+        if self._parent is not None:
+            raise ValueError("rejoined_group() is made from the job's communicator")
+        if self.rank not in members or sorted(set(members)) != list(members):
+            raise ValueError(f"members must be sorted distinct ranks with rank {self.rank}, "
+                             f"got {members}")
+        self._groups_made += 1
+        child = self._make_group(list(members), f"{self._group_key}/{key}")
+        child._dense.layout = None  # noqa: SLF001 - a communicator of its own class
+        return child
 
     @property
     def members(self) -> tuple[int, ...]:

@@ -161,6 +161,16 @@ class Survival:
                 if task.done() and self._task is task:
                     self._task = None
 
+    def moved_to(self, comm: Members) -> None:
+        """The handle goes on over ``comm``, a grown membership (:mod:`.joining`): the ranks
+        of the first communicator in it are no longer lost, and its losses are followed."""
+        alive = set(comm.members)
+        self.lost = frozenset(i for i, m in enumerate(self.first) if m not in alive)
+        self.comm = comm
+        comm.membership.listeners.append(self._on_loss)
+        self._mine = None
+        self._last = None
+
     def cancel(self) -> None:
         """Stop a recovery under way (the handle closes)."""
         if self._task is not None:

@@ -142,8 +142,16 @@ async def connect(rank: int | None = None, world_size: int | None = None,
         raise
     if trace is None:
         trace = os.environ.get("ASYNCCOLL_TRACE") or None
+    # A job whose partial collectives survive a loss takes restarted ranks back.
+    engine.call(lambda: setattr(t, "admit_rejoins", bool(survive)))
     comm = Communicator(t, progress=engine, timeout=ctimeout, trace=trace, stall_warn=stall,
                         survive=survive)
+    if spec.restart:
+        # Taking a lost rank's place: the members are busy with their own collectives; the
+        # training classes ask to be taken back (asynccoll.comm.joining). No clock exchange
+        # (arrival stamps here are this host's clock) and no host layout (network paths).
+        comm.joined = True
+        return comm
     try:
         await comm.sync_clocks()  # so that arrival times compare across hosts
     except BaseException:

@@ -77,6 +77,10 @@ class JobSpec:
     host_store: bool = False
     source: str = "explicit"
     store_via: str | None = None
+    #: how many times this rank was restarted (``ASYNCCOLL_RESTART``, set by ``asynccoll run
+    #: --max-restarts``): above 0, the process takes a lost rank's place in a running job
+    #: instead of meeting the others at the start (:func:`.rendezvous.rendezvous`)
+    restart: int = 0
 
 
 def _int(environ: Mapping[str, str], var: str, *, minimum: int) -> int | None:
@@ -281,9 +285,15 @@ def resolve(rank: int | None = None, world_size: int | None = None,
         host_store = r == 0 and w > 1 and environ.get("ASYNCCOLL_STORE_HOSTED") != "1"
     via = "torchrun" if (store is None and addr is not None and w > 1
                          and torchrun_agent_store(environ)) else None
+    restart = _int(environ, "ASYNCCOLL_RESTART", minimum=0) or 0
+    if restart and host_store:
+        raise ConfigError("ASYNCCOLL_RESTART", "a restarted rank cannot host the job's store "
+                                               "(the store must outlive every rank: run the "
+                                               "job under asynccoll run)")
     return JobSpec(rank=r, world_size=w, store=addr, secret=_secret(secret, environ),
                    transport=scheme, local_rank=local_rank, local_world_size=local_world,
-                   host=host, host_store=host_store, source=source, store_via=via)
+                   host=host, host_store=host_store, source=source, store_via=via,
+                   restart=restart)
 
 
 _SOURCE_OF = {"ASYNCCOLL_LOCAL_RANK": "asynccoll", "ASYNCCOLL_LOCAL_WORLD_SIZE": "asynccoll",

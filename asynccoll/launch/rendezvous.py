@@ -90,6 +90,8 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
     if spec.store is None:
         raise RendezvousError(f"a world of {world} ranks needs a store address")
     host, port = spec.store
+    if spec.restart:
+        return await _rejoin(spec, scheme, options, left)
     if generation is None:
         gkey = (host, port, rank)
         generation = _generations.get(gkey, 0)
@@ -163,6 +165,51 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
             await client.close()
         if server is not None:
             await server.close()
+
+
+async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
+                  left: Any) -> Transport:
+    """A restarted process (``spec.restart`` > 0) takes its rank's place in the running job:
+    it claims the rank's restart in the store (``rejoin/R/K``: two processes claiming one
+    restart fail), learns the job's salt and the members' addresses from the first
+    generation's keys, publishes its own address (a member restarted later dials it), and
+    dials every member (:meth:`~asynccoll.transport.base.Transport.rejoin`). The members admit
+    it only if they lost the rank and admit rejoins; the handles take it back later
+    (:mod:`asynccoll.comm.joining`)."""
+    assert spec.store is not None
+    host, port = spec.store
+    prefix = f"{PREFIX}0/"
+    rank, world = spec.rank, spec.world_size
+    client = await StoreClient.connect(host, port, spec.secret, timeout=left())
+    t: Transport | None = None
+    try:
+        claims = await client.add(f"{prefix}rejoin/{rank}/{spec.restart}", 1)
+        if claims > 1:
+            raise RendezvousError(f"restart {spec.restart} of rank {rank} is claimed by "
+                                  f"{claims} processes")
+        try:
+            salt = await client.get(f"{prefix}salt", timeout=left())
+        except StoreTimeoutError as exc:
+            raise RendezvousTimeoutError(f"rank {rank} was restarted (ASYNCCOLL_RESTART="
+                                         f"{spec.restart}) but the job never started", [0]
+                                         ) from exc
+        t = _make(scheme, rank, world, transport_secret(spec.secret, salt), options)
+        t.admit_rejoins = True
+        address = await t.listen(_listen_address(scheme, spec, salt))
+        await client.set(f"{prefix}addr/{rank}", address.encode())
+        values = await asyncio.gather(*(client.get(f"{prefix}addr/{r}", timeout=left())
+                                        for r in range(world) if r != rank))
+        peers = {r: v.decode() for r, v in zip((r for r in range(world) if r != rank), values,
+                                               strict=True)}
+        await t.rejoin(peers, timeout=left())
+        return t
+    except BaseException:
+        if t is not None:
+            with contextlib.suppress(Exception):
+                await t.close()
+        raise
+    finally:
+        await client.close()
 
 
 async def _wait(client: StoreClient, keys: list[str], timeout: float, what: str,

@@ -28,6 +28,9 @@ class StepInfo:
     * ``deadline``, ``deadline_expired``: as :class:`~asynccoll.PartialResult`'s (the
       deadline the round used, and whether it, not k arrivals, started the round; None
       unless the method runs a ``deadline`` partial allreduce).
+    * ``joined``: this step took this rank back into a running job (a restarted rank's first
+      step, :mod:`asynccoll.train.joining`): it received the parameters and contributed
+      nothing (its gradient was computed on the parameters it had before).
     """
 
     round: int
@@ -43,3 +46,4 @@ class StepInfo:
     latest_arrival: float | None = None
     deadline: float | None = None
     deadline_expired: bool | None = None
+    joined: bool = False

@@ -1,0 +1,131 @@
+"""The training classes' side of taking a lost rank back (:mod:`asynccoll.comm.joining`).
+
+A training class over a persistent partial allreduce (:class:`~.eager.EagerSGD` and its
+variants) admits restarted ranks at its **sync events** (a flush of the partial allreduce and
+an allreduce of the parameters, eager-SGD's model synchronisation): that is the flush boundary
+the protocol needs, and right after the parameter allreduce every member holds the same
+parameters. So:
+
+* a member that learned a restarted rank is ready triggers a sync event at its next step (as
+  a rank past ``sync_every`` does: every rank joins it);
+* the event's allreduce also sums one flag per rank of the job: the ranks ready on every
+  member are admitted, the same set everywhere;
+* the members make their optimizer state equal too (the momentum of the lowest member, one
+  broadcast, when there is any), grow the handle, and stripe the parameters, the optimizer
+  state and the step counters to the joiners; every rank checks a digest of the state;
+* a joiner's first :meth:`step` does the joining side (its gradient, computed on parameters it
+  had not yet received, is not contributed) and returns with ``StepInfo.joined`` set; from its
+  next step on it contributes, and ``step_count`` is the members' global step, so a loop
+  ``while opt.step_count < N`` runs unchanged on every rank, first start or restart.
+
+The members' pause is one sync event plus one stripe of the state each.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..comm import joining
+from .info import StepInfo
+
+if TYPE_CHECKING:
+    from ..comm.communicator import Communicator
+    from ..comm.partial import PartialAllreduce
+
+__all__ = ["TakesJoinersBack"]
+
+
+class TakesJoinersBack:
+    """The joining side of a training class (module doc). The class provides ``comm``,
+    ``params``, ``updater``, ``steps``, ``syncs``, ``timeout``, ``_h`` and ``_comm_now()``."""
+
+    comm: Communicator
+    params: Any
+    updater: Any
+    steps: int
+    syncs: int
+    timeout: float | None
+    _h: PartialAllreduce | None
+    _joiners: joining.Joiners | None = None
+    _joining: bool = False
+
+    def _comm_now(self) -> Communicator:
+        raise NotImplementedError
+
+    def _join_init(self) -> None:
+        """After the handle is made: members of a surviving job watch for restarted ranks; a
+        restarted process joins at its first step."""
+        if self._h is None or not self.comm.survive:
+            return
+        self._joiners = joining.Joiners(self.comm.job, self._h.name)
+        self._joining = bool(self.comm.joined)
+
+    @property
+    def step_count(self) -> int:
+        """The global step: this rank's steps, or, on a rank that joined, the members' count
+        when it joined plus its own steps since. Loop on it (``while opt.step_count < N``) and
+        a restarted rank goes on where the job is."""
+        return self.steps
+
+    def _join_slots(self) -> int:
+        """How many entries the sync event's allreduce carries for joining (0 or P)."""
+        return 0 if self._joiners is None else self.comm.job.size
+
+    def _join_wanted(self) -> bool:
+        """Whether a restarted rank is ready here and not yet admitted (trigger a sync)."""
+        return self._joiners is not None and self._joiners.waiting(self._comm_now().members)
+
+    def _join_flags(self, out: Any) -> None:
+        """Write this member's ready flags into ``out`` (the sync buffer's joining slots)."""
+        if self._joiners is not None:
+            out[...] = self._joiners.flags(self._comm_now().members)
+
+    def _has_momentum(self) -> bool:
+        """Whether the updater keeps a momentum buffer (made, zero, if it has none yet: the
+        state has the same arrays on every rank)."""
+        if not getattr(self.updater, "momentum", 0.0):
+            return False
+        if getattr(self.updater, "_v", None) is None:
+            self.updater._v = np.zeros_like(self.params)
+        return True
+
+    def _state(self) -> list[Any]:
+        return [self.params, self.updater._v] if self._has_momentum() else [self.params]
+
+    async def _admit_agreed(self, summed: Any, *, equal: bool) -> None:
+        """After the sync event's allreduce: take back the ranks ready on every member.
+        ``equal``: whether the parameters are equal on every member (averaged); if not, the
+        lowest member's are given to the others first (one broadcast)."""
+        if self._joiners is None:
+            return
+        now = self._comm_now()
+        admitted = self._joiners.agreed(summed, now.members)
+        if not admitted:
+            return
+        if not equal:
+            np.copyto(self.params, await now.broadcast(self.params, 0, self.timeout))
+        if self._has_momentum():  # equal too: the lowest member's (one broadcast)
+            v = self.updater._v
+            np.copyto(v, await now.broadcast(v, 0, self.timeout))
+        meta = {"steps": self.steps, "syncs": self.syncs}
+        assert self._h is not None
+        await joining.admit(self._h, now, admitted, self._state(), meta)
+
+    async def _join_step(self) -> StepInfo:
+        """A restarted rank's first step: be taken back, receive the state."""
+        self._joining = False
+        h = self._h
+        assert h is not None
+        name = h.name
+        self._has_momentum()
+        grown, first, meta = await joining.join(self.comm, name, self._state(), self.timeout)
+        members = list(grown.members)
+        ranks = [members.index(m) if m in members else -1 for m in range(self.comm.size)]
+        await self.comm.on_runtime(lambda: h.grow(grown, first, ranks))
+        self.steps = int(meta.get("steps", 0))
+        self.syncs = int(meta.get("syncs", 0))
+        P = grown.size
+        return StepInfo(first - 1, False, frozenset(), 0, 0, 0.0, joined=True,
+                        fresh=frozenset(range(P)))
