@@ -1,5 +1,6 @@
-"""Every option of ``asynccoll demo``, ``inspect`` and ``sim`` says what it does, and the ones
-that take a fixed set of values list them (policies, the ``--compute`` syntax, modes)."""
+"""Every option of ``asynccoll demo``, ``inspect``, ``sim`` and ``run`` says what it does, and
+the ones that take a fixed set of values list them (policies, the ``--compute`` syntax, modes;
+for ``run``, what ``--max-restarts`` sets)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def _parsers(p: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentPar
     return out
 
 
-@pytest.mark.parametrize("cmd", ["demo", "inspect", "sim"])
+@pytest.mark.parametrize("cmd", ["demo", "inspect", "sim", "run"])
 def test_every_option_has_help(cmd: str) -> None:
     p = argparse.ArgumentParser(prog=f"asynccoll {cmd}")
     importlib.import_module(SUBCOMMANDS[cmd][0]).configure(p)
@@ -37,6 +38,8 @@ def test_every_option_has_help(cmd: str) -> None:
     (["sim", "replay", "--help"], ["two_choice", "quorum:K", "--tie", "tie"]),
     (["demo", "--help"], ["two_choice", "deadline", "sync"]),
     (["inspect", "trace", "--help"], ["--all", "hosts", "agree"]),
+    (["run", "--help"], ["--max-restarts N", "ASYNCCOLL_RESTART=k", "ASYNCCOLL_MAX_FAILURES >= 1",
+                         "--max-failures applies", "replacing a lost one"]),
 ])
 def test_help_lists_the_values(argv: list[str], said: list[str],
                                capsys: pytest.CaptureFixture[str]) -> None:

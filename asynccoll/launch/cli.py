@@ -4,6 +4,7 @@
     asynccoll run -n 2 --transport ucx -m mypkg.train
     asynccoll run -n 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 train.py   # on host A
     asynccoll run -n 2 --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 train.py   # on host B
+    asynccoll run -n 4 --max-restarts 3 train.py      # restart a failed rank, 3 times at most
 
 The secret: ``--secret-file``, else ``ASYNCCOLL_SECRET``, else ``ASYNCCOLL_SECRET_FILE``; else a
 fresh random one for a single-node job, or the per-user key file for a multi-node job (works
@@ -30,7 +31,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.description = "Start N ranks of a Python script or module, locally or across hosts."
     p.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, required=True,
                    help="ranks to start on this node")
-    p.add_argument("--transport", choices=("tcp", "ucx"), default="tcp")
+    p.add_argument("--transport", choices=("tcp", "ucx"), default="tcp",
+                   help="how the ranks talk to each other (default: tcp)")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (launchers)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
     p.add_argument("--rdzv", metavar="HOST:PORT", default=None,
@@ -42,13 +44,21 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", default=None,
                    help="file holding the job secret (mode 0600); the same on every node")
     p.add_argument("--rdzv-timeout", type=float, default=300.0,
-                   help="seconds the launchers of all nodes may take to meet (multi-node)")
+                   help="seconds the launchers of all nodes may take to meet (multi-node), "
+                        "and that node 0 waits for a launcher replacing a lost one")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks")
     p.add_argument("--max-failures", type=int, default=0, metavar="N",
                    help="keep the job running while at most N ranks of this node have failed "
                         "(partial collectives go on without them; see docs/launch.md); "
                         "default 0: the first failure stops every rank")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart a failed rank of this node, while the node has made fewer "
+                        "than N restarts: the new process gets ASYNCCOLL_RESTART=k (its k-th "
+                        "restart) and the other ranks go on meanwhile (they see "
+                        "ASYNCCOLL_MAX_FAILURES >= 1); a launcher started for a node whose "
+                        "launcher died takes its ranks again, as one restart of the node; "
+                        "once they are spent --max-failures applies (docs/launch.md, Restarts)")
     p.add_argument("--verbose", action="store_true",
                    help="after Ctrl-C (or SIGTERM), pass on everything the ranks print while "
                         "they stop; default: drop it and print one line per rank")
@@ -95,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                            nnodes=args.nnodes, node_rank=args.node_rank, rdzv=rdzv,
                            transport=args.transport, host=args.host, grace=args.grace,
                            join_timeout=args.rdzv_timeout, max_failures=args.max_failures,
-                           verbose=args.verbose)
+                           max_restarts=args.max_restarts, verbose=args.verbose)
     except (ValueError, ConfigError) as exc:
         print(f"asynccoll run: error: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ changes. With it, the rank does not print the traceback itself: the launcher pri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ from types import TracebackType
 
 from ..errors import CollectiveTimeoutError, PeerLostError
 
-__all__ = ["ENV", "RankError", "install", "lost_peer", "read"]
+__all__ = ["ENV", "RankError", "forget", "install", "lost_peer", "read"]
 
 #: the variable naming the file a rank writes its fatal error to
 ENV = "ASYNCCOLL_ERROR_FILE"
@@ -106,3 +107,10 @@ def read(directory: Path) -> Mapping[int, RankError]:
             continue
         out[rec.rank] = rec
     return out
+
+
+def forget(directory: Path, rank: int) -> None:
+    """Remove ``rank``'s record from ``directory`` (the rank is restarted: a record of its new
+    process must not be mistaken for its last one's)."""
+    with contextlib.suppress(FileNotFoundError):
+        (directory / f"rank-{rank}.json").unlink()

@@ -17,13 +17,23 @@ prefixes each line they print with ``[rank]``, and watches them:
   ``ASYNCCOLL_MAX_FAILURES`` and :func:`~asynccoll.connect` sets ``Communicator.survive``
   from it). The job then exits 0 when every other rank exits 0. Failures are counted per
   node: each node's launcher allows N of its own ranks;
+* with ``max_restarts`` = N > 0 (``asynccoll run --max-restarts N``), a rank that fails is
+  started again, in a new process with the environment of the first plus ``ASYNCCOLL_RESTART=k``
+  (its k-th restart), while the node has made fewer than N restarts; the other ranks go on
+  meanwhile (they see ``ASYNCCOLL_MAX_FAILURES`` >= 1 so that their collectives survive the
+  loss), and a restarted failure counts against no ``max_failures``. The job exits 0 when the
+  latest process of every rank exits 0. Once the restarts are spent a failure is handled as
+  above. Restarts are counted per node, in the store when there are several nodes, where a
+  replacement launcher of a node whose launcher died continues the count (:mod:`.nodes`);
 * the rank blamed is the one that failed *first*, not the first to exit: each rank records its
   uncaught exception in a file (:mod:`.errorfile`); a failure that merely follows another rank's
   loss (a ``PeerLostError`` naming it, or a collective timeout) is not blamed while a cause is
   known. The launcher prints the cause's traceback first and one line per follower;
 * the launchers of all nodes meet in the store before any rank starts (within
   ``join_timeout``), and node 0 keeps the store up until the other nodes' ranks are done
-  (at most ``exit_timeout`` after its own);
+  (at most ``exit_timeout`` after its own), or a node's launcher is gone and not replaced
+  (:mod:`.nodes`: who may replace a launcher, and what node 0 does meanwhile); a launcher
+  that loses the store (node 0's launcher died) says so and restarts nothing from then on;
 * ``SIGINT`` (Ctrl-C) or ``SIGTERM`` to the launcher is passed on to every rank, escalating to
   ``SIGTERM`` then ``SIGKILL`` after ``grace`` seconds each; the launcher exits ``128 + signal``.
   From the signal on, what the ranks print is dropped (their tracebacks of the interrupt say
@@ -61,9 +71,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from ..comm.shm import SHM_DIR, new_job_tag, unlink_job
-from . import errorfile, unresponsive
+from . import errorfile, nodes, unresponsive
 from .env import free_port
-from .store import StoreClient, StoreError, StoreServer, StoreTimeoutError
+from .store import StoreClient, StoreError, StoreServer
 
 __all__ = ["LaunchConfig", "launch", "rank_environment"]
 
@@ -72,6 +82,8 @@ ABORT_KEY = "asynccoll/launch/abort"
 MASTER_KEY = "asynccoll/launch/master-port"
 #: where node 0's launcher publishes the job's shared-memory tag for the other nodes
 TAG_KEY = "asynccoll/launch/job-tag"
+#: the variable that tells a restarted rank it is one, and which restart it is (1, 2, ...)
+RESTART_ENV = "ASYNCCOLL_RESTART"
 T = TypeVar("T")
 
 
@@ -98,6 +110,8 @@ class LaunchConfig:
     join_timeout: float = 300.0
     exit_timeout: float = 300.0
     max_failures: int = 0
+    #: restarts of failed ranks this node may make (see the module doc); 0: none
+    max_restarts: int = 0
     #: the port torch.distributed's ``env://`` store uses (``MASTER_PORT``); ``None``: node 0's
     #: launcher picks a free one below the ephemeral range and the others learn it in the store
     master_port: int | None = None
@@ -119,6 +133,8 @@ class LaunchConfig:
         if type(self.max_failures) is not int or not 0 <= self.max_failures < self.nproc:
             raise ValueError(f"max_failures must be an int in 0..{self.nproc - 1} (fewer than "
                              f"the ranks of a node), got {self.max_failures!r}")
+        if type(self.max_restarts) is not int or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if self.join_timeout <= 0 or self.exit_timeout < 0:
             raise ValueError("join_timeout must be > 0 and exit_timeout >= 0, got "
                              f"{self.join_timeout} and {self.exit_timeout}")
@@ -129,8 +145,13 @@ def rank_environment(cfg: LaunchConfig, local_rank: int, store: tuple[str, int],
                      master: tuple[str, int] | None = None) -> dict[str, str]:
     """The environment of local rank ``local_rank``: ``base`` plus the job's variables
     (``errors``: the directory its error file goes to, see :mod:`.errorfile`; ``master``:
-    torch's ``MASTER_ADDR`` and ``MASTER_PORT``, default the store's host and port + 1)."""
+    torch's ``MASTER_ADDR`` and ``MASTER_PORT``, default the store's host and port + 1).
+    A restart adds ``ASYNCCOLL_RESTART`` to it (:meth:`_Ranks.start`).
+
+    ``ASYNCCOLL_MAX_FAILURES`` is ``max_failures``, and at least 1 with ``max_restarts``: the
+    others must survive a rank's loss while it restarts."""
     env = dict(base)
+    env.pop(RESTART_ENV, None)
     env.update(cfg.env)
     if omp_default(cfg, env):
         env["OMP_NUM_THREADS"] = "1"
@@ -159,8 +180,8 @@ def rank_environment(cfg: LaunchConfig, local_rank: int, store: tuple[str, int],
         "MASTER_ADDR": (master or store)[0],
         "MASTER_PORT": str(master[1] if master else store[1] + 1),
     })
-    if cfg.max_failures:
-        env["ASYNCCOLL_MAX_FAILURES"] = str(cfg.max_failures)
+    if cfg.max_failures or cfg.max_restarts:
+        env["ASYNCCOLL_MAX_FAILURES"] = str(max(cfg.max_failures, 1))
     env.pop("ASYNCCOLL_SECRET_FILE", None)
     if cfg.host:
         env["ASYNCCOLL_HOST"] = cfg.host
@@ -225,12 +246,65 @@ def _say(err: BinaryIO, text: str) -> None:
 
 
 class _Ranks:
-    """The local rank processes and their shutdown."""
+    """The local rank processes: their start, restart and shutdown."""
 
-    def __init__(self, cfg: LaunchConfig, errors: Path) -> None:
+    def __init__(self, cfg: LaunchConfig, errors: Path, out: BinaryIO, err: BinaryIO,
+                 muted: asyncio.Event) -> None:
         self.cfg = cfg
         self.errors = errors
+        self.out, self.err, self.muted = out, err, muted
+        #: each rank's latest process
         self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.pumps: list[asyncio.Task[None]] = []
+        #: each rank's environment at its first start (a restart adds ASYNCCOLL_RESTART)
+        self.env: dict[int, dict[str, str]] = {}
+        #: how often each rank was started (the store's count, when there is a client)
+        self.starts: dict[int, int] = {}
+        #: restarts this node made (the store's count, when there is a client)
+        self.restarts = 0
+        self.client: StoreClient | None = None
+        self.reaper: asyncio.subprocess.Process | None = None
+        #: cleared when restarting is no longer possible (the store is gone)
+        self.can_restart = cfg.max_restarts > 0
+
+    async def start(self, rank: int) -> asyncio.subprocess.Process:
+        """Start ``rank``'s process: its first, or a restart (``ASYNCCOLL_RESTART=k`` for the
+        rank's k-th, after killing whatever its last process group left running)."""
+        n = await nodes.rank_starts(self.client, rank, self.starts.get(rank, 0))
+        self.starts[rank] = n
+        env = self.env[rank] if n == 1 else {**self.env[rank], RESTART_ENV: str(n - 1)}
+        old = self.procs.get(rank)
+        if old is not None:  # its group outlives it while a child of it runs (pid not reused)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(old.pid, signal.SIGKILL)
+        p = await asyncio.create_subprocess_exec(
+            *self.cfg.argv, env=env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True)
+        self.procs[rank] = p
+        if self.reaper is not None and self.reaper.stdin is not None:
+            self.reaper.stdin.write(f"{p.pid}\n".encode())
+        prefix = f"[{rank}] ".encode()
+        self.pumps.append(asyncio.create_task(_pump(p.stdout, prefix, self.out, self.muted)))
+        self.pumps.append(asyncio.create_task(_pump(p.stderr, prefix, self.err, self.muted)))
+        return p
+
+    async def restart(self, rank: int, how: str) -> asyncio.subprocess.Process | None:
+        """Restart ``rank``, which ``how`` (``"was killed by SIGKILL"``), if the node has
+        restarts left; say so, with its traceback; None when it has none."""
+        if not self.can_restart:
+            return None
+        spent = await nodes.spend_restart(self.cfg, self.client, self.restarts)
+        if spent > self.cfg.max_restarts:
+            return None
+        self.restarts = spent
+        _say(self.err, f"rank {rank} {how}; restarting it (restart {spent} of at most "
+                       f"{self.cfg.max_restarts}, --max-restarts)")
+        _traceback(self.errors, rank, self.err)
+        errorfile.forget(self.errors, rank)
+        p = await self.start(rank)
+        _say(self.err, f"rank {rank} restarted as pid {p.pid}")
+        return p
 
     def signal_all(self, sig: int) -> None:
         for p in self.procs.values():
@@ -266,10 +340,10 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     server: StoreServer | None = None
     client: StoreClient | None = None
     errdir = tempfile.TemporaryDirectory(prefix="asynccoll-errors-")
-    ranks = _Ranks(cfg, Path(errdir.name))
-    pumps: list[asyncio.Task[None]] = []
-    stop_sig: asyncio.Future[int] = loop.create_future()
     muted = asyncio.Event()  # set after a stop signal unless verbose
+    ranks = _Ranks(cfg, Path(errdir.name), out, err, muted)
+    stop_sig: asyncio.Future[int] = loop.create_future()
+    say = functools.partial(_say, err)
 
     def on_signal(sig: int) -> None:
         if not stop_sig.done():
@@ -280,6 +354,8 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
         loop.add_signal_handler(sig, on_signal, sig)
     abort_task: asyncio.Task[bytes] | None = None
     silent: asyncio.Task[None] | None = None
+    followed: list[asyncio.Task[None]] = []
+    restart = 0
     tag: str | None = None
     reaper: asyncio.subprocess.Process | None = None
     try:
@@ -291,16 +367,24 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             assert cfg.rdzv is not None
             store = cfg.rdzv
         if cfg.nnodes > 1:
-            client = await _unless_stopped(
-                _join(cfg, store, server, err), stop_sig)
-            if client is None:
+            joined = await _unless_stopped(nodes.join(cfg, store, server, say), stop_sig)
+            if joined is None:
                 got = stop_sig.result()
                 _say(err, f"got {_signame(got)} while the nodes met; no rank started")
                 return 128 + got
-            abort_task = asyncio.create_task(client.get(ABORT_KEY, timeout=float(1 << 31)))
+            client, restart = joined
+            ranks.client = client
+            if restart:
+                say(f"node {cfg.node_rank}'s launcher is gone: this one replaces it and "
+                    f"restarts {nodes.node_ranks(cfg, cfg.node_rank)} (restart {restart} of "
+                    f"at most {cfg.max_restarts}, --max-restarts)")
+            abort_task = asyncio.create_task(client.get(ABORT_KEY, timeout=nodes.FOREVER))
+            if cfg.node_rank == 0:
+                followed = [asyncio.create_task(nodes.follow(cfg, client, k, say))
+                            for k in range(1, cfg.nnodes)]
         master = await _master(cfg, store, client)
         tag = await _job_tag(cfg, client)
-        reaper = await _start_reaper(cfg, tag)
+        reaper = ranks.reaper = await _start_reaper(cfg, tag)
         job = {"ASYNCCOLL_JOB_TAG": tag, "ASYNCCOLL_LAUNCHER_PID": str(os.getpid())}
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else os.cpu_count() or 1
@@ -312,27 +396,25 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
                       "does); set it yourself to give each rank more threads")
         for local in range(cfg.nproc):
             rank = cfg.node_rank * cfg.nproc + local
-            p = await asyncio.create_subprocess_exec(
-                *cfg.argv, env={**rank_environment(cfg, local, store, os.environ, ranks.errors,
-                                                   master), **job},
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True)
-            ranks.procs[rank] = p
-            if reaper is not None and reaper.stdin is not None:
-                reaper.stdin.write(f"{p.pid}\n".encode())
-            prefix = f"[{rank}] ".encode()
-            pumps.append(asyncio.create_task(_pump(p.stdout, prefix, out, muted)))
-            pumps.append(asyncio.create_task(_pump(p.stderr, prefix, err, muted)))
+            ranks.env[rank] = {**rank_environment(cfg, local, store, os.environ, ranks.errors,
+                                                  master), **job}
+            p = await ranks.start(rank)
+            if rank in ranks.starts and ranks.starts[rank] > 1:
+                say(f"rank {rank} restarted as pid {p.pid}")
+        watched = list(ranks.procs)
+        if restart and client is not None:  # reports left by the lost launcher's ranks: stale
+            watched = [r for r in watched
+                       if not await client.check([f"{unresponsive.KEY}{r}"])]
         silent = asyncio.create_task(unresponsive.watch(
-            store, cfg.secret, list(ranks.procs), functools.partial(_kill_silent, ranks, err)))
+            store, cfg.secret, watched, functools.partial(_kill_silent, ranks, err)))
         code = await _watch(cfg, ranks, stop_sig, abort_task, client, err, muted)
         if client is not None and not stop_sig.done():
-            await _unless_stopped(_check_out(cfg, client, err), stop_sig)
+            await _unless_stopped(nodes.check_out(cfg, client, followed, say), stop_sig)
         return code
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        for task in (abort_task, silent):
+        for task in (abort_task, silent, *followed):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -342,9 +424,9 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             _unlink_left(cfg, tag, err)
         if reaper is not None:
             await _stop_reaper(reaper)
-        if pumps:
-            await asyncio.wait(pumps, timeout=5.0)
-        for t in pumps:
+        if ranks.pumps:
+            await asyncio.wait(ranks.pumps, timeout=5.0)
+        for t in ranks.pumps:
             t.cancel()
         if client is not None:
             await client.close()
@@ -422,53 +504,6 @@ async def _unless_stopped(coro: Coroutine[Any, Any, T], stop_sig: asyncio.Future
     return None
 
 
-async def _join(cfg: LaunchConfig, store: tuple[str, int], server: StoreServer | None = None,
-                err: BinaryIO | None = None) -> StoreClient:
-    """Check in with the job's store: it shares our secret, our node rank is not taken twice
-    and every node runs the same number of ranks. A launcher whose secret is wrong learns it
-    from the store's refusal and fails at once. ``server`` (node 0, which hosts the store):
-    refusals decide nothing (a stranger's bad frame looks like a wrong secret), so node 0 keeps
-    waiting for its nodes and says on ``err``, at doubling intervals from 5 s, how many
-    connections the store refused and from where; the join timeout's error says it too."""
-    client = await StoreClient.connect(store[0], store[1], cfg.secret,
-                                       timeout=cfg.join_timeout)
-    try:
-        if await client.add(f"asynccoll/launch/node/{cfg.node_rank}", 1) > 1:
-            raise StoreError(f"node rank {cfg.node_rank} was started twice")
-        mine = f"{cfg.nnodes}x{cfg.nproc}".encode()
-        agreed = await client.compare_set("asynccoll/launch/shape", None, mine)
-        if agreed != mine:
-            raise StoreError(f"this node runs --nnodes {cfg.nnodes} with -n {cfg.nproc}, but "
-                             f"the first node to join said {agreed!r} (nnodes x nproc)")
-        keys = [f"asynccoll/launch/node/{k}" for k in range(cfg.nnodes)]
-        waiting = asyncio.ensure_future(client.wait(keys, cfg.join_timeout))
-        said, every = 0, 5.0
-        try:
-            while not (await asyncio.wait({waiting}, timeout=every))[0]:
-                every *= 2
-                refused = sum(server.refusals.values()) if server is not None else 0
-                if refused > said and err is not None:
-                    said = refused
-                    _say(err, f"still waiting for the other nodes; the store refused "
-                              f"{server.refusal_summary() if server else refused} "
-                              "(wrong secret or not asynccoll)")
-            await waiting
-        except StoreTimeoutError as exc:
-            why = ""
-            if server is not None and server.refusals:
-                why = (f"; the store refused {server.refusal_summary()}: is the same job "
-                       "secret set on every node?")
-            raise StoreError(f"nodes {_nodes(exc.missing)} did not join within "
-                             f"{cfg.join_timeout} s{why}") from exc
-        finally:
-            waiting.cancel()
-            await asyncio.gather(waiting, return_exceptions=True)
-    except BaseException:
-        await client.close()
-        raise
-    return client
-
-
 def _kill_silent(ranks: _Ranks, err: BinaryIO, rank: int, why: str) -> None:
     """A rank its peers dropped for silence (:mod:`.unresponsive`): stopped or hung, it would
     never exit; kill it and say so (its exit is then handled as any other)."""
@@ -478,24 +513,6 @@ def _kill_silent(ranks: _Ranks, err: BinaryIO, rank: int, why: str) -> None:
     _say(err, f"rank {rank} answered no liveness probe ({why}); killing it")
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, signal.SIGKILL)
-
-
-def _nodes(keys: Sequence[str]) -> list[int]:
-    return sorted(int(k.rsplit("/", 1)[1]) for k in keys)
-
-
-async def _check_out(cfg: LaunchConfig, client: StoreClient, err: BinaryIO) -> None:
-    """The exit barrier: node 0 keeps the store up until every node's ranks are done, since
-    ranks of a job that does not rendezvous may finish at very different times."""
-    with contextlib.suppress(StoreError):
-        await client.set(f"asynccoll/launch/exit/{cfg.node_rank}", b"1", timeout=5.0)
-        if cfg.node_rank == 0:
-            keys = [f"asynccoll/launch/exit/{k}" for k in range(1, cfg.nnodes)]
-            try:
-                await client.wait(keys, cfg.exit_timeout)
-            except StoreTimeoutError as exc:
-                _say(err, f"nodes {_nodes(exc.missing)} still running after "
-                          f"{cfg.exit_timeout} s; closing the store")
 
 
 async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int],
@@ -531,21 +548,20 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
                     await ranks.stop()
                     code = int(reason.rsplit(" ", 1)[-1]) if reason[-1:].isdigit() else 1
                     return code or 1
+                _lost_store(cfg, ranks, err)
             for w in [w for w in done if w in waits]:
                 rank = waits.pop(w)
-                code = _code(ranks.procs[rank].returncode or 0)
+                rc = ranks.procs[rank].returncode or 0
+                code = _code(rc)
+                how = f"was killed by {_signame(-rc)}" if rc < 0 else f"exited with code {code}"
+                if code and (again := await _restart(ranks, rank, how)) is not None:
+                    waits[asyncio.ensure_future(again.wait())] = rank
+                    continue
                 if code and failed < cfg.max_failures:
                     failed += 1
-                    rc = ranks.procs[rank].returncode or 0
-                    how = f"was killed by {_signame(-rc)}" if rc < 0 \
-                        else f"exited with code {code}"
                     _say(err, f"rank {rank} {how}; failure {failed} of at most "
                               f"{cfg.max_failures} (--max-failures): the other ranks go on")
-                    rec = errorfile.read(ranks.errors).get(rank)
-                    if rec is not None:
-                        err.write(b"".join(f"[{rank}] {line}\n".encode()
-                                           for line in rec.traceback.rstrip("\n").split("\n")))
-                    err.flush()
+                    _traceback(ranks.errors, rank, err)
                     continue
                 if code:
                     rank, code = await _blame(ranks, rank, code, err)
@@ -559,6 +575,36 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
     finally:
         for w in waits:
             w.cancel()
+
+
+async def _restart(ranks: _Ranks, rank: int, how: str) -> asyncio.subprocess.Process | None:
+    """:meth:`_Ranks.restart`, or None when the store it counts in is gone meanwhile."""
+    try:
+        return await ranks.restart(rank, how)
+    except (StoreError, OSError) as exc:
+        _say(ranks.err, f"cannot restart rank {rank}: {exc}")
+        ranks.can_restart = False
+        return None
+
+
+def _lost_store(cfg: LaunchConfig, ranks: _Ranks, err: BinaryIO) -> None:
+    """This launcher lost its connection to the store: node 0's launcher, which hosts it, is
+    gone. Nothing can join the job from now on (node 0 cannot be replaced)."""
+    if ranks.can_restart:
+        ranks.can_restart = False
+        _say(err, f"lost the job's store at {cfg.rdzv[0] if cfg.rdzv else '?'}:"
+                  f"{cfg.rdzv[1] if cfg.rdzv else '?'} (node 0's launcher is gone?): no rank "
+                  "is restarted from now on, and node 0 cannot be replaced (docs/launch.md, "
+                  "Restarts)")
+
+
+def _traceback(errors: Path, rank: int, err: BinaryIO) -> None:
+    """Print ``rank``'s recorded traceback, if it left one, each line prefixed."""
+    rec = errorfile.read(errors).get(rank)
+    if rec is not None:
+        err.write(b"".join(f"[{rank}] {line}\n".encode()
+                           for line in rec.traceback.rstrip("\n").split("\n")))
+    err.flush()
 
 
 #: how long the launcher waits, after a rank exits because it lost another, for the lost one

@@ -2,8 +2,9 @@
 
 :class:`StoreServer` runs on an asyncio loop (hosted by ``asynccoll run`` or by rank 0);
 :class:`StoreClient` (in :mod:`.store_client`, re-exported here) talks to it. Operations:
-``set``, ``get`` (waits for the key), ``wait``, ``add`` (an atomic counter), ``compare_set`` and
-``check``. Keys are ``str``, values ``bytes``.
+``set``, ``get`` (waits for the key), ``wait``, ``add`` (an atomic counter), ``compare_set``,
+``check``, ``lease`` (a key that lives as long as the connection that set it) and ``wait_gone``
+(waits for a key to be deleted). Keys are ``str``, values ``bytes``.
 
 Wire format: every frame is a 4-byte big-endian length and a msgpack array. A connection starts
 with a mutual handshake, so that neither side hands anything to a party that does not know the
@@ -119,6 +120,9 @@ class StoreServer:
         self._data: dict[str, bytes] = {}
         self._bytes = 0
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        # waiters for a key's deletion, and which connection holds each leased key
+        self._gone: dict[str, list[asyncio.Future[None]]] = {}
+        self._lease_holder: dict[str, asyncio.Task[None]] = {}
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         # connections in their handshake, oldest first (the first to go when the store is full)
@@ -201,6 +205,7 @@ class StoreServer:
         finally:
             for w in waits:
                 w.cancel()
+            self._release(task)
             self._conns.discard(task)
             self._handshaking.pop(task, None)
             writer.close()
@@ -267,7 +272,7 @@ class StoreServer:
             raise _Reject("request must be [id, op, *args]")
         rid, op, args = req[0], req[1], req[2:]
         try:
-            if op in ("wait", "get"):
+            if op in ("wait", "get", "wait_gone"):
                 keys = [self._key(k) for k in (args[0] if op == "wait" else args[:1])]
                 if len(keys) > self.limits.max_wait_keys:
                     raise _Reject(f"wait on {len(keys)} keys exceeds {self.limits.max_wait_keys}")
@@ -319,6 +324,16 @@ class StoreServer:
             return current
         if op == "check":
             return all(self._key(k) in self._data for k in args[0])
+        if op == "lease":
+            key, desired = self._key(args[0]), self._value(args[1])
+            current = self._data.get(key)
+            if current is not None:
+                return current
+            self._put(key, desired)
+            task = asyncio.current_task()
+            assert task is not None  # _apply runs in the connection's task
+            self._lease_holder[key] = task
+            return desired
         raise _Reject(f"unknown operation {op!r}")
 
     def _value(self, value: object) -> bytes:
@@ -341,29 +356,43 @@ class StoreServer:
             if not fut.done():
                 fut.set_result(None)
 
+    def _release(self, conn: asyncio.Task[None]) -> None:
+        """Delete the keys that connection ``conn`` leased (it closed), waking their
+        ``wait_gone`` waiters."""
+        for key in [k for k, holder in self._lease_holder.items() if holder is conn]:
+            del self._lease_holder[key]
+            value = self._data.pop(key, None)
+            if value is not None:
+                self._bytes -= len(value) + len(key)
+            for fut in self._gone.pop(key, ()):
+                if not fut.done():
+                    fut.set_result(None)
+
     async def _wait(self, rid: int, op: str, keys: list[str], timeout: float,
                     writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, timeout)
+        gone = op == "wait_gone"
+        waiters = self._gone if gone else self._waiters
         for key in keys:
-            while key not in self._data:
+            while (key in self._data) is gone:
                 left = deadline - loop.time()
                 if left <= 0:
-                    missing = [k for k in keys if k not in self._data]
+                    missing = [k for k in keys if (k in self._data) is gone]
                     self._reply(writer, rid, False, ["timeout", missing])
                     return
                 fut = loop.create_future()
-                self._waiters.setdefault(key, []).append(fut)
+                waiters.setdefault(key, []).append(fut)
                 try:
                     await asyncio.wait_for(fut, left)
                 except TimeoutError:
                     pass
                 finally:
-                    lst = self._waiters.get(key)
+                    lst = waiters.get(key)
                     if lst is not None and fut in lst:
                         lst.remove(fut)
                         if not lst:
-                            del self._waiters[key]
+                            del waiters[key]
         self._reply(writer, rid, True, self._data[keys[0]] if op == "get" else None)
 
 

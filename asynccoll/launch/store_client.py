@@ -198,6 +198,21 @@ class StoreClient:
                                                 timeout=timeout)
         return result
 
+    async def lease(self, key: str, value: bytes, *, timeout: float | None = None) -> bytes:
+        """Set ``key`` to ``value`` iff it is absent, for as long as this connection lives: the
+        server deletes it when the connection closes (the process died, or :meth:`close`).
+
+        Returns the value ``key`` holds afterwards (``value`` when this client took it: make
+        ``value`` unique to tell). Write a leased key only with ``lease``.
+        """
+        result: bytes = await self._call("lease", _k(key), _v(value), timeout=timeout)
+        return result
+
+    async def wait_gone(self, key: str, timeout: float | None = None) -> None:
+        """Return once ``key`` is absent (at once if it is): a lease's holder is gone."""
+        t = self.timeout if timeout is None else timeout
+        await self._call("wait_gone", _k(key), t, timeout=t, keys=[key])
+
     async def check(self, keys: Iterable[str], *, timeout: float | None = None) -> bool:
         """Whether every key in ``keys`` is set, without waiting."""
         result: bool = await self._call("check", [_k(k) for k in keys], timeout=timeout)

@@ -67,6 +67,27 @@ async def test_get_waits_for_key_set_by_another_client() -> None:
         await asyncio.wait_for(waiter, 2.0)
 
 
+async def test_a_lease_lives_as_long_as_its_connection() -> None:
+    async with await _server() as server, await _client(server) as watcher:
+        holder = await _client(server)
+        assert await holder.lease("node/1", b"first") == b"first"
+        other = await _client(server)
+        assert await other.lease("node/1", b"second") == b"first"  # held: the holder's value
+        gone = asyncio.create_task(watcher.wait_gone("node/1", timeout=5.0))
+        await asyncio.sleep(0.05)
+        assert not gone.done()
+        with pytest.raises(StoreTimeoutError) as info:
+            await watcher.wait_gone("node/1", timeout=0.1)
+        assert info.value.missing == ["node/1"]
+        await holder.close()  # the holder dies: the key goes with it
+        await asyncio.wait_for(gone, 2.0)
+        assert not await watcher.check(["node/1"])
+        assert await other.lease("node/1", b"second") == b"second"  # the next one takes it
+        await watcher.wait_gone("absent", timeout=0.1)  # an absent key: at once
+        await other.close()
+        assert not await watcher.check(["node/1"])
+
+
 async def test_wait_does_not_block_other_requests_of_the_same_client() -> None:
     async with await _server() as server, await _client(server) as c:
         waiter = asyncio.create_task(c.wait(["x"], timeout=5.0))
