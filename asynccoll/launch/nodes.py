@@ -16,9 +16,12 @@ connection closes, which the kernel does when the launcher dies, ``SIGKILL`` inc
   to decide: ``ASYNCCOLL_MAX_FAILURES``). Its exit barrier (:func:`check_out`) waits for the
   nodes still followed, never for one given up.
 
-Node 0 cannot be replaced: its launcher hosts the store, and the store dies with it (the other
-launchers say so: ``runner``). A host that vanishes without closing its connections (power
-loss) is noticed only when its TCP connection times out.
+Node 0 cannot be replaced: its launcher hosts the store, and the store dies with it. The other
+launchers say so, restart nothing from then on, and keep trying the store's address
+(:func:`tell_new_store`): a new node 0 launcher started there with the job's secret learns from
+them at once, at its meeting, that it cannot take the job over, and fails with that reason
+instead of waiting ``join_timeout`` for nodes that already run. A host that vanishes without
+closing its connections (power loss) is noticed only when its TCP connection times out.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from ..errors import AuthenticationError
 from .store import StoreClient, StoreError, StoreServer, StoreTimeoutError
 
 if TYPE_CHECKING:
     from .runner import LaunchConfig
 
-__all__ = ["check_out", "follow", "join", "rank_starts", "spend_restart"]
+__all__ = ["check_out", "follow", "join", "rank_starts", "spend_restart", "tell_new_store"]
 
 #: how many launchers took node K (a counter: > 1 means a replacement)
 NODE_KEY = "asynccoll/launch/node/"
@@ -49,6 +53,8 @@ RESTARTS_KEY = "asynccoll/launch/restarts/node/"
 #: how many times rank R was started
 STARTS_KEY = "asynccoll/launch/starts/rank/"
 SHAPE_KEY = "asynccoll/launch/shape"
+#: set in a new store, by a launcher whose job's store died, to tell a new node 0 why not
+ORPHAN_KEY = "asynccoll/launch/orphaned"
 #: how long a new launcher waits for a lost one's lease to go before calling it a duplicate:
 #: the store learns of a death when it reads the dead connection's end, a moment later
 LEASE_GRACE_S = 2.0
@@ -125,9 +131,12 @@ async def _meet(cfg: LaunchConfig, client: StoreClient, server: StoreServer | No
     """Wait until every node has joined once (at once for a replacement: they have)."""
     keys = [f"{NODE_KEY}{k}" for k in range(cfg.nnodes)]
     waiting = asyncio.ensure_future(client.wait(keys, cfg.join_timeout))
+    orphaned = asyncio.ensure_future(client.get(ORPHAN_KEY, timeout=cfg.join_timeout)
+                                     if server is not None else asyncio.Future())
     said, every = 0, 5.0
     try:
-        while not (await asyncio.wait({waiting}, timeout=every))[0]:
+        while not (await asyncio.wait({waiting, orphaned}, timeout=every,
+                                      return_when=asyncio.FIRST_COMPLETED))[0]:
             every *= 2
             refused = sum(server.refusals.values()) if server is not None else 0
             if refused > said:
@@ -135,6 +144,11 @@ async def _meet(cfg: LaunchConfig, client: StoreClient, server: StoreServer | No
                 say(f"still waiting for the other nodes; the store refused "
                     f"{server.refusal_summary() if server else refused} "
                     "(wrong secret or not asynccoll)")
+        if not waiting.done() and orphaned.done() and orphaned.exception() is None:
+            raise StoreError(
+                f"{orphaned.result().decode(errors='replace')}; node 0 cannot be replaced "
+                "(its launcher hosted the job's store, which died with it: docs/launch.md, "
+                "Restarts): stop the job's other launchers and start the job again")
         await waiting
     except StoreTimeoutError as exc:
         why = ""
@@ -144,8 +158,9 @@ async def _meet(cfg: LaunchConfig, client: StoreClient, server: StoreServer | No
         raise StoreError(f"nodes {nodes(exc.missing)} did not join within "
                          f"{cfg.join_timeout} s{why}") from exc
     finally:
-        waiting.cancel()
-        await asyncio.gather(waiting, return_exceptions=True)
+        for w in (waiting, orphaned):
+            w.cancel()
+        await asyncio.gather(waiting, orphaned, return_exceptions=True)
 
 
 async def spend_restart(cfg: LaunchConfig, client: StoreClient | None, spent: int) -> int:
@@ -211,3 +226,21 @@ async def check_out(cfg: LaunchConfig, client: StoreClient,
     if pending:
         left = [k for k, t in enumerate(followed, 1) if t in pending]
         say(f"nodes {left} still running after {cfg.exit_timeout} s; closing the store")
+
+
+async def tell_new_store(cfg: LaunchConfig) -> None:
+    """A launcher that lost its job's store: keep trying the store's address, and tell a store
+    that comes up there with the job's secret (a new node 0 launcher) that this node still
+    runs the old job's ranks (:data:`ORPHAN_KEY`). Runs until cancelled; gives up on a store
+    that refuses the secret (another job's)."""
+    assert cfg.rdzv is not None
+    with contextlib.suppress(StoreError, AuthenticationError, OSError):
+        client = await StoreClient.connect(*cfg.rdzv, cfg.secret, timeout=5.0,
+                                           connect_timeout=FOREVER)
+        try:
+            await client.set(ORPHAN_KEY, f"node {cfg.node_rank}'s launcher (pid {os.getpid()} "
+                                         f"on {socket.gethostname()}) still runs "
+                                         f"{node_ranks(cfg, cfg.node_rank)} of the job whose "
+                                         "store died with the last node 0".encode())
+        finally:
+            await client.close()

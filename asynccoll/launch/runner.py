@@ -266,6 +266,8 @@ class _Ranks:
         self.reaper: asyncio.subprocess.Process | None = None
         #: cleared when restarting is no longer possible (the store is gone)
         self.can_restart = cfg.max_restarts > 0
+        #: once the store is gone: tells a new node 0 that it cannot take the job over
+        self.orphan: asyncio.Task[None] | None = None
 
     async def start(self, rank: int) -> asyncio.subprocess.Process:
         """Start ``rank``'s process: its first, or a restart (``ASYNCCOLL_RESTART=k`` for the
@@ -414,7 +416,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        for task in (abort_task, silent, *followed):
+        for task in (abort_task, silent, ranks.orphan, *followed):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -589,13 +591,16 @@ async def _restart(ranks: _Ranks, rank: int, how: str) -> asyncio.subprocess.Pro
 
 def _lost_store(cfg: LaunchConfig, ranks: _Ranks, err: BinaryIO) -> None:
     """This launcher lost its connection to the store: node 0's launcher, which hosts it, is
-    gone. Nothing can join the job from now on (node 0 cannot be replaced)."""
-    if ranks.can_restart:
-        ranks.can_restart = False
-        _say(err, f"lost the job's store at {cfg.rdzv[0] if cfg.rdzv else '?'}:"
-                  f"{cfg.rdzv[1] if cfg.rdzv else '?'} (node 0's launcher is gone?): no rank "
-                  "is restarted from now on, and node 0 cannot be replaced (docs/launch.md, "
-                  "Restarts)")
+    gone. Nothing can join the job from now on (node 0 cannot be replaced); the ranks go on
+    as long as they survive the loss. Say so, and tell a new node 0 (:func:`.nodes.
+    tell_new_store`)."""
+    ranks.can_restart = False
+    if cfg.rdzv is None or ranks.orphan is not None:
+        return
+    _say(err, f"lost the job's store at {cfg.rdzv[0]}:{cfg.rdzv[1]} (node 0's launcher is "
+              "gone): no rank is restarted from now on, and node 0 cannot be replaced "
+              "(docs/launch.md, Restarts)")
+    ranks.orphan = asyncio.create_task(nodes.tell_new_store(cfg))
 
 
 def _traceback(errors: Path, rank: int, err: BinaryIO) -> None:

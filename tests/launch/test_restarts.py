@@ -213,3 +213,28 @@ def test_a_lost_node_without_restarts_is_given_up_not_waited_for(
     assert time.monotonic() - t0 < 10  # not the 300 s of --exit-timeout
     assert "node 1's launcher is gone, and rank 1 with it; it cannot be replaced (0 of at " \
            "most 0 restarts made, --max-restarts): the other nodes go on without it" in err0
+
+
+@pytest.mark.timeout(60)
+def test_node_0_cannot_be_replaced_and_says_why(
+        launchers: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    common = ["-n", "1", "--nnodes", "2", "--rdzv", f"127.0.0.1:{free_low_port()}",
+              "--max-restarts", "1", "--rdzv-timeout", "30"]
+    node0 = _start(launchers, shared, [*common, "--node-rank", "0", WORKER, "node", ""])
+    node1 = _start(launchers, shared, [*common, "--node-rank", "1", WORKER, "node", ""])
+    _wait_files(shared, ["started-0-0", "started-1-0"], node0)
+    node0.send_signal(signal.SIGKILL)  # the store dies with it
+    node0.communicate(timeout=10)
+    t0 = time.monotonic()
+    again = _start(launchers, shared, [*common, "--node-rank", "0", WORKER, "node", ""])
+    _, err = again.communicate(timeout=30)
+    assert again.returncode == 1, err
+    assert time.monotonic() - t0 < 15  # told by node 1, not its 30 s join timeout
+    assert "node 1's launcher (pid" in err
+    assert "node 0 cannot be replaced (its launcher hosted the job's store" in err
+    assert not (shared / "started-0-1").exists()
+    node1.send_signal(signal.SIGTERM)
+    _, err1 = node1.communicate(timeout=20)
+    assert "lost the job's store at 127.0.0.1:" in err1
+    assert "node 0 cannot be replaced" in err1
