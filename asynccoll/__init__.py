@@ -19,6 +19,7 @@ from .collectives.policy import (
 from .collectives.sparse import SparseVector
 from .collectives.sparse.feedback import ErrorFeedback
 from .comm import Communicator, PartialAllreduce, SparseAllreduceHandle
+from .comm.route import DataPath
 from .errors import (
     AsyncCollError,
     AuthenticationError,
@@ -56,6 +57,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "Communicator",
     "ConfigError",
+    "DataPath",
     "Deadline",
     "EagerSGD",
     "ErrorFeedback",

@@ -39,6 +39,8 @@ import numpy as np
 __all__ = ["DemoConfig", "configure", "run", "run_experiment"]
 
 _PROGRESS = b"@@progress "
+#: the policies the demo compares, by the text it takes (``quorum:K`` would need P)
+MODES = ("sync", "solo", "majority", "two_choice", "deadline")
 
 
 @dataclass
@@ -60,18 +62,15 @@ class DemoConfig:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad setting."""
-        from .train.eager import MODES
-
         if self.ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {self.ranks}")
         if self.steps < 2:
             raise ValueError(f"steps must be >= 2, got {self.steps}")
         if not self.delays or any(d < 0 for d in self.delays):
             raise ValueError(f"delays must be ratios >= 0, got {self.delays}")
-        bad = [m for m in self.modes if m not in MODES or m == "quorum"]
+        bad = [m for m in self.modes if m not in MODES]
         if not self.modes or bad:
-            raise ValueError(f"modes must be among {[m for m in MODES if m != 'quorum']}, "
-                             f"got {self.modes}")
+            raise ValueError(f"modes must be among {list(MODES)}, got {self.modes}")
         if self.dim < 1 or self.batch < 1 or self.step_ms < 0:
             raise ValueError("dim and batch must be >= 1 and step_ms >= 0")
 
@@ -96,12 +95,17 @@ def _straggler(seed: int, step: int, ranks: int) -> int:
 
 async def _train(comm: Any, cfg: DemoConfig, mode: str, ratio: float, index: int
                  ) -> dict[str, Any]:
+    import dataclasses
+
+    from .collectives.policy import Majority, TwoChoice, as_policy
     from .train import EagerSGD
 
     X, y, Xv, yv = _data(cfg, comm.rank)
     w = np.zeros(cfg.dim + 1)
-    opt = EagerSGD(comm, w, cfg.lr, mode=mode, accumulate=cfg.accumulate,
-                   name=f"demo-{index}", seed=cfg.seed + index)
+    policy = as_policy(mode)
+    if isinstance(policy, (Majority, TwoChoice)):  # the draws differ between demos
+        policy = dataclasses.replace(policy, seed=cfg.seed + index)
+    opt = EagerSGD(comm, w, cfg.lr, policy, accumulate=cfg.accumulate, name=f"demo-{index}")
     c = cfg.step_ms / 1000.0
     nb = len(X) // cfg.batch
     curve: list[tuple[float, int, float]] = []

@@ -33,6 +33,7 @@ EXPECTED = {
     # straggler policies as values (asynccoll.collectives.policy)
     "Accumulate",
     "Backup",
+    "DataPath",
     "Deadline",
     "Majority",
     "Policy",

@@ -50,6 +50,7 @@ from .partial import (
 )
 
 __all__ = [
+    "POLICY_MOVED",
     "POLICY_SYNTAX",
     "Accumulate",
     "Activation",
@@ -171,7 +172,7 @@ class Quorum(Policy):
     name: ClassVar[str] = "quorum"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "k", _int(self.k, "Quorum(k): k", 1))
+        object.__setattr__(self, "k", _int(self.k, "Quorum(k): the quorum k", 1))
 
     def activation(self, world_size: int) -> Activation:
         if self.k > world_size:
@@ -192,7 +193,7 @@ class Backup(Policy):
     name: ClassVar[str] = "backup"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "b", _int(self.b, "Backup(b): b", 0))
+        object.__setattr__(self, "b", _int(self.b, "Backup(b): the backup workers b", 0))
 
     def activation(self, world_size: int) -> Activation:
         if self.b >= world_size:
@@ -225,7 +226,8 @@ class Deadline(Policy):
             c = check_deadline("deadline", self.bounds, self.mad_factor, self.window)
         except ValueError as exc:  # the runtime's words name deadline=/deadline_window=
             raise ValueError(f"Deadline(...): {exc}".replace("deadline_window", "window")
-                             .replace("deadline must", "bounds must")) from None
+                             .replace("deadline must", "the deadline's bounds must")) \
+                from None
         assert c is not None
         object.__setattr__(self, "bounds", (c.lo, c.hi))
         object.__setattr__(self, "mad_factor", c.m)
@@ -281,7 +283,7 @@ def _parse(text: str) -> Policy:
     name, *args = text.strip().split(":")
     cls = _BY_NAME.get(name)
     if cls is None:
-        raise ValueError(f"policy {text!r}: name must be one of {tuple(_BY_NAME)} "
+        raise ValueError(f"policy {text!r}: the kind must be one of {tuple(_BY_NAME)} "
                          f"({POLICY_SYNTAX})")
     try:
         if cls in (Quorum, Backup):
@@ -332,7 +334,7 @@ def as_policy(value: Policy | str, what: str = "policy") -> Policy:
                     f"Backup(b), Deadline(), Sync()) or its text, got {type(value).__name__}")
 
 
-class Accumulate(enum.StrEnum):
+class Accumulate(str, enum.Enum):
     """What a call that missed results is given (the handle's ``accumulate``): a str enum,
     so ``Accumulate("sum")`` parses the word."""
 
@@ -371,9 +373,19 @@ def as_accumulate(value: Accumulate | str) -> Accumulate:
             return Accumulate(value)
         except ValueError:
             pass
-    raise ValueError(f"accumulate must be one of {[str(a) for a in Accumulate]} "
+    raise ValueError(f"accumulate must be one of {[a.value for a in Accumulate]} "
                      f"(asynccoll.Accumulate), got {value!r}")
 
+
+#: the keywords that spelled a policy's parameters before policies were values (0.1), and what
+#: to write instead (the training classes and torch wrappers add their ``mode``/``kind``)
+POLICY_MOVED = {
+    "quorum": "give Quorum(k) (or Backup(b), Deadline(quorum=k)) as the policy",
+    "seed": "give Majority(seed=...) or TwoChoice(seed=...) as the policy",
+    "deadline": "give Deadline(bounds=(lo, hi)) as the policy",
+    "mad_factor": "give Deadline(mad_factor=...) as the policy",
+    "deadline_window": "give Deadline(window=...) as the policy",
+}
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -13,8 +13,11 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
+from ..collectives.policy import Accumulate, Policy, moved_arguments
 from ..results import PartialResult
+from .plan import MOVED
 from .progress import ProgressEngine
+from .route import DataPath
 
 __all__ = ["BlockingCollectives", "BlockingPartial"]
 
@@ -39,9 +42,13 @@ class _Collectives(Protocol):
     async def majority_allreduce(self, x: Any, timeout: float | None) -> R: ...
     async def two_choice_allreduce(self, x: Any, timeout: float | None) -> R: ...
     async def quorum_allreduce(self, x: Any, k: int, timeout: float | None) -> R: ...
-    def partial_allreduce(self, kind: str, like: Any, op: str, accumulate: bool | str,
-                          quorum: int | None, seed: int | None, name: str | None,
-                          algorithm: str | None, timeout: float | None) -> Any: ...
+    def partial_allreduce(self, policy: Policy | str, like: Any, op: str,
+                          accumulate: Accumulate | str, *, name: str | None,
+                          timeout: float | None, survive: bool | None,
+                          path: DataPath | None) -> Any: ...
+    def hier_partial_allreduce(self, policy: Policy | str, like: Any, op: str,
+                               accumulate: Accumulate | str, *, name: str | None,
+                               timeout: float | None) -> Any: ...
     @property
     def rank(self) -> int: ...
     @property
@@ -130,15 +137,28 @@ class BlockingCollectives:
             raise RuntimeError("submit needs progress='thread'")
         return asyncio.run_coroutine_threadsafe(coro, self._engine.loop)
 
-    def partial_allreduce(self, kind: str, like: Any, op: str = "sum",
-                          accumulate: bool | str = False, quorum: int | None = None,
-                          seed: int | None = None, name: str | None = None,
-                          algorithm: str | None = None,
-                          timeout: float | None = None) -> BlockingPartial:
+    @moved_arguments(**MOVED)
+    def partial_allreduce(self, policy: Policy | str, like: Any, op: str = "sum",
+                          accumulate: Accumulate | str = Accumulate.LATEST, *,
+                          name: str | None = None, timeout: float | None = None,
+                          survive: bool | None = None,
+                          path: DataPath | None = None) -> BlockingPartial:
         """:meth:`Communicator.partial_allreduce <asynccoll.Communicator.partial_allreduce>`
         (same arguments), whose calls block: ``h(x)``, ``h.flush()``."""
         return BlockingPartial(self._comm.partial_allreduce(
-            kind, like, op, accumulate, quorum, seed, name, algorithm, timeout))
+            policy, like, op, accumulate, name=name, timeout=timeout, survive=survive,
+            path=path))
+
+    @moved_arguments(**MOVED)
+    def hier_partial_allreduce(self, policy: Policy | str, like: Any, op: str = "sum",
+                               accumulate: Accumulate | str = Accumulate.LATEST, *,
+                               name: str | None = None,
+                               timeout: float | None = None) -> BlockingPartial:
+        """:meth:`Communicator.hier_partial_allreduce
+        <asynccoll.Communicator.hier_partial_allreduce>` (same arguments), whose calls
+        block."""
+        return BlockingPartial(self._comm.hier_partial_allreduce(
+            policy, like, op, accumulate, name=name, timeout=timeout))
 
     def __enter__(self) -> BlockingCollectives:
         return self

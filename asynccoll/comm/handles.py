@@ -11,13 +11,20 @@ holds no state of its own.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar, cast, overload
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from ..buffers import check_array
 from ..collectives._plan import check_op
-from ..collectives.partial import check_deadline, check_kind
+from ..collectives.policy import (
+    Accumulate,
+    Policy,
+    Quorum,
+    as_accumulate,
+    as_policy,
+    moved_arguments,
+)
 from ..collectives.sparse.schedules import choose_algorithm
 from ..collectives.sparse.streams import SparseVector
 from ..results import PartialResult
@@ -30,8 +37,9 @@ from .hier_partial import Communicator as HierComm
 from .hier_partial import HierPartialAllreduce
 from .membership import Membership
 from .partial import PartialAllreduce, stable_id
+from .plan import MOVED, HandlePlan, HandleRuntime
 from .progress import ProgressEngine
-from .route import shm_flag
+from .route import DataPath, shm_flag
 from .sparse import SparseAllreduceHandle, SparseOps
 from .survival import Survival
 from .tensors import (
@@ -46,6 +54,7 @@ from .tensors import (
 __all__ = ["PartialCollectives", "as_kind", "avg_op"]
 
 T = TypeVar("T")
+
 
 
 class PartialCollectives(Grouping):
@@ -185,79 +194,51 @@ class PartialCollectives(Grouping):
         return name
 
     # -- partial collectives -----------------------------------------------------------------
-    @overload
-    def partial_allreduce(self, kind: str, like: Any, op: str = ...,
-                          accumulate: bool | str = ..., quorum: int | None = ...,
-                          seed: int | None = ..., name: str | None = ..., *,
-                          algorithm: Literal["hier"], timeout: float | None = ...,
-                          density: float | None = ..., delta: float | None = ...,
-                          deadline: float | tuple[float, float] | None = ...,
-                          mad_factor: float | None = ..., deadline_window: int | None = ...,
-                          survive: bool | None = ..., shm: bool | None = ...
-                          ) -> HierPartialAllreduce: ...
-
-    @overload
-    def partial_allreduce(self, kind: str, like: Any, op: str = ...,
-                          accumulate: bool | str = ..., quorum: int | None = ...,
-                          seed: int | None = ..., name: str | None = ...,
-                          algorithm: str | None = ..., timeout: float | None = ..., *,
-                          density: float | None = ..., delta: float | None = ...,
-                          deadline: float | tuple[float, float] | None = ...,
-                          mad_factor: float | None = ..., deadline_window: int | None = ...,
-                          survive: bool | None = ..., shm: bool | None = ...
-                          ) -> PartialAllreduce: ...
-
-    def partial_allreduce(self, kind: str, like: Any, op: str = "sum",
-                          accumulate: bool | str = False,
-                          quorum: int | None = None, seed: int | None = None,
-                          name: str | None = None, algorithm: str | None = None,
-                          timeout: float | None = None, *, density: float | None = None,
-                          delta: float | None = None,
-                          deadline: float | tuple[float, float] | None = None,
-                          mad_factor: float | None = None,
-                          deadline_window: int | None = None,
+    @moved_arguments(**MOVED)
+    def partial_allreduce(self, policy: Policy | str, like: Any, op: str = "sum",
+                          accumulate: Accumulate | str = Accumulate.LATEST, *,
+                          name: str | None = None, timeout: float | None = None,
                           survive: bool | None = None,
-                          shm: bool | None = None) -> PartialAllreduce | HierPartialAllreduce:
+                          path: DataPath | None = None) -> PartialAllreduce:
         """A persistent partial allreduce handle ``h``: ``await h(x) -> PartialResult``.
 
-        ``kind``: ``solo`` (any rank's call starts an execution), ``majority`` (one drawn rank
-        per execution), ``two_choice`` (two drawn ranks, the first to arrive), ``quorum``
-        (starts once ``quorum`` ranks have arrived; ``quorum = P - b`` is synchronous SGD with
-        b backup workers), ``deadline`` (starts once ``quorum`` ranks have arrived, default
-        all P, or an adaptive deadline after the first arrival, whichever is first: the
-        median plus ``mad_factor`` (default 3) median absolute deviations of the arrival
-        spreads of the last ``deadline_window`` (default 16) executions, within
-        ``deadline=(lo, hi)`` seconds (default ``(0.001, 1.0)``; one number: a fixed
-        deadline); ``PartialResult.deadline`` and ``.deadline_expired`` say what happened;
-        docs/partial.md). ``like``: an array of the shape and dtype of every call's data.
-        ``accumulate``: ``True`` (or ``"sum"``): a call returns the sum of every result
-        completed since the previous call instead of the latest; ``"mean"``: the sum of each
-        of those results divided by its own ``count`` (the per-execution average, what
-        averaging by contributions needs: dividing summed results by summed counts would weigh
-        executions by their size; dense floating-point data and ``op="sum"`` only);
-        ``"world"``: the sum of each of those results divided by the size of the world it
-        spanned (P, or the survivors' number after a lost rank: ``survive``), as it completes:
-        synchronous SGD's average over every gradient, still right when a loss changes the
-        world between a result's completion and the call that takes it (dense floating-point
-        data and ``op="sum"`` only).
+        ``policy``: when an execution starts (:mod:`asynccoll.collectives.policy`,
+        docs/partial.md): ``Solo()`` (any rank's call), ``Majority(seed=)`` (one drawn rank per
+        execution), ``TwoChoice(seed=)`` (two drawn ranks, the first to arrive), ``Quorum(k)``
+        (once k ranks have arrived), ``Backup(b)`` (``Quorum(P - b)``: synchronous SGD with b
+        backup workers), ``Deadline(quorum=, bounds=, mad_factor=, window=)`` (k arrived,
+        default all P, or an adaptive deadline after the first arrival, whichever is first:
+        ``PartialResult.deadline`` and ``.deadline_expired`` say what happened), or the text
+        of one (``"solo"``, ``"quorum:3"``; :func:`~asynccoll.as_policy`). The draws' seed
+        defaults to one from the name. ``like``: an array of the shape and dtype of every
+        call's data.
+
+        ``accumulate`` (:class:`~asynccoll.Accumulate`): ``LATEST`` (default, the papers'): a
+        call returns the latest result; ``SUM``: the sum of every result completed since the
+        previous call; ``MEAN``: the sum of each of those results divided by its own ``count``
+        (the per-execution average, what averaging by contributions needs: dividing summed
+        results by summed counts would weigh executions by their size); ``WORLD``: the sum of
+        each of those results divided by the size of the world it spanned (P, or the
+        survivors' number after a lost rank: ``survive``), as it completes: synchronous SGD's
+        average over every gradient, still right when a loss changes the world between a
+        result's completion and the call that takes it. ``MEAN`` and ``WORLD``: dense
+        floating-point data and ``op="sum"`` only.
         ``op="avg"``: **averaging by contributions**: each execution's sum is divided by its
         own ``count`` (the local contributions summed into it, over all ranks; an empty
-        execution stays zeros), not by P; with ``accumulate`` the value is the sum of those
-        per-execution averages (``"mean"``). Floating-point data only.
+        execution stays zeros), not by P; accumulating, the value is the sum of those
+        per-execution averages (``MEAN``). Floating-point data only.
         **Tensors**: ``like`` and every call's ``x`` may be torch tensors (CPU or CUDA, see
         :mod:`asynccoll.comm.tensors`); a call returns its value as the type of its ``x``,
         ``flush`` as the type of ``like``.
-        ``seed``: the initiator draws' seed (default: from the name). ``name``: identifies
-        the handle across ranks (default: the order of creation). ``timeout``: default per
-        call.
+        ``name``: identifies the handle across ranks (default: the order of creation).
+        ``timeout``: default per call.
 
         **Sparse contributions**: with ``like`` a :class:`~asynccoll.SparseVector`, calls take
         SparseVectors (or dense arrays) of its size and dtype, stale data accumulates sparse
-        until it passes ``delta``, and each result's ``value`` is a SparseVector or a dense
-        1-D array as the sum's density dictates (docs/partial.md). ``op`` must be ``sum``;
-        ``algorithm`` names a sparse algorithm, or is chosen from ``density`` (the expected
-        per-rank fraction of nonzeros, the same on every rank) and P. ``density`` and
-        ``delta`` apply to sparse handles only.
+        until it passes ``path.delta``, and each result's ``value`` is a SparseVector or a
+        dense 1-D array as the sum's density dictates (docs/partial.md). ``op`` must be
+        ``sum``; the sparse algorithm is ``path.algorithm`` or chosen from ``path.density``
+        (the expected per-rank fraction of nonzeros, the same on every rank) and P.
 
         ``survive``: whether the handle goes on without a lost rank (default:
         :attr:`survive`): the survivors agree on who is lost, settle the execution under way
@@ -265,91 +246,127 @@ class PartialCollectives(Grouping):
         lost (:mod:`asynccoll.comm.survival`, docs/groups.md). Dense and sparse handles; one
         made while a rank is being lost goes on without it like the others.
 
-        ``shm``: whether the data phase goes through shared memory (:mod:`asynccoll.comm.shm`;
-        the activation rides on its wake-ups). ``None``: when every rank is on this host,
-        ``like`` is a NumPy array of at least 128 KiB and ``algorithm`` is None (unless
-        ``ASYNCCOLL_SHM=0``); ``True`` (or ``algorithm="shm"``, ``"shm_one_shot"``,
-        ``"shm_two_shot"``): always, ``ValueError`` if the ranks are on several hosts;
-        ``False``: never. Creating the handle stays free of collectives: this rank's segments
-        are made at once, its peers' mapped at the first execution (docs/collectives.md).
-        A handle that survives a lost rank goes on over the network. For sparse handles
-        (``like`` a SparseVector): with the split algorithms only (``ssar_split_allgather``,
-        ``dsar_split_allgather``; ``shm=True`` without ``algorithm`` takes the first), their
-        sparse allreduce through shared memory; ``None`` takes it when every rank is on this
-        host, the algorithm (chosen or given) is a split one and ``/dev/shm`` could hold every
-        rank's segment twice over, at any size; the activation keeps its broadcast
-        (docs/sparse.md).
+        ``path`` (:class:`~asynccoll.DataPath`): the route planner (:mod:`asynccoll.comm.route`)
+        decides how the data moves; ``path`` overrides it. By default the data phase goes
+        through shared memory (:mod:`asynccoll.comm.shm`; the activation rides on its
+        wake-ups) when every rank is on this host, ``like`` is a NumPy array of at least
+        128 KiB and no ``path.algorithm`` is named (unless ``ASYNCCOLL_SHM=0``), else over the
+        network with the algorithm chosen by size and P. ``DataPath(shm=True)`` (or
+        ``"one_shot"``/``"two_shot"``): always through shared memory, ``ValueError`` if the
+        ranks are on several hosts; ``DataPath(shm=False)``: never; ``DataPath(algorithm=)``:
+        a network algorithm. Creating the handle stays free of collectives: this rank's
+        segments are made at once, its peers' mapped at the first execution
+        (docs/collectives.md). A handle that survives a lost rank goes on over the network.
+        Sparse handles go through shared memory with the split algorithms only
+        (``ssar_split_allgather``, ``dsar_split_allgather``; ``shm=True`` without an
+        algorithm takes the first), by default when every rank is on this host, the algorithm
+        (chosen or given) is a split one and ``/dev/shm`` could hold every rank's segment
+        twice over, at any size (docs/sparse.md). The hierarchical handle (shared memory
+        within each host, a partial allreduce among hosts) is
+        :meth:`hier_partial_allreduce`.
 
-        Raises ``ValueError`` naming ``kind``, ``quorum``, ``op``, ``algorithm``, ``name`` (in
-        use), ``like``, ``deadline``, ``mad_factor``, ``deadline_window`` or ``shm``;
-        ``OSError`` when this rank's shared-memory segments cannot be created. Builds and arms
-        the schedule at once (so other ranks' activations are answered from now on); costs
+        Raises ``ValueError`` naming ``policy`` (a bad text, ``Sync()``, a quorum above P),
+        ``op``, ``accumulate``, ``name`` (in use), ``like`` or ``path``; ``TypeError`` naming
+        the new spelling for a keyword that is gone (``quorum=``: ``Quorum(k)``; ``shm=``:
+        ``path=DataPath(shm=...)``; ...) and for ``accumulate=True``/``False``; ``OSError``
+        when this rank's shared-memory segments cannot be created. Builds and arms the
+        schedule at once (so other ranks' activations are answered from now on); costs
         O(P log P) Python work.
         """
         survives = self.survive if survive is None else bool(survive)
         if self._closed or not survives:  # (a surviving handle made after a loss recovers)
             self._check_open()
+        policy = _partial_policy(policy)
+        accumulate = as_accumulate(accumulate)
+        path = DataPath() if path is None else path
+        if not isinstance(path, DataPath):
+            raise TypeError(f"path must be a DataPath or None, got {type(path).__name__}")
         like, like_kind = from_tensor(like, "like")
         sparse = isinstance(like, SparseVector)
         if not sparse:
             check_array(like, "like")
-            if density is not None or delta is not None:
-                raise ValueError("density and delta apply to sparse handles only (like must "
-                                 "be a SparseVector)")
-        check_kind(kind, self.size, quorum)
-        check_deadline(kind, deadline, mad_factor, deadline_window)
-        if accumulate not in (False, True, "sum", "mean", "world"):
-            raise ValueError(f"accumulate must be False, True, 'sum', 'mean' or 'world', got "
-                             f"{accumulate!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                                 or seed < 0):
-            raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
-        if algorithm == "hier":
-            return self._hier_partial(kind, like, like_kind, op, accumulate, quorum, seed, name,
-                                      timeout, deadline, mad_factor, deadline_window, survive,
-                                      shm)
+            if path.density is not None or path.delta is not None:
+                raise ValueError("path: density and delta apply to sparse handles only (like "
+                                 "must be a SparseVector)")
+        policy.activation(self.size)  # ValueError naming the policy when it does not fit P
         average = op == "avg"
         if average:
             avg_op(op, like)
-            if accumulate == "world":
-                raise ValueError("accumulate='world' divides by the world size; op='avg' "
-                                 "divides by contributions: give one of them")
+            if accumulate is Accumulate.WORLD:
+                raise ValueError("accumulate=Accumulate.WORLD divides by the world size; "
+                                 "op='avg' divides by contributions: give one of them")
             op = "sum"
-            accumulate = "mean" if accumulate else False
+            accumulate = Accumulate.MEAN if accumulate.sums else Accumulate.LATEST
         check_op(op)
-        if accumulate in ("mean", "world") and (
+        if accumulate in (Accumulate.MEAN, Accumulate.WORLD) and (
                 sparse or op != "sum" or not np.issubdtype(np.dtype(like.dtype), np.floating)):
-            raise ValueError(f"accumulate={accumulate!r} needs dense floating-point data and "
-                             f"op='sum' (got like={type(like).__name__}, op={op!r})")
+            raise ValueError(f"accumulate=Accumulate.{accumulate.name} needs dense "
+                             f"floating-point data and op='sum' (got like="
+                             f"{type(like).__name__}, op={op!r})")
         token: int | None = None
+        algorithm, shm = path.router_args()
         # before the name is taken: a refusal must not shift the automatic names
         if sparse:
             sdt = np.dtype(like.values.dtype)
-            chosen = choose_algorithm(density, self.size, like.size, sdt, delta)  # checks it
+            chosen = choose_algorithm(path.density, self.size, like.size, sdt,
+                                      path.delta)  # checks them
             algorithm, token = self._dense.router.sparse_partial(
                 self._dense.layout, algorithm or chosen, algorithm, shm)
         else:
             token, algorithm = self._dense.router.dense_partial(self._dense.layout, like,
                                                                 algorithm, shm)
         name = self._partial_name(name)
-        s = stable_id(name, 2) if seed is None else int(seed)
-        t = self.timeout if timeout is None else timeout
         contribution: Contribution = (
-            SparseContribution(op, algorithm, density=density, delta=delta,
+            SparseContribution(op, algorithm, density=path.density, delta=path.delta,
                                shm=token is not None) if sparse
             else DenseContribution(op, algorithm))
-        h = self._engine.call(lambda: TensorPartialAllreduce(
-            self._engine, self.transport, contribution, kind=kind, like=like,
-            accumulate="sum" if accumulate is True else accumulate, quorum=quorum, seed=s,
-            name=name, timeout=t,
-            trace=self._writer, kernels=self.kernels, live=self.live,
-            stall_warn=self.stall_warn, average=average and not accumulate,
-            deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window,
-            like_kind=like_kind, shm_token=token))
+        runtime = HandleRuntime(self._engine, self.transport, self._writer, self.kernels,
+                                self.live, self.stall_warn)
+        plan = HandlePlan(contribution, like, name,
+                          stable_id(name, 2) if policy.seed is None else policy.seed,
+                          accumulate, self.timeout if timeout is None else timeout, token,
+                          average=average and not accumulate.sums, like_kind=like_kind)
+        h = self._engine.call(lambda: TensorPartialAllreduce(runtime, policy, plan))
         h.clock_offset = self.clock_offset
         if survives:
             self._engine.call(lambda: h.follow(Survival(h, self)))
         self._handles[name] = h
+        return h
+
+    @moved_arguments(**MOVED)
+    def hier_partial_allreduce(self, policy: Policy | str, like: Any, op: str = "sum",
+                               accumulate: Accumulate | str = Accumulate.LATEST, *,
+                               name: str | None = None,
+                               timeout: float | None = None) -> HierPartialAllreduce:
+        """A hierarchical partial allreduce: within each host synchronous, through shared
+        memory; among the hosts a partial allreduce of ``policy`` among their leaders, so a
+        host activates as a unit (:mod:`asynccoll.comm.hier_partial`, docs/partial.md).
+        ``policy``, ``op``, ``name``, ``timeout``: as :meth:`partial_allreduce`'s, a quorum
+        counting hosts; ``accumulate``: ``LATEST`` or ``SUM``. NumPy arrays only.
+
+        Raises ``TypeError`` naming ``like`` (not a NumPy array), ``ValueError`` naming
+        ``policy``, ``op``, ``accumulate`` (``op="avg"``, ``MEAN`` and ``WORLD``: their
+        divisors would count host sums, not ranks) or ``name``. Collective at its first call
+        (it makes the host and leader groups); building it costs no I/O.
+        """
+        policy = _partial_policy(policy)
+        accumulate = as_accumulate(accumulate)
+        like, like_kind = from_tensor(like, "like")
+        if isinstance(like, SparseVector) or like_kind is not None:
+            raise TypeError("hier_partial_allreduce takes NumPy arrays (like), got "
+                            f"{type(like).__name__}")
+        if op == "avg" or accumulate in (Accumulate.MEAN, Accumulate.WORLD):
+            raise ValueError(f"hier_partial_allreduce: op={op!r}, accumulate="
+                             f"Accumulate.{accumulate.name}: averaging divisors would count "
+                             "host sums, not ranks (use op='sum' and divide)")
+        check_op(op)
+        if self.hosts:  # known (connect() learns them): quorum counts hosts
+            policy.activation(len(self.hosts))
+        name = self._partial_name(name)
+        options: dict[str, Any] = {"op": op, "accumulate": accumulate, "timeout": timeout,
+                                   "survive": False}
+        h = HierPartialAllreduce(cast("HierComm", self), policy, like, name, options)
+        self._hier_handles[name] = h
         return h
 
     def _partial_name(self, name: str | None) -> str:
@@ -361,37 +378,6 @@ class PartialCollectives(Grouping):
                              "communicator")
         return name
 
-    def _hier_partial(self, kind: str, like: Any, like_kind: Any, op: str,
-                      accumulate: bool | str, quorum: int | None, seed: int | None,
-                      name: str | None, timeout: float | None, deadline: Any,
-                      mad_factor: float | None, deadline_window: int | None,
-                      survive: bool | None, shm: bool | None) -> HierPartialAllreduce:
-        """``partial_allreduce(..., algorithm="hier")``: :mod:`.hier_partial`, each option it
-        does not offer refused by name."""
-        if isinstance(like, SparseVector) or like_kind is not None:
-            raise TypeError("algorithm='hier' takes NumPy arrays (like), got "
-                            f"{type(like).__name__}")
-        if op == "avg" or accumulate in ("mean", "world"):
-            raise ValueError(f"algorithm='hier': op={op!r}, accumulate={accumulate!r}: "
-                             "averaging divisors would count host sums, not ranks (use "
-                             "op='sum' and divide)")
-        check_op(op)
-        if self.hosts:  # known (connect() learns them): quorum counts hosts
-            check_kind(kind, len(self.hosts), quorum)
-        if survive:
-            raise ValueError("algorithm='hier' cannot survive a lost rank (survive=True)")
-        if shm is not None:
-            raise ValueError("algorithm='hier' takes shared memory within each host itself "
-                             f"(shm must be None, got {shm!r})")
-        name = self._partial_name(name)
-        options: dict[str, Any] = {
-            "op": op, "accumulate": accumulate, "quorum": quorum, "seed": seed,
-            "timeout": timeout, "deadline": deadline, "mad_factor": mad_factor,
-            "deadline_window": deadline_window, "survive": False}
-        h = HierPartialAllreduce(cast("HierComm", self), kind, like, name, options)
-        self._hier_handles[name] = h
-        return h
-
     def _shortcut(self, kind: str, x: Any, quorum: int | None = None) -> PartialAllreduce:
         if isinstance(x, SparseVector):
             key: tuple[Any, ...] = (kind, "sparse", x.size, x.values.dtype.str, quorum)
@@ -400,7 +386,7 @@ class PartialCollectives(Grouping):
             key = (kind, tuple(x.shape), np.dtype(x.dtype).str, quorum)
         h = self._shortcuts.get(key)
         if h is None:
-            h = self.partial_allreduce(kind, x, quorum=quorum)
+            h = self.partial_allreduce(Quorum(quorum) if quorum is not None else kind, x)
             h.flush_hint = None  # no flush to advise (PartialAllreduce.flush_hint)
             self._shortcuts[key] = h
         return h
@@ -417,22 +403,32 @@ class PartialCollectives(Grouping):
         return wrap_result(self._shortcut(kind, a, quorum).blocking(a, timeout), tkind)
 
     async def solo_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        """``partial_allreduce("solo", like=x)(x)`` with the handle cached per shape/dtype."""
+        """``partial_allreduce(Solo(), like=x)(x)`` with the handle cached per shape/dtype."""
         return await self._shortcut_call("solo", x, timeout)
 
     async def majority_allreduce(self, x: Any, timeout: float | None = None) -> PartialResult:
-        """``partial_allreduce("majority", like=x)(x)``, cached per shape/dtype."""
+        """``partial_allreduce(Majority(), like=x)(x)``, cached per shape/dtype."""
         return await self._shortcut_call("majority", x, timeout)
 
     async def two_choice_allreduce(self, x: Any,
                                    timeout: float | None = None) -> PartialResult:
-        """``partial_allreduce("two_choice", like=x)(x)``, cached per shape/dtype."""
+        """``partial_allreduce(TwoChoice(), like=x)(x)``, cached per shape/dtype."""
         return await self._shortcut_call("two_choice", x, timeout)
 
     async def quorum_allreduce(self, x: Any, k: int,
                                timeout: float | None = None) -> PartialResult:
-        """``partial_allreduce("quorum", like=x, quorum=k)(x)``, cached per shape/dtype/k."""
+        """``partial_allreduce(Quorum(k), like=x)(x)``, cached per shape/dtype/k."""
         return await self._shortcut_call("quorum", x, timeout, k)
+
+
+def _partial_policy(policy: Policy | str) -> Policy:
+    """``policy`` converted (:func:`~asynccoll.as_policy`) and refused when it is ``Sync()``."""
+    p = as_policy(policy)
+    if not p.partial:
+        raise ValueError("policy Sync() is no partial allreduce: call comm.allreduce(x) "
+                         "(partial_allreduce takes Solo(), Majority(), TwoChoice(), Quorum(k), "
+                         "Backup(b) or Deadline())")
+    return p
 
 
 def avg_op(op: Any, x: Any) -> tuple[Any, bool]:

@@ -1,13 +1,13 @@
 """The hierarchical partial allreduce: a host activates as a unit.
 
-``comm.partial_allreduce(kind, like, algorithm="hier")``. Across hosts a partial collective
+``comm.hier_partial_allreduce(policy, like)``. Across hosts a partial collective
 hides the stragglers among *hosts*; within a host the ranks share memory and a core budget, and
 a call goes like the hierarchical synchronous allreduce (docs/collectives.md):
 
 1. **within the host**, synchronously: the ranks of the host sum their data, through shared
    memory (the host group's allreduce, which takes that path from 128 KiB);
 2. **among the hosts**, partially: the host's leader (its lowest rank) contributes the host's
-   sum to a partial allreduce handle of ``kind`` among the leaders, over the network, with
+   sum to a partial allreduce handle of ``policy`` among the leaders, over the network, with
    every rule of that kind (activation, rule 1, staleness, accumulation);
 3. **within the host** again: the leader hands the result and what it says (round,
    contributors, ...) to its ranks, through shared memory as well (the value as a sum in which
@@ -23,13 +23,13 @@ for by name, not the default: where stragglers are single ranks, the flat handle
 What results say, in the world's ranks: ``contributors`` and ``fresh`` are the ranks of the
 hosts whose leader was one, ``arrivals`` gives every rank of a host its leader's arrival;
 ``included`` is whether this host's sum of this call is in ``value``; ``count`` counts the
-leaders' contributions (host sums), and ``world_size`` is the world's size. ``quorum``
-(quorum and deadline kinds) counts hosts. Not offered here, each refused by name:
-``op="avg"`` and ``accumulate="mean"``/``"world"`` (their divisors count host sums, not
-ranks), ``survive`` (see **A lost rank** below), ``shm`` (the host step always takes shared memory),
-sparse and tensor data (NumPy arrays only). Its calls are awaited, or blocking
-(:meth:`HierPartialAllreduce.blocking`, ``comm.blocking.partial_allreduce(...,
-algorithm="hier")``); no ``out=``, no ``combine``.
+leaders' contributions (host sums), and ``world_size`` is the world's size. A policy's quorum
+(``Quorum(k)``, ``Backup(b)``, ``Deadline(quorum=k)``) counts hosts. Not offered here, each
+refused by name: ``op="avg"`` and ``Accumulate.MEAN``/``WORLD`` (their divisors count host
+sums, not ranks), surviving a loss (see **A lost rank** below), a data path (the host step
+always takes shared memory), sparse and tensor data (NumPy arrays only). Its calls are
+awaited, or blocking (:meth:`HierPartialAllreduce.blocking`,
+``comm.blocking.hier_partial_allreduce(...)``); no ``out=``, no ``combine``.
 
 **A lost rank.** A result of this handle is complete only with every host's leader in the
 leaders' handle and every rank of a host in its host's sum; a lost rank breaks one of them
@@ -62,6 +62,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from ..collectives.policy import Policy
 from ..collectives.shm import host_groups
 from ..errors import BusyError, ExecutionError, PeerLostError, TransportClosedError
 from ..results import PartialResult
@@ -96,7 +97,7 @@ class Communicator(Protocol):
     async def split(self, color: int | str | None, key: int | None = None,
                     timeout: float | None = None) -> Communicator | None: ...
     async def group(self, ranks: Any, timeout: float | None = None) -> Communicator | None: ...
-    def partial_allreduce(self, kind: str, like: Any, *args: Any, **kw: Any) -> Any: ...
+    def partial_allreduce(self, policy: Policy, like: Any, *args: Any, **kw: Any) -> Any: ...
 
 __all__ = ["HierPartialAllreduce"]
 
@@ -106,17 +107,19 @@ _ROUND, _INCLUDED, _COUNT, _MISSED, _FLUSHED, _EXPIRED, _DEADLINE, _FAILED, _FIE
 
 
 class HierPartialAllreduce:
-    """A partial allreduce of ``kind`` among hosts, synchronous within each (module doc).
+    """A partial allreduce of ``policy`` among hosts, synchronous within each (module doc).
 
-    Made by :meth:`Communicator.partial_allreduce
-    <asynccoll.Communicator.partial_allreduce>` with ``algorithm="hier"``; the same calls as
+    Made by :meth:`Communicator.hier_partial_allreduce
+    <asynccoll.Communicator.hier_partial_allreduce>`; the same calls as
     :class:`~asynccoll.comm.partial.PartialAllreduce`: ``await h(x)``, ``await h.flush()``,
     ``await h.close()``. One call at a time per handle (:class:`~asynccoll.BusyError`).
     """
 
-    def __init__(self, comm: Communicator, kind: str, like: np.ndarray[Any, Any], name: str,
-                 options: dict[str, Any]) -> None:
-        self.kind = kind
+    def __init__(self, comm: Communicator, policy: Policy, like: np.ndarray[Any, Any],
+                 name: str, options: dict[str, Any]) -> None:
+        #: the straggler policy among the hosts (:mod:`asynccoll.collectives.policy`)
+        self.policy = policy
+        self.kind = policy.name
         self.name = name
         self._comm = comm
         self._like = like
@@ -158,7 +161,8 @@ class HierPartialAllreduce:
                 if lead is not None:
                     try:
                         self._handle = lead.partial_allreduce(
-                            self.kind, self._like, name=f"{self.name}/leaders", **self._options)
+                            self.policy, self._like, name=f"{self.name}/leaders",
+                            **self._options)
                     except (ValueError, TypeError) as exc:
                         err = exc
                 # a leader that could not make its handle says so to its host (every leader
@@ -357,7 +361,7 @@ class HierPartialAllreduce:
             self._comm.size)
 
     def __repr__(self) -> str:
-        return (f"HierPartialAllreduce(kind={self.kind!r}, name={self.name!r}, "
+        return (f"HierPartialAllreduce({self.policy!r}, name={self.name!r}, "
                 f"hosts={self._hosts or 'not yet known'})")
 
 

@@ -7,7 +7,7 @@ on the runtime's loop (the progress thread by default); the public coroutines br
 The rules (issue 4, DESIGN §5), for a call ``h(x)`` on rank r:
 
 1. If an execution completed since r was last given a result, the call returns at once with
-   the latest result (``included=False``; with ``accumulate=True`` the sum of every result not
+   the latest result (``included=False``; with ``accumulate`` the sum of every result not
    yet given) and ``x`` is added to the send buffer for a later execution.
 2. Otherwise ``x`` is added to the send buffer and r takes part in the current execution e:
    it starts e when r is in S(e) (for quorum and deadline: it announces its arrival), else it
@@ -58,12 +58,11 @@ from ..collectives.partial import (
     activation,
     arrival_stamp,
     call_rule,
-    check_deadline,
-    check_kind,
     deadline_signature,
     initiators,
     signature_sum,
 )
+from ..collectives.policy import Policy
 from ..errors import (
     BusyError,
     ExecutionError,
@@ -71,13 +70,13 @@ from ..errors import (
     TransportClosedError,
 )
 from ..results import PartialResult
-from ..sched import Executor, KernelRegistry, LiveOps, Schedule, TraceWriter
+from ..sched import Executor, LiveOps, Schedule
 from ..transport.base import Transport
 from . import clock
-from .contribution import Combine, Contribution
+from .contribution import Combine
 from .partial_member import MemberSide, Survives, locked_snapshots, stable_id
 from .partial_results import KeptResults
-from .progress import ProgressEngine
+from .plan import HandlePlan, HandleRuntime
 from .shm import PartialSegments
 
 __all__ = ["Combine", "PartialAllreduce", "stable_id"]
@@ -92,19 +91,16 @@ class PartialAllreduce(KeptResults, MemberSide):
     the module doc.
 
     Made by :meth:`Communicator.partial_allreduce <asynccoll.Communicator.partial_allreduce>`,
-    on the runtime's loop, with the ``contribution`` strategy that fits ``like`` (dense or
-    sparse, :mod:`asynccoll.comm.contribution`). ``await h(x)`` returns a
-    :class:`~asynccoll.PartialResult`; ``await h.flush()`` is the collective that drains every
-    contribution. One call at a time per handle (:class:`~asynccoll.BusyError` otherwise).
-    ``trace``, ``kernels`` and ``live``: the communicator's trace writer (or ``None``), kernel
-    registry (default: the collectives') and live-op registry, which its executor uses.
-    ``stall_warn``: seconds a call waits before it logs that it still waits (see
-    :mod:`.stall`; ``None``: never). ``deadline``, ``mad_factor``, ``deadline_window``: the
-    ``deadline`` kind's parameters (:func:`~asynccoll.collectives.partial.check_deadline`;
-    ``ValueError`` naming them when bad or given for another kind). ``shm_token``: the job's
-    segment token, for a dense contribution whose data phase goes through shared memory
-    (:class:`~.shm.PartialSegments`: this rank's segments are created here, ``OSError`` when
-    they cannot be).
+    on the runtime's loop, from a ``runtime`` (the communicator's engine, transport, trace
+    writer, kernels, live-op registry, ``stall_warn``: :class:`~.plan.HandleRuntime`), a
+    :class:`~asynccoll.Policy` (``ValueError`` when it does not fit the world) and a ``plan``
+    (:class:`~.plan.HandlePlan`: the ``contribution`` strategy that fits ``like``, dense or
+    sparse, :mod:`asynccoll.comm.contribution`; name, seed, accumulation, timeout).
+    ``await h(x)`` returns a :class:`~asynccoll.PartialResult`; ``await h.flush()`` is the
+    collective that drains every contribution. One call at a time per handle
+    (:class:`~asynccoll.BusyError` otherwise). With the plan's ``shm_token`` (a dense
+    contribution whose data phase goes through shared memory) this rank's segments are
+    created here (:class:`~.shm.PartialSegments`; ``OSError`` when they cannot be).
     """
 
     #: the call the warning of a handle closed holding contributions advises (the training
@@ -112,34 +108,28 @@ class PartialAllreduce(KeptResults, MemberSide):
     #: advise, so its leftovers are said at INFO (missing the last execution is by design)
     flush_hint: str | None = "'await h.flush()' on the handle"
 
-    def __init__(self, engine: ProgressEngine, transport: Transport, contribution: Contribution,
-                 *, kind: str, like: Any, accumulate: bool | str, quorum: int | None,
-                 seed: int,
-                 name: str, timeout: float | None = None, trace: TraceWriter | None = None,
-                 kernels: KernelRegistry | None = None, live: LiveOps | None = None,
-                 stall_warn: float | None = None,
-                 deadline: float | tuple[float, float] | None = None,
-                 mad_factor: float | None = None,
-                 deadline_window: int | None = None,
-                 shm_token: int | None = None) -> None:
-        self._engine = engine
-        self._writer = trace
+    def __init__(self, runtime: HandleRuntime, policy: Policy, plan: HandlePlan) -> None:
+        transport, contribution, like = runtime.transport, plan.contribution, plan.like
+        kernels, live, shm_token = runtime.kernels, runtime.live, plan.shm_token
+        self._engine = runtime.engine
+        self._writer = runtime.trace
         self._contribution = contribution
-        self.kind = kind
-        self.name = name
+        #: the straggler policy (:mod:`asynccoll.collectives.policy`)
+        self.policy = policy
+        act = policy.activation(transport.world_size)  # ValueError when it does not fit P
+        self.kind = act.kind
+        self.name = name = plan.name
         self.op = contribution.op
-        #: ``"sum"``: hand out the sum of the results not yet given; ``"mean"``: the sum of each
-        #: one divided by its count; ``"world"``: the sum of each one divided by the size of
-        #: the world it spanned (set by :class:`~asynccoll.train.EagerSGD`: a survivor may
-        #: receive a result of the world before a loss after it; :mod:`.survival`); ``False``:
-        #: the latest
-        self.accumulate: bool | str = "sum" if accumulate is True else accumulate
-        quorum = check_kind(kind, transport.world_size, quorum)
+        #: what a call that missed results is given (:class:`~asynccoll.Accumulate`;
+        #: :class:`~asynccoll.train.EagerSGD` sets ``WORLD``: a survivor may receive a result
+        #: of the world before a loss after it; :mod:`.survival`)
+        self.accumulate = plan.accumulate
+        quorum = act.quorum
         self.quorum = quorum
         #: the deadline kind's parameters (None for other kinds)
-        self.deadline_config: DeadlineConfig | None = check_deadline(
-            kind, deadline, mad_factor, deadline_window)
-        self.seed = seed
+        self.deadline_config: DeadlineConfig | None = act.deadline
+        self.seed = plan.seed
+        timeout, stall_warn = plan.timeout, runtime.stall_warn
         self.timeout = timeout
         self.stall_warn = stall_warn
         self.rank = transport.rank
@@ -152,7 +142,7 @@ class PartialAllreduce(KeptResults, MemberSide):
         #: how the handle goes on without a lost rank (set by the communicator when it
         #: survives; :mod:`.survival`), else None
         self._survival: Survives | None = None
-        sched, bufs = contribution.build(like, self.rank, P, kind, quorum)
+        sched, bufs = contribution.build(like, self.rank, P, self.kind, quorum)
         self.shape = contribution.shape
         self.dtype = contribution.dtype
         self.algorithm = contribution.algorithm
@@ -304,7 +294,7 @@ class PartialAllreduce(KeptResults, MemberSide):
         executions themselves, so no call waits for an initiator that has stopped calling.
         Flush returns at the first execution in which all P ranks were flushing: the same one
         on every rank. Afterwards no contribution is left in any send buffer and no execution
-        is under way. Returns the latest result (``accumulate=True``: the sum of all results
+        is under way. Returns the latest result (accumulating: the sum of all results
         not yet given) with ``included=True``, ``flushed=True`` and ``missed`` = the number of
         further results folded in (or superseded). Costs one to a few executions; it waits
         (without polling) for the slowest rank to reach its flush.

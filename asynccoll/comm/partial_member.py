@@ -41,6 +41,7 @@ from ..collectives.partial import (
     deadline_signature,
     initiators,
 )
+from ..collectives.policy import Accumulate
 from ..errors import (
     CollectiveTimeoutError,
     PeerLostError,
@@ -95,7 +96,7 @@ class HandleState:
     seed: int
     timeout: float | None
     stall_warn: float | None
-    accumulate: bool | str
+    accumulate: Accumulate
     deadline_config: DeadlineConfig | None
     next_deadline: float | None
     schedule: Schedule

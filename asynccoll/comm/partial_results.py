@@ -99,14 +99,14 @@ class KeptResults(HandleState):
     def _keep(self) -> None:
         """Keep the result just completed (and its meta) for the next call to hand out."""
         self._relayout()  # a result kept from before a rebuild: meet this world's layout
-        summed = self._value is not None and bool(self.accumulate)
+        summed = self._value is not None and self.accumulate.sums
         divisor = 1
         if self.accumulate == "mean":
             divisor = int(self._meta[:self.world_size].sum()) or 1
         elif self.accumulate == "world":  # each execution by the size of the world it spanned
             divisor = self.world_size
         # the kept value was never handed out, so nobody sees it change
-        self._value = self._contribution.keep(self._value, bool(self.accumulate), divisor)
+        self._value = self._contribution.keep(self._value, self.accumulate.sums, divisor)
         if summed:
             self._vmeta += self._meta
             self._vmeta[self._stamps] = self._meta[self._stamps]  # the latest execution's
@@ -189,7 +189,7 @@ class KeptResults(HandleState):
                 self._value = value
                 self._vmeta[...] = vmeta
                 self._given = min(self._given, given)
-            elif self.accumulate:
+            elif self.accumulate.sums:
                 if self._value is None:
                     self._value = value
                     self._vmeta[...] = vmeta

@@ -39,10 +39,12 @@ from ..transport.base import Transport
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 
-__all__ = ["Layout", "Router", "Switches", "agree_flags", "shm_flag"]
+__all__ = ["DataPath", "Layout", "Router", "Switches", "agree_flags", "shm_flag"]
 
 #: the paths a plan names
 NETWORK, SHM, HIER = "network", "shm", "hier"
+#: ``DataPath(shm=...)``'s forced shared-memory algorithms
+_SHM_VARIANTS = tuple(n[4:] for n in SHM_NAMES if n != "shm")
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,64 @@ def shm_flag(shm: Any) -> bool | None:
     if shm is not None and not isinstance(shm, (bool, np.bool_)):
         raise ValueError(f"shm must be True, False or None, got {shm!r}")
     return None if shm is None else bool(shm)
+
+
+@dataclass(frozen=True)
+class DataPath:
+    """The documented override of a partial handle's route (``comm.partial_allreduce(...,
+    path=DataPath(...))``); by default the :class:`Router` decides.
+
+    ``shm``: ``None`` (the default): the router's choice (shared memory when every rank is on
+    this host, ``like`` is a NumPy array of at least 128 KiB and no ``algorithm`` is named,
+    unless ``ASYNCCOLL_SHM=0``; for sparse handles with a split algorithm at any size);
+    ``True``: through shared memory (``ValueError`` where it cannot be); ``False``: over the
+    network; ``"one_shot"`` or ``"two_shot"``: through shared memory with that algorithm
+    forced. ``algorithm``: a network algorithm only: for dense data one of the dense
+    allreduce's (``recursive_doubling``, ``ring``, ``rabenseifner``, ...), for sparse handles
+    one of SparCML's (``ssar_recursive_double``, ``ssar_split_allgather``,
+    ``dsar_split_allgather``); ``None``: chosen by size and P. ``density`` (the expected
+    per-rank fraction of nonzeros, to choose the sparse algorithm) and ``delta`` (the switch
+    point to dense): sparse handles only. The hierarchical handle is not a path of this one
+    (its calls return through each host's leader): ``comm.hier_partial_allreduce``.
+
+    Raises ``ValueError`` naming ``shm`` or ``algorithm`` at construction (a shared-memory or
+    ``"hier"`` name given as ``algorithm``, with the spelling to use instead).
+    """
+
+    algorithm: str | None = None
+    shm: bool | str | None = None
+    density: float | None = None
+    delta: float | None = None
+
+    def __post_init__(self) -> None:
+        a = self.algorithm
+        if a is not None and not isinstance(a, str):
+            raise ValueError(f"algorithm must be a str or None, got {a!r}")
+        if a == HIER:
+            raise ValueError("algorithm='hier' is not a network algorithm: the hierarchical "
+                             "handle is comm.hier_partial_allreduce(policy, like, ...)")
+        if a in SHM_NAMES:
+            if self.shm is False:
+                raise ValueError(f"algorithm={a!r} goes through shared memory, but shm=False")
+            v = "True" if a == "shm" else repr(a[4:])
+            raise ValueError(f"algorithm={a!r} is not a network algorithm: give "
+                             f"DataPath(shm={v})")
+        if isinstance(self.shm, str):
+            if self.shm not in _SHM_VARIANTS:
+                raise ValueError(f"shm must be True, False or None, or one of "
+                                 f"{_SHM_VARIANTS} (a forced algorithm), got {self.shm!r}")
+            if a is not None:
+                raise ValueError(f"shm={self.shm!r} goes through shared memory, but "
+                                 f"algorithm={a!r} names a network one")
+        else:
+            object.__setattr__(self, "shm", shm_flag(self.shm))
+
+    def router_args(self) -> tuple[str | None, bool | None]:
+        """``(algorithm, shm)`` as :meth:`Router.dense_partial` takes them (a forced
+        shared-memory algorithm is its ``shm_`` name there)."""
+        if isinstance(self.shm, str):
+            return f"shm_{self.shm}", None
+        return self.algorithm, self.shm
 
 
 class Router:

@@ -30,10 +30,12 @@ from typing import Any
 import numpy as np
 
 from ..buffers import is_cupy
+from ..collectives.policy import Policy
 from ..collectives.sparse.streams import SparseVector
 from ..results import PartialResult
 from .contribution import Combine
 from .partial import PartialAllreduce
+from .plan import HandlePlan, HandleRuntime
 
 __all__ = ["TensorKind", "TensorPartialAllreduce", "as_host", "from_tensor", "is_tensor",
            "to_device", "wrap_result"]
@@ -117,16 +119,15 @@ class TensorPartialAllreduce(PartialAllreduce):
 
     Made by :meth:`Communicator.partial_allreduce <asynccoll.Communicator.partial_allreduce>`.
     A call returns its value as the type of its ``x`` (a tensor for a tensor); :meth:`flush`
-    as the type of the handle's ``like``. ``average``: the handle was made with ``op="avg"``
-    and ``accumulate=False``, so each value is divided by its ``count`` here (with
+    as the type of the handle's ``like``. The plan's ``average``: the handle was made with
+    ``op="avg"`` and without accumulation, so each value is divided by its ``count`` here (with
     ``accumulate`` the handle's ``"mean"`` mode does it per execution).
     """
 
-    def __init__(self, *args: Any, average: bool = False, like_kind: TensorKind | None = None,
-                 **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.average = average
-        self.like_kind = like_kind
+    def __init__(self, runtime: HandleRuntime, policy: Policy, plan: HandlePlan) -> None:
+        super().__init__(runtime, policy, plan)
+        self.average = plan.average
+        self.like_kind: TensorKind | None = plan.like_kind
 
     async def __call__(self, x: Any, timeout: float | None = None, *,
                        combine: Combine | None = None, out: Any = None) -> PartialResult:

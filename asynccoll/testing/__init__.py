@@ -2,6 +2,7 @@
 
 ``inproc_world(P)`` yields P connected in-process transports; ``run_schedules`` executes one
 committed schedule per rank over them and returns when every rank's execution completed.
+``policy_of(kind, quorum)`` names a straggler policy for tests parametrised over the kinds.
 """
 
 from __future__ import annotations
@@ -12,14 +13,29 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from ..collectives.policy import Deadline, Policy, Quorum, as_policy
 from ..sched import Executor, Kernel, Schedule
 from ..transport.inproc import InprocFabric, InprocTransport
 from .conformance import check_transport
 from .world import local_world
 
-__all__ = ["check_transport", "inproc_world", "local_world", "run_schedules"]
+__all__ = ["check_transport", "inproc_world", "local_world", "policy_of", "run_schedules"]
 
 _names = itertools.count()
+
+
+def policy_of(kind: str, quorum: int | None = None) -> Policy:
+    """The policy named ``kind`` (``"solo"``, ..., :func:`~asynccoll.as_policy`'s text) with
+    the arrival ``quorum`` (``"quorum"``: ``Quorum(quorum)``, ``"deadline"``:
+    ``Deadline(quorum=quorum)``; ``ValueError`` naming ``quorum`` for another kind), for tests
+    parametrised over the kinds by name."""
+    if quorum is None:
+        return as_policy(kind)
+    if kind == "quorum":
+        return Quorum(quorum)
+    if kind == "deadline":
+        return Deadline(quorum=quorum)
+    raise ValueError(f"quorum is only meaningful for 'quorum' or 'deadline', got {kind!r}")
 
 
 @asynccontextmanager

@@ -1,9 +1,10 @@
 """Eager-SGD: data-parallel SGD over a partial allreduce (eager-SGD §5, *Taming Unbalanced
 Training Workloads in Deep Learning with Partial Collective Operations*).
 
-Each step sums the gradients with a persistent partial allreduce (``solo``, ``majority``,
-``two_choice``, ``quorum`` or ``deadline``) instead of waiting for every rank; ``mode="sync"``
-is plain synchronous SGD over :meth:`Communicator.allreduce` for comparison. A rank whose gradient
+Each step sums the gradients with a persistent partial allreduce of a straggler policy
+(``Solo()``, ``Majority()``, ``TwoChoice()``, ``Quorum(k)``, ``Backup(b)`` or ``Deadline()``:
+:mod:`asynccoll.collectives.policy`) instead of waiting for every rank; ``policy=Sync()`` is
+plain synchronous SGD over :meth:`Communicator.allreduce` for comparison. A rank whose gradient
 arrives after the round it was meant for leaves it in the collective's send buffer, and the next
 round carries it (§5: "the stale gradient is then stored in the send buffer"): gradients are
 never dropped and never counted twice.
@@ -11,7 +12,7 @@ never dropped and never counted twice.
 **Averaging.** ``average="world"`` divides the summed gradient by P (the paper);
 ``"contributions"`` by the number of local gradients summed (``PartialResult.count``). With
 ``accumulate=True`` a rank that receives several rounds at once averages *each round by its own
-count* and sums those averages (the handle's ``accumulate="mean"``), exactly what the ranks that
+count* and sums those averages (the handle's ``Accumulate.MEAN``), exactly what the ranks that
 received the rounds one by one applied; dividing the summed rounds by the summed counts would
 make its step smaller and the replicas drift apart.
 
@@ -26,7 +27,7 @@ ranks *its execution* spanned: a survivor may receive the result of the last exe
 loss only after the recovery (the recovery settles it, or it was kept and not yet handed out),
 when the world is already smaller; dividing it by the new size would make its step larger than
 on the survivors that received it before the loss. With ``accumulate=True`` the handle divides
-each round as it completes (its ``accumulate="world"``), so rounds of both worlds summed into
+each round as it completes (its ``Accumulate.WORLD``), so rounds of both worlds summed into
 one result are each averaged by their own size.
 
 **Model synchronisation (collective-safe).** A *sync event* is ``flush`` of the partial
@@ -52,16 +53,26 @@ from typing import Any
 import numpy as np
 
 from ..buffers import empty_like
-from ..collectives.partial import check_deadline
+from ..collectives.policy import (
+    POLICY_MOVED,
+    Accumulate,
+    Policy,
+    Solo,
+    as_policy,
+    moved_arguments,
+)
 from ..comm.communicator import Communicator
 from ..results import PartialResult
 from .bucket import ParamBucket
 from .info import StepInfo
 from .updaters import SGD
 
-__all__ = ["EagerSGD"]
+__all__ = ["MOVED", "EagerSGD"]
 
-MODES = ("solo", "majority", "two_choice", "quorum", "deadline", "sync")
+#: the keywords the training classes took before policies were values, and what to write now
+MOVED = {"mode": "give policy=Solo(), Majority(), TwoChoice(), Quorum(k), Backup(b), "
+                 "Deadline() or Sync() (asynccoll), or its text ('solo', 'quorum:3')",
+         **POLICY_MOVED}
 
 
 class EagerSGD:
@@ -84,22 +95,17 @@ class EagerSGD:
     parameter size and one vectorised update.
     """
 
-    _kind_default: str | None = None
-
-    def __init__(self, comm: Communicator, params: Any, lr: float, mode: str = "solo", *,
-                 momentum: float = 0.0, weight_decay: float = 0.0, accumulate: bool = False,
-                 average: str = "world", quorum: int | None = None,
+    @moved_arguments(**MOVED)
+    def __init__(self, comm: Communicator, params: Any, lr: float,
+                 policy: Policy | str = Solo(), *, momentum: float = 0.0,
+                 weight_decay: float = 0.0, accumulate: bool = False, average: str = "world",
                  sync_every: int | None = None, max_staleness: int | None = None,
-                 seed: int | None = None, name: str = "eager-sgd",
-                 timeout: float | None = None,
-                 deadline: float | tuple[float, float] | None = None,
-                 mad_factor: float | None = None,
-                 deadline_window: int | None = None) -> None:
+                 name: str = "eager-sgd", timeout: float | None = None) -> None:
         if not isinstance(comm, Communicator):
             raise TypeError(f"comm must be a Communicator, got {type(comm).__name__}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        check_deadline(mode, deadline, mad_factor, deadline_window)
+        policy = as_policy(policy)
+        if policy.partial:
+            policy.activation(comm.size)  # ValueError naming the policy when it does not fit
         if average not in ("world", "contributions", "quorum"):
             raise ValueError(f"average must be 'world' or 'contributions', got {average!r}")
         for arg, v in (("sync_every", sync_every), ("max_staleness", max_staleness)):
@@ -112,7 +118,8 @@ class EagerSGD:
             raise ValueError(f"params must be floating point, got {self.params.dtype}")
         self.lr = float(lr)
         self.updater = SGD(self.lr, momentum, weight_decay)
-        self.mode = mode
+        #: the straggler policy (:mod:`asynccoll.collectives.policy`)
+        self.policy = policy
         self.average = average
         self.accumulate = bool(accumulate)
         self.sync_every = sync_every
@@ -126,14 +133,14 @@ class EagerSGD:
         self._stale_run = 0
         self._averaged = False  # whether the latest sync event averaged the parameters
         self._h = None
-        if mode != "sync":
+        if policy.partial:
             self._h = comm.partial_allreduce(
-                mode, like=self.params, quorum=quorum, seed=seed, name=name,
-                # accumulated rounds each divided by its own count ("mean"), or by the size
-                # of the world it spanned when it completes ("world": module doc, "Lost ranks")
-                accumulate="mean" if self._mean_rounds() else
-                "world" if self._world_rounds() else self.accumulate,
-                deadline=deadline, mad_factor=mad_factor, deadline_window=deadline_window)
+                policy, like=self.params, name=name,
+                # accumulated rounds each divided by its own count (MEAN), or by the size of
+                # the world it spanned when it completes (WORLD: module doc, "Lost ranks")
+                accumulate=Accumulate.MEAN if self._mean_rounds() else
+                Accumulate.WORLD if self._world_rounds() else
+                Accumulate.SUM if self.accumulate else Accumulate.LATEST)
             self._h.flush_hint = f"'await opt.finish()' of the {type(self).__name__}"
         n = self.params.size
         self._sync_buf = np.empty(n + 2, self.params.dtype)
@@ -262,5 +269,5 @@ class EagerSGD:
                                                                      self.timeout))
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(mode={self.mode!r}, lr={self.lr}, "
+        return (f"{type(self).__name__}(policy={self.policy!r}, lr={self.lr}, "
                 f"rank={self.comm.rank}/{self.world_size}, steps={self.steps})")

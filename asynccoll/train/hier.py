@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ..collectives.policy import Accumulate, Solo
 from ..comm.communicator import Communicator
 
 __all__ = ["Hierarchy", "check_groups", "check_threshold", "decide"]
@@ -157,12 +158,14 @@ class Hierarchy:
         self.exchanges = 0  #: exchanges this rank took part in
         n = params.size
         self._zeros = np.zeros_like(params)
-        self._chan = group.partial_allreduce("solo", like=self._zeros, accumulate=True,
-                                             name=f"{name}/corrections", timeout=timeout)
+        self._chan = group.partial_allreduce(Solo(), like=self._zeros, accumulate=Accumulate.SUM,
+                                             name=f"{name}/corrections",
+                                             timeout=timeout)
         self._xh = None
         if leaders is not None:
             self._buf = np.zeros_like(params, shape=(n + leaders.size,))
-            self._xh = leaders.partial_allreduce("solo", like=self._buf, accumulate=True,
+            self._xh = leaders.partial_allreduce(Solo(), like=self._buf,
+                                                 accumulate=Accumulate.SUM,
                                                  name=f"{name}/exchange", timeout=timeout)
             self._ref = params.copy()
             #: this leader's pushes not yet seen in a result, oldest first

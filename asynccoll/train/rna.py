@@ -40,10 +40,11 @@ from typing import Any
 
 import numpy as np
 
+from ..collectives.policy import Policy, TwoChoice, as_policy, moved_arguments
 from ..comm.communicator import Communicator
 from ..results import PartialResult
 from ._staleness import check_staleness_bound, staleness_combine
-from .eager import EagerSGD
+from .eager import MOVED, EagerSGD
 from .hier import DUE, FINISHING, HAS, TIME, Hierarchy, check_groups, check_threshold, decide
 from .info import StepInfo
 
@@ -51,8 +52,11 @@ __all__ = ["RNA"]
 
 
 class RNA(EagerSGD):
-    """RNA training (module doc). Arguments as :class:`EagerSGD` (``mode`` is two-choice),
-    plus ``staleness_bound`` (steps; ``None``: unbounded) and the hierarchy's:
+    """RNA training (module doc). Arguments as :class:`EagerSGD`; ``policy``: RNA's
+    ``TwoChoice()`` by default (its seed: ``TwoChoice(seed=...)``), another partial policy runs
+    RNA's averaging and staleness weights over it (``Sync()`` is refused: ``ValueError``
+    naming ``policy``); plus ``staleness_bound`` (steps; ``None``: unbounded) and the
+    hierarchy's:
 
     * ``groups``: ``None`` (flat RNA only), a list of rank lists partitioning the ranks of
       ``comm`` (group rank 0, the first listed, leads), an int n (n contiguous blocks) or
@@ -77,14 +81,19 @@ class RNA(EagerSGD):
     allreduce of the parameters).
     """
 
+    @moved_arguments(**MOVED)
     def __init__(self, comm: Communicator, params: Any, lr: float, *,
+                 policy: Policy | str = TwoChoice(),
                  staleness_bound: int | None = 4, momentum: float = 0.0,
                  weight_decay: float = 0.0, accumulate: bool = False,
                  sync_every: int | None = None, max_staleness: int | None = None,
-                 seed: int | None = None, name: str = "rna",
+                 name: str = "rna",
                  timeout: float | None = None, groups: Any = None, threshold: float = 1.0,
                  check_interval: float = 2.0, exchange_every: int = 4) -> None:
         check_staleness_bound(staleness_bound)
+        if not as_policy(policy).partial:
+            raise ValueError("policy Sync() is no partial allreduce: RNA takes TwoChoice() or "
+                             "another partial policy")
         layout = None if groups is None or not isinstance(comm, Communicator) else \
             check_groups(groups, comm.size)
         self.threshold = check_threshold(threshold)
@@ -95,10 +104,10 @@ class RNA(EagerSGD):
         if isinstance(exchange_every, bool) or not isinstance(exchange_every, int) \
                 or exchange_every < 1:
             raise ValueError(f"exchange_every must be an int >= 1, got {exchange_every!r}")
-        super().__init__(comm, params, lr, "two_choice", momentum=momentum,
+        super().__init__(comm, params, lr, policy, momentum=momentum,
                          weight_decay=weight_decay, accumulate=accumulate,
                          average="contributions", sync_every=sync_every,
-                         max_staleness=max_staleness, seed=seed, name=name, timeout=timeout)
+                         max_staleness=max_staleness, name=name, timeout=timeout)
         self.staleness_bound = staleness_bound
         #: the steps whose gradients the send buffer holds (a weighted mean), with a copy of each
         #: gradient when a staleness bound may drop one of them (else None)
@@ -115,7 +124,7 @@ class RNA(EagerSGD):
         self._kw: dict[str, Any] = {
             "staleness_bound": staleness_bound, "momentum": momentum,
             "weight_decay": weight_decay, "accumulate": accumulate, "sync_every": sync_every,
-            "max_staleness": max_staleness, "seed": seed, "name": f"{name}/group",
+            "max_staleness": max_staleness, "policy": self.policy, "name": f"{name}/group",
             "timeout": timeout}
         self._name = name
         self._finishing = False

@@ -14,10 +14,10 @@ import asyncio
 import numpy as np
 import pytest
 
+from asynccoll import Accumulate, Deadline, Majority, Quorum, Solo, TwoChoice
 from asynccoll.testing import local_world
 
-KINDS = [("solo", {}), ("majority", {}), ("two_choice", {}), ("quorum", {"quorum": 3}),
-         ("deadline", {"deadline": 5.0})]
+KINDS = [Solo(), Majority(), TwoChoice(), Quorum(3), Deadline(bounds=5.0)]
 
 
 @pytest.mark.timeout(120)
@@ -25,9 +25,10 @@ KINDS = [("solo", {}), ("majority", {}), ("two_choice", {}), ("quorum", {"quorum
 async def test_a_cancelled_call_and_an_immediate_retry(transport: str) -> None:
     P = 3
     async with local_world(P, transport, timeout=30) as comms:
-        for kind, kw in KINDS:
-            hs = [c.partial_allreduce(kind, like=np.zeros(4), accumulate=True, name=kind, **kw)
-                  for c in comms]
+        for policy in KINDS:
+            kind = policy.name
+            hs = [c.partial_allreduce(policy, like=np.zeros(4), accumulate=Accumulate.SUM,
+                                      name=kind) for c in comms]
             xs = [np.full(4, 1000.0 ** r) for r in range(P)]
             got = [np.zeros(4) for _ in range(P)]
             try:  # rank 0 alone: the others are not calling, so it waits (but under solo)
@@ -57,8 +58,8 @@ async def test_averaging_by_contributions_divides() -> None:
     total = xs[0] + xs[1] + xs[2]  # the order the allreduce sums in at P = 3 is not asked:
     assert np.any(total / np.float32(3) != total * np.float32(1 / 3))  # the case exists
     async with local_world(P, "inproc", timeout=30) as comms:
-        hs = [c.partial_allreduce("quorum", like=np.zeros(4096, np.float32), op="avg",
-                                  accumulate=True, quorum=P) for c in comms]
+        hs = [c.partial_allreduce(Quorum(P), like=np.zeros(4096, np.float32), op="avg",
+                                  accumulate=Accumulate.SUM) for c in comms]
         res = await asyncio.wait_for(
             asyncio.gather(*(h(x) for h, x in zip(hs, xs, strict=True))), 30)
         sums = await asyncio.wait_for(asyncio.gather(*(

@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from asynccoll import Accumulate
 from asynccoll.comm import partial as partial_mod
 from asynccoll.errors import BusyError
-from asynccoll.testing import local_world
+from asynccoll.testing import local_world, policy_of
 
 N = 8
 
@@ -35,7 +36,8 @@ async def test_cancelled_calls_keep_every_contribution(
     monkeypatch.setattr(partial_mod.PartialAllreduce, "_add", counted)
     P = 4
     async with local_world(P, "tcp", timeout=30) as comms:
-        hs = [c.partial_allreduce(kind, like=np.zeros(N), accumulate=True, quorum=quorum)
+        hs = [c.partial_allreduce(policy_of(kind, quorum), like=np.zeros(N),
+                                  accumulate=Accumulate.SUM)
               for c in comms]
         got = [np.zeros(N) for _ in range(P)]
         cancelled = [0]

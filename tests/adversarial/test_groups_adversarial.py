@@ -31,6 +31,7 @@ import pytest
 from _helpers import run_killed_job
 
 import asynccoll
+from asynccoll import Accumulate, Solo
 from asynccoll.comm.membership import AGREE_ANSWER, AGREE_ASK, AGREE_DECIDE
 from asynccoll.errors import ProtocolError
 from asynccoll.testing import local_world
@@ -229,7 +230,7 @@ async def test_a_group_after_its_parent_closed_raises_at_once() -> None:
             with pytest.raises(asynccoll.TransportClosedError):
                 await asyncio.wait_for(g.allreduce(np.ones(2)), 5)
             with pytest.raises(asynccoll.TransportClosedError):
-                g.partial_allreduce("solo", like=np.ones(2))
+                g.partial_allreduce(Solo(), like=np.ones(2))
             with pytest.raises(asynccoll.TransportClosedError):
                 await g.shrink()
 
@@ -308,7 +309,8 @@ async def test_a_handle_made_after_the_loss_goes_on_without_it() -> None:
     async with local_world(3, "tcp", timeout=5) as cs:
         _fast(cs, survive=True)
         await _lose(cs[2])
-        late = [c.partial_allreduce("solo", like=np.ones(2), accumulate=True) for c in cs[:2]]
+        late = [c.partial_allreduce(Solo(), like=np.ones(2), accumulate=Accumulate.SUM)
+                for c in cs[:2]]
         got = [await h(np.ones(2), timeout=10) for h in late]
         fl = await asyncio.gather(*(h.flush(timeout=10) for h in late))
         for r, f in zip(got, fl, strict=True):
@@ -317,9 +319,9 @@ async def test_a_handle_made_after_the_loss_goes_on_without_it() -> None:
             assert np.array_equal(r.value + f.value, [2.0, 2.0])
         # a communicator made after the loss raises until shrink (synchronous collectives)
         with pytest.raises(asynccoll.PeerLostError):
-            cs[0].partial_allreduce("solo", like=np.ones(2), survive=False)
+            cs[0].partial_allreduce(Solo(), like=np.ones(2), survive=False)
         gs = await asyncio.gather(cs[0].shrink(3), cs[1].shrink(3))
-        hs = [g.partial_allreduce("solo", like=np.ones(2), accumulate=True) for g in gs]
+        hs = [g.partial_allreduce(Solo(), like=np.ones(2), accumulate=Accumulate.SUM) for g in gs]
         acc = [(await h(np.ones(2))).value for h in hs]
         fl = await asyncio.gather(*(h.flush() for h in hs))
         assert all(np.array_equal(a + f.value, [2.0, 2.0]) for a, f in zip(acc, fl, strict=True))
@@ -330,8 +332,8 @@ async def test_two_surviving_handles_recover_at_once() -> None:
     async with local_world(3, "tcp", timeout=4) as cs:
         _fast(cs, survive=True)
         x = np.ones(4)
-        ha = [c.partial_allreduce("solo", like=x, accumulate=True, name="a") for c in cs]
-        hb = [c.partial_allreduce("solo", like=x, accumulate=True, name="b") for c in cs]
+        ha = [c.partial_allreduce(Solo(), like=x, accumulate=Accumulate.SUM, name="a") for c in cs]
+        hb = [c.partial_allreduce(Solo(), like=x, accumulate=Accumulate.SUM, name="b") for c in cs]
         await asyncio.gather(*(h(x) for h in ha), *(h(x) for h in hb))
         await _lose(cs[2])
         got = await asyncio.gather(*(h(x) for h in (*ha[:2], *hb[:2])),
@@ -347,8 +349,8 @@ async def test_two_surviving_handles_called_in_different_orders() -> None:
     async with local_world(3, "tcp", timeout=3) as cs:
         _fast(cs, survive=True)
         x = np.ones(4)
-        ha = [c.partial_allreduce("solo", like=x, accumulate=True, name="a") for c in cs]
-        hb = [c.partial_allreduce("solo", like=x, accumulate=True, name="b") for c in cs]
+        ha = [c.partial_allreduce(Solo(), like=x, accumulate=Accumulate.SUM, name="a") for c in cs]
+        hb = [c.partial_allreduce(Solo(), like=x, accumulate=Accumulate.SUM, name="b") for c in cs]
         await _lose(cs[2])
 
         async def in_order(first: Any, second: Any) -> list[Any]:
@@ -366,8 +368,8 @@ async def test_a_handle_idle_across_two_losses_recovers() -> None:
     async with local_world(4, "tcp", timeout=3) as cs:
         _fast(cs, survive=True)
         x = np.ones(2)
-        ha = [c.partial_allreduce("solo", like=x, accumulate=True, name="a") for c in cs]
-        hb = [c.partial_allreduce("solo", like=x, accumulate=True, name="b") for c in cs]
+        ha = [c.partial_allreduce(Solo(), like=x, accumulate=Accumulate.SUM, name="a") for c in cs]
+        hb = [c.partial_allreduce(Solo(), like=x, accumulate=Accumulate.SUM, name="b") for c in cs]
         await _lose(cs[3])
         got = await asyncio.gather(*(h(x) for h in ha[:3]))  # a recovers, b stays idle
         assert all(r.lost == frozenset({3}) for r in got)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from asynccoll import Quorum
 from asynccoll.collectives.partial import (
     TAG_ACTIVATION,
     TAG_ARRIVAL,
@@ -38,7 +39,7 @@ from asynccoll.collectives.partial import (
 )
 from asynccoll.comm.partial import PartialAllreduce
 from asynccoll.inspect.tracefile import load_dir
-from asynccoll.testing import local_world
+from asynccoll.testing import local_world, policy_of
 from asynccoll.transport.frames import Kind
 from asynccoll.transport.inproc import InprocTransport
 
@@ -272,7 +273,7 @@ def one(x: float = 1.0) -> np.ndarray:
 
 def make(comms: Sequence[Any], kind: str, quorum: int | None = None,
          dtype: str = "float64") -> list[PartialAllreduce]:
-    hs = [c.partial_allreduce(kind, like=np.zeros(2, dtype), quorum=quorum, name="cost")
+    hs = [c.partial_allreduce(policy_of(kind, quorum), like=np.zeros(2, dtype), name="cost")
           for c in comms]
     for r, h in enumerate(hs):  # what runs is what the builder commits
         assert h.schedule == build_partial_allreduce(r, len(comms), 2, dtype, kind=kind,
@@ -356,7 +357,7 @@ async def test_quorum_costs_its_arrivals_and_data_only(
         wire = Wire(comms, monkeypatch)
         sids = []
         for k in sorted({max(1, P // 2), P}):
-            hs = [c.partial_allreduce("quorum", like=np.zeros(2), quorum=k, name=f"q{k}")
+            hs = [c.partial_allreduce(Quorum(k), like=np.zeros(2), name=f"q{k}")
                   for c in comms]
             sid = hs[0].sched_id
             sids.append(sid)

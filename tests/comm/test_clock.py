@@ -16,6 +16,7 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
+from asynccoll import Majority
 from asynccoll.comm.clock import estimate_offset
 from asynccoll.inspect.stragglers import stragglers
 from asynccoll.inspect.tracefile import load_dir
@@ -29,7 +30,7 @@ async def _rank(rank: int, P: int, port: int, trace: str) -> dict[str, Any]:
                                    transport="tcp", timeout=60, trace=trace)
     arrivals: list[dict[int, float]] = []
     async with comm:
-        h = comm.partial_allreduce("majority", like=np.ones(4))
+        h = comm.partial_allreduce(Majority(), like=np.ones(4))
         for _ in range(6):
             await comm.barrier()  # every rank calls at about the same (true) time
             res = await h(np.ones(4))

@@ -12,11 +12,15 @@ import pytest
 
 import asynccoll
 from asynccoll import (
+    Accumulate,
     AsyncCollError,
     BusyError,
     CollectiveTimeoutError,
     Communicator,
     ExecutionError,
+    Majority,
+    Quorum,
+    Solo,
     TransportClosedError,
 )
 from asynccoll.testing import local_world
@@ -143,7 +147,7 @@ def test_blocking_twins() -> None:
             s = c.blocking.allreduce(x)
             c.blocking.barrier()
             res = c.blocking.solo_allreduce(x)
-            h = c.partial_allreduce("majority", like=x, accumulate=True, name="blk")
+            h = c.partial_allreduce(Majority(), like=x, accumulate=Accumulate.SUM, name="blk")
             h.blocking(x, timeout=10)
             fl = h.flush_blocking(timeout=10)
             return s, res, fl
@@ -162,7 +166,7 @@ def test_blocking_twins() -> None:
 async def test_blocking_close_closes_the_handles_and_is_idempotent() -> None:
     async with local_world(2) as comms:
         c = comms[1]
-        h = c.partial_allreduce("solo", like=np.zeros(2), name="blk-close")
+        h = c.partial_allreduce(Solo(), like=np.zeros(2), name="blk-close")
         # timeout=0: rank 0 closes only at the end of the block, so do not wait for it
         await asyncio.to_thread(c.blocking.close, 0)
         await asyncio.to_thread(c.blocking.close, 0)
@@ -194,20 +198,20 @@ async def test_bad_arguments() -> None:
             c.partial_allreduce("eager", like=np.zeros(3))
         for k in (0, 3, -1):
             with pytest.raises(ValueError, match="quorum"):
-                c.partial_allreduce("quorum", like=np.zeros(3), quorum=k)
+                c.partial_allreduce(Quorum(k), like=np.zeros(3))
         with pytest.raises(ValueError, match="quorum"):
             await c.quorum_allreduce(np.zeros(3), 5)
         with pytest.raises(ValueError, match="like"):
-            c.partial_allreduce("solo", like=np.zeros((3, 3))[:, 1])
-        h = c.partial_allreduce("solo", like=np.zeros(3), name="h")
+            c.partial_allreduce(Solo(), like=np.zeros((3, 3))[:, 1])
+        h = c.partial_allreduce(Solo(), like=np.zeros(3), name="h")
         with pytest.raises(ValueError, match="name"):
-            c.partial_allreduce("solo", like=np.zeros(3), name="h")
+            c.partial_allreduce(Solo(), like=np.zeros(3), name="h")
         with pytest.raises(ValueError, match="x must have shape"):
             await h(np.zeros(4))
         with pytest.raises(ValueError, match="x must have shape"):
             await h(np.zeros(3, np.float32))
         # the failed calls left nothing behind: a good call still works everywhere
-        h1 = comms[1].partial_allreduce("solo", like=np.zeros(3), name="h")
+        h1 = comms[1].partial_allreduce(Solo(), like=np.zeros(3), name="h")
         rs = await gather(h(np.ones(3)), h1(np.ones(3)))
         assert sum(r.count for r in rs) >= 2
 
@@ -228,9 +232,8 @@ async def test_mismatched_shapes_and_dtypes_raise() -> None:
         assert all(isinstance(o, AsyncCollError) for o in outs), outs
         # partial: same shape, different op or kind: an error on every rank, never a hang
         for kind1, op1 in [("solo", "max"), ("majority", "sum")]:
-            h0 = comms[0].partial_allreduce("solo", like=np.zeros(4), name=f"{kind1}{op1}")
-            h1 = comms[1].partial_allreduce(kind1, like=np.zeros(4), op=op1,
-                                            name=f"{kind1}{op1}")
+            h0 = comms[0].partial_allreduce(Solo(), like=np.zeros(4), name=f"{kind1}{op1}")
+            h1 = comms[1].partial_allreduce(kind1, like=np.zeros(4), op=op1, name=f"{kind1}{op1}")
             outs = await asyncio.wait_for(asyncio.gather(
                 h0(np.zeros(4), timeout=5), h1(np.zeros(4), timeout=5),
                 return_exceptions=True), 10)
@@ -246,7 +249,7 @@ async def test_timeouts_name_what_is_awaited() -> None:
         with pytest.raises(CollectiveTimeoutError, match="waiting") as ei:
             await comms[0].allreduce(np.zeros(2), timeout=0.2)
         assert ei.value.pending
-        h = [c.partial_allreduce("majority", like=np.zeros(2), name="m") for c in comms]
+        h = [c.partial_allreduce(Majority(), like=np.zeros(2), name="m") for c in comms]
         (i,) = asynccoll.collectives.partial.initiators("majority", 0, 3, h[0].seed)
         other = (i + 1) % 3
         with pytest.raises(CollectiveTimeoutError, match=f"initiators \\[{i}\\]") as ei:
@@ -260,8 +263,8 @@ async def test_timeouts_name_what_is_awaited() -> None:
 @pytest.mark.timeout(30)
 async def test_busy_and_closed() -> None:
     async with local_world(2) as comms:
-        h = comms[0].partial_allreduce("quorum", like=np.zeros(2), quorum=2, name="q")
-        comms[1].partial_allreduce("quorum", like=np.zeros(2), quorum=2, name="q")
+        h = comms[0].partial_allreduce(Quorum(2), like=np.zeros(2), name="q")
+        comms[1].partial_allreduce(Quorum(2), like=np.zeros(2), name="q")
         t = asyncio.ensure_future(h(np.ones(2)))
         await asyncio.sleep(0.05)
         with pytest.raises(BusyError):
@@ -276,5 +279,5 @@ async def test_busy_and_closed() -> None:
         with pytest.raises(TransportClosedError):
             await h(np.ones(2))
         with pytest.raises(TransportClosedError):
-            comms[0].partial_allreduce("solo", like=np.zeros(2))
+            comms[0].partial_allreduce(Solo(), like=np.zeros(2))
         await comms[0].close()  # idempotent

@@ -15,7 +15,15 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
-from asynccoll import ExecutionError, PartialResult, SparseVector
+from asynccoll import (
+    Accumulate,
+    Deadline,
+    ExecutionError,
+    PartialResult,
+    Quorum,
+    Solo,
+    SparseVector,
+)
 from asynccoll.collectives.sparse import to_dense
 from asynccoll.testing import local_world
 
@@ -34,15 +42,15 @@ async def call(h: Any, x: Any, delay: float = 0.0,
     return res, time.monotonic() - t
 
 
-def handles(comms: Sequence[Any], **kw: Any) -> list[Any]:
-    return [c.partial_allreduce("deadline", like=v(0), name="dl", **kw) for c in comms]
+def handles(comms: Sequence[Any], policy: Deadline, **kw: Any) -> list[Any]:
+    return [c.partial_allreduce(policy, like=v(0), name="dl", **kw) for c in comms]
 
 
 @pytest.mark.timeout(30)
 async def test_never_starts_before_k_arrivals_or_the_deadline() -> None:
     P, k = 4, 3
     async with local_world(P, progress="inline") as comms:
-        h = handles(comms, quorum=k, deadline=1.0)
+        h = handles(comms, Deadline(quorum=k, bounds=1.0))
         early = [asyncio.ensure_future(call(h[r], v(r))) for r in (0, 1)]
         await asyncio.sleep(0.2)
         assert not any(t.done() for t in early)  # 2 < k arrivals, deadline not reached
@@ -64,7 +72,7 @@ async def test_never_starts_before_k_arrivals_or_the_deadline() -> None:
 async def test_starts_at_the_deadline_when_fewer_arrived() -> None:
     P = 3
     async with local_world(P, progress="inline") as comms:
-        h = handles(comms, deadline=0.15)  # quorum: all P
+        h = handles(comms, Deadline(bounds=0.15))  # quorum: all P
         out = await asyncio.gather(call(h[0], v(0)), call(h[1], v(1), 0.01),
                                    call(h[2], v(2), 0.6))
         for r in (0, 1):
@@ -94,8 +102,8 @@ async def test_adapts_down_when_arrivals_tighten_and_up_when_they_spread(progres
     P, lo, hi, gap = 3, 0.04, 0.6, 0.25
     phases = [0.0] * 5 + [gap] * 7 + [0.0] * 6
     async with local_world(P, progress=progress) as comms:
-        h = handles(comms, accumulate=True, deadline=(lo, hi), mad_factor=3.0,
-                    deadline_window=4)
+        h = handles(comms, Deadline(bounds=(lo, hi), mad_factor=3.0, window=4),
+                    accumulate=Accumulate.SUM)
         barrier = asyncio.Barrier(P)
         seen: list[dict[int, tuple[float | None, bool | None]]] = [{} for _ in range(P)]
         totals = [np.zeros(4) for _ in range(P)]
@@ -137,8 +145,8 @@ async def test_random_arrivals_invariants_and_conservation() -> None:
     rng = random.Random(5)
     delays = [[rng.choice([0.0, 0.0, 0.01, 0.08, 0.2]) for _ in range(T)] for _ in range(P)]
     async with local_world(P, progress="inline") as comms:
-        h = handles(comms, quorum=k, accumulate=True, deadline=(0.03, 0.15),
-                    deadline_window=5)
+        h = handles(comms, Deadline(quorum=k, bounds=(0.03, 0.15), window=5),
+                    accumulate=Accumulate.SUM)
         got: list[list[tuple[PartialResult, float]]] = [[] for _ in range(P)]
         totals = [np.zeros(4) for _ in range(P)]
 
@@ -169,7 +177,7 @@ async def test_random_arrivals_invariants_and_conservation() -> None:
 async def test_sparse_contributions() -> None:
     async with local_world(2, progress="inline") as comms:
         like = SparseVector([], np.zeros(0, np.float32), 100)
-        hs = [c.partial_allreduce("deadline", like=like, deadline=0.05, accumulate=True,
+        hs = [c.partial_allreduce(Deadline(bounds=0.05), like=like, accumulate=Accumulate.SUM,
                                   name="s") for c in comms]
         x0 = SparseVector([1, 5], np.array([1.0, 2.0], np.float32), 100)
         x1 = SparseVector([5, 7], np.array([3.0, 4.0], np.float32), 100)
@@ -187,22 +195,23 @@ async def test_bad_arguments_name_the_argument() -> None:
         c = comms[0]
         bad: list[tuple[dict[str, Any], str]] = [
             ({"quorum": 0}, "quorum"), ({"quorum": 3}, "quorum"),
-            ({"deadline": (0.5, 0.1)}, "deadline"), ({"deadline": -1.0}, "deadline"),
-            ({"mad_factor": -0.5}, "mad_factor"), ({"deadline_window": 0}, "deadline_window")]
+            ({"bounds": (0.5, 0.1)}, "deadline"), ({"bounds": -1.0}, "deadline"),
+            ({"mad_factor": -0.5}, "mad_factor"), ({"window": 0}, "window")]
         for kw, name in bad:
             with pytest.raises(ValueError, match=name):
-                c.partial_allreduce("deadline", like=v(0), **kw)
-        with pytest.raises(ValueError, match="mad_factor"):
-            c.partial_allreduce("quorum", like=v(0), quorum=2, mad_factor=2.0)
-        with pytest.raises(ValueError, match="deadline"):
-            c.partial_allreduce("solo", like=v(0), deadline=0.1)
+                c.partial_allreduce(Deadline(**kw), like=v(0))
+        # (a deadline's parameters on another policy cannot be spelled any more)
+        with pytest.raises(TypeError, match="mad_factor"):
+            c.partial_allreduce(Quorum(2), like=v(0), mad_factor=2.0)
+        with pytest.raises(TypeError, match="deadline"):
+            c.partial_allreduce(Solo(), like=v(0), deadline=0.1)
 
 
 @pytest.mark.timeout(30)
 async def test_ranks_that_disagree_on_the_deadline_get_an_error() -> None:
     async with local_world(2, progress="inline") as comms:
-        a = comms[0].partial_allreduce("deadline", like=v(0), name="x", deadline=(0.01, 0.5))
-        b = comms[1].partial_allreduce("deadline", like=v(0), name="x", deadline=(0.01, 0.4))
+        a = comms[0].partial_allreduce(Deadline(bounds=(0.01, 0.5)), like=v(0), name="x")
+        b = comms[1].partial_allreduce(Deadline(bounds=(0.01, 0.4)), like=v(0), name="x")
         out = await asyncio.gather(a(v(0), 5), b(v(1), 5), return_exceptions=True)
         assert all(isinstance(o, ExecutionError) for o in out), out
         assert "deadline" in str(out[0])
@@ -212,8 +221,8 @@ async def _tcp_rank(rank: int, P: int, port: int) -> dict[str, Any]:
     comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
                                    transport="tcp", timeout=60)
     async with comm:
-        h = comm.partial_allreduce("deadline", like=v(0), name="tcp-dl", accumulate=True,
-                                   deadline=(0.03, 0.5), deadline_window=3)
+        h = comm.partial_allreduce(Deadline(bounds=(0.03, 0.5), window=3), like=v(0),
+                                   accumulate=Accumulate.SUM, name="tcp-dl")
         total = np.zeros(4)
         story: dict[int, tuple[float | None, bool | None, list[int]]] = {}
         deadlines = []

@@ -11,6 +11,8 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
+from asynccoll import Accumulate
+from asynccoll.testing import policy_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -28,7 +30,7 @@ async def rank_main(rank: int, P: int, port: int, transport: str) -> dict[str, A
         assert np.array_equal(b, np.arange(10) * P)
         out: dict[str, Any] = {"rank": comm.rank, "size": comm.size}
         for kind, q in (("solo", None), ("majority", None), ("quorum", max(1, P - 1))):
-            h = comm.partial_allreduce(kind, like=x, accumulate=True, quorum=q)
+            h = comm.partial_allreduce(policy_of(kind, q), like=x, accumulate=Accumulate.SUM)
             got = np.zeros_like(x)
             count = 0
             for _ in range(6):

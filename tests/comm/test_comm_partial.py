@@ -15,9 +15,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asynccoll import PartialAllreduce, PartialResult, TransportClosedError
+from asynccoll import (
+    Accumulate,
+    DataPath,
+    PartialAllreduce,
+    PartialResult,
+    Solo,
+    TransportClosedError,
+)
 from asynccoll.collectives.partial import SNAPSHOTS, initiators
-from asynccoll.testing import local_world
+from asynccoll.testing import local_world, policy_of
 
 KINDS = [("solo", None), ("majority", None), ("two_choice", None), ("quorum", 3)]
 
@@ -42,7 +49,7 @@ async def gather(*aws: Any) -> list[Any]:
 
 def handles(comms: Sequence[Any], kind: str, quorum: int | None = None,
             **kw: Any) -> list[PartialAllreduce]:
-    return [c.partial_allreduce(kind, like=v(0), quorum=quorum, **kw) for c in comms]
+    return [c.partial_allreduce(policy_of(kind, quorum), like=v(0), **kw) for c in comms]
 
 
 @pytest.mark.timeout(30)
@@ -173,7 +180,7 @@ async def test_activated_from_outside_before_the_call() -> None:
     # with rank 1 is slow, so its execution is under way when it calls: included=False.
     P = 4
     async with local_world(P, progress="inline", link_delay={(1, 3): 0.3}) as comms:
-        h = handles(comms, "solo", algorithm="recursive_doubling")
+        h = handles(comms, "solo", path=DataPath(algorithm="recursive_doubling"))
         t0 = asyncio.ensure_future(h[0](v(0)))
         await asyncio.sleep(0.05)
         assert h[3]._state[SNAPSHOTS] == 1
@@ -198,8 +205,9 @@ async def run_random(kind: str, quorum: int | None, P: int, T: int, *, accumulat
     rng = random.Random(seed)
     pauses = [[rng.uniform(0, 0.004) for _ in range(T)] for _ in range(P)]
     async with local_world(P, progress=progress) as comms:
-        hs = [c.partial_allreduce(kind, like=np.zeros(2, np.int64), quorum=quorum,
-                                  accumulate=accumulate) for c in comms]
+        hs = [c.partial_allreduce(policy_of(kind, quorum), like=np.zeros(2, np.int64),
+                                  accumulate=Accumulate.SUM if accumulate else Accumulate.LATEST)
+              for c in comms]
 
         async def rank_main(r: int) -> tuple[list[PartialResult], PartialResult]:
             got = []
@@ -269,7 +277,7 @@ async def test_every_rank_sees_the_same_rounds(kind: str, quorum: int | None) ->
 async def skewed_nap(kind: str, P: int, iters: int, quorum: int | None = None) -> float:
     """Mean number of active (fresh) processes per execution under linear skew."""
     async with local_world(P, progress="inline") as comms:
-        hs = [c.partial_allreduce(kind, like=np.zeros(1), quorum=quorum) for c in comms]
+        hs = [c.partial_allreduce(policy_of(kind, quorum), like=np.zeros(1)) for c in comms]
         naps: dict[int, int] = {}
 
         async def rank_main(r: int) -> None:
@@ -299,7 +307,7 @@ async def test_linear_skew_active_processes() -> None:
 async def test_busy_rank_is_activated_by_the_progress_thread() -> None:
     P = 3
     async with local_world(P, progress="thread") as comms:
-        h = [c.partial_allreduce("solo", like=v(0)) for c in comms]
+        h = [c.partial_allreduce(Solo(), like=v(0)) for c in comms]
         await h[0](v(0))
         stale = await h[2](v(2))  # execution 0 is over: rank 2's data waits in its buffer
         assert not stale.included
@@ -325,7 +333,7 @@ async def test_flush_while_a_rank_still_calls(kind: str, quorum: int | None) -> 
     # for rank 2's flush and then drain everything.
     P = 3
     async with local_world(P, progress="inline") as comms:
-        h = handles(comms, kind, quorum, accumulate=True)
+        h = handles(comms, kind, quorum, accumulate=Accumulate.SUM)
         first = await gather(*(x(v(r)) for r, x in enumerate(h)))
         flushing = [asyncio.ensure_future(h[r].flush(timeout=10)) for r in (0, 1)]
         await asyncio.sleep(0.05)
@@ -352,7 +360,7 @@ async def test_dtypes_and_ops_packed_or_not(dtype: str, op: str) -> None:
     rng = np.random.default_rng(1)
     xs = [rng.integers(1, 4, (2, 3)).astype(dtype) for _ in range(P)]
     async with local_world(P, progress="inline") as comms:
-        hs = [c.partial_allreduce("solo", like=xs[0], op=op) for c in comms]
+        hs = [c.partial_allreduce(Solo(), like=xs[0], op=op) for c in comms]
         rs = await gather(*(h(x) for h, x in zip(hs, xs, strict=True)))
         ref = await gather(*(c.allreduce(x, op=op) for c, x in zip(comms, xs, strict=True)))
         for res in rs:
@@ -391,7 +399,7 @@ async def test_accumulate_mean_averages_each_execution_and_checks_its_arguments(
         for bad, match in (("bogus", "accumulate must be"), ("mean", "floating-point")):
             with pytest.raises(ValueError, match=match):
                 comms[0].partial_allreduce("solo", like=np.zeros(2, np.int32), accumulate=bad)
-        hs = [c.partial_allreduce("solo", like=np.zeros(2), accumulate="mean", name="m")
+        hs = [c.partial_allreduce(Solo(), like=np.zeros(2), accumulate=Accumulate.MEAN, name="m")
               for c in comms]
         r0 = await asyncio.gather(hs[0](np.full(2, 1.0)), hs[1](np.full(2, 2.0)))
         assert [r.count for r in r0] == [2, 2]
@@ -420,7 +428,7 @@ async def test_accumulate_world_divides_each_execution_by_the_world_and_checks_a
                            "give one of them")):
             with pytest.raises(ValueError, match=match):
                 comms[0].partial_allreduce("solo", **kw)
-        hs = [c.partial_allreduce("solo", like=np.zeros(2), accumulate="world", name="w")
+        hs = [c.partial_allreduce(Solo(), like=np.zeros(2), accumulate=Accumulate.WORLD, name="w")
               for c in comms]
         r0 = await asyncio.gather(hs[0](np.full(2, 1.0)), hs[1](np.full(2, 2.0)))
         np.testing.assert_allclose(r0[0].value, 1.5)  # (1 + 2) / P
@@ -457,8 +465,8 @@ async def test_float32_at_p256_one_allreduce_exact_and_disagreement_found() -> N
                 assert res.count == P
         # rank 0 names the algorithm the others get by default: the same schedule, another
         # signature
-        hs = [c.partial_allreduce("solo", like=like, name="p256-disagree",
-                                  algorithm="recursive_doubling" if r == 0 else None)
+        hs = [c.partial_allreduce(Solo(), like=like, name="p256-disagree",
+                                  path=DataPath(algorithm="recursive_doubling" if r == 0 else None))
               for r, c in enumerate(comms)]
         out = await asyncio.wait_for(asyncio.gather(
             *(h(np.ones(3, np.float32)) for h in hs), return_exceptions=True), 60)

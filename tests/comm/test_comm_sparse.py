@@ -18,11 +18,20 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
-from asynccoll import CollectiveTimeoutError, PartialResult, SparseVector, TransportClosedError
+from asynccoll import (
+    Accumulate,
+    CollectiveTimeoutError,
+    DataPath,
+    Majority,
+    PartialResult,
+    Solo,
+    SparseVector,
+    TransportClosedError,
+)
 from asynccoll.collectives.partial import SNAPSHOTS, initiators
 from asynccoll.collectives.sparse import from_dense, to_dense
 from asynccoll.collectives.sparse.schedules import ALGORITHMS
-from asynccoll.testing import local_world
+from asynccoll.testing import local_world, policy_of
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 KINDS = [("solo", None), ("majority", None), ("two_choice", None), ("quorum", 3)]
@@ -310,7 +319,7 @@ def like() -> SparseVector:
 
 def handles(comms: Sequence[Any], kind: str, quorum: int | None = None,
             **kw: Any) -> list[Any]:
-    return [c.partial_allreduce(kind, like=like(), quorum=quorum, **kw) for c in comms]
+    return [c.partial_allreduce(policy_of(kind, quorum), like=like(), **kw) for c in comms]
 
 
 @pytest.mark.timeout(60)
@@ -323,7 +332,7 @@ async def test_partial_no_stragglers_equals_the_sum(kind: str, quorum: int | Non
     async with local_world(P, progress="inline") as comms:
         if shm:  # the host layout, known: the data phase through shared memory
             await gather(*(c.sync_clocks() for c in comms))
-        hs = handles(comms, kind, quorum, algorithm=algorithm, shm=shm)
+        hs = handles(comms, kind, quorum, path=DataPath(algorithm=algorithm, shm=shm))
         assert all((h._segments is not None) == shm for h in hs)
         for rnd in range(2):
             rs = await gather(*(h(sv(r, rnd + 1)) for r, h in enumerate(hs)))
@@ -371,7 +380,7 @@ async def test_partial_solo_exact_sequence() -> None:
 async def test_partial_majority_waits_for_its_initiator() -> None:
     P = 4
     async with local_world(P, progress="inline") as comms:
-        h = handles(comms, "majority", algorithm="ssar_recursive_double")
+        h = handles(comms, "majority", path=DataPath(algorithm="ssar_recursive_double"))
         (i,) = initiators("majority", 0, P, h[0].seed)
         others = [r for r in range(P) if r != i]
         waiting = [asyncio.ensure_future(h[r](sv(r))) for r in others]
@@ -403,7 +412,7 @@ async def test_partial_activated_from_outside_before_the_call() -> None:
     # data goes into the next execution exactly once.
     P = 4
     async with local_world(P, progress="inline", link_delay={(1, 3): 0.3}) as comms:
-        h = handles(comms, "solo", algorithm="ssar_recursive_double")
+        h = handles(comms, "solo", path=DataPath(algorithm="ssar_recursive_double"))
         t0 = asyncio.ensure_future(h[0](sv(0)))
         await asyncio.sleep(0.05)
         assert h[3]._state[SNAPSHOTS] == 1
@@ -433,7 +442,7 @@ async def test_partial_conservation_after_flush(kind: str, quorum: int | None,
     async with local_world(P, progress="inline") as comms:
         if shm:
             await gather(*(c.sync_clocks() for c in comms))
-        hs = handles(comms, kind, quorum, accumulate=True, shm=shm)
+        hs = handles(comms, kind, quorum, accumulate=Accumulate.SUM, path=DataPath(shm=shm))
         assert all((h._segments is not None) == shm for h in hs)
 
         async def rank_main(r: int) -> list[PartialResult]:
@@ -457,12 +466,12 @@ async def test_partial_sparse_arguments() -> None:
     async with local_world(2, progress="inline") as comms:
         c = comms[0]
         with pytest.raises(ValueError, match="op must be 'sum'"):
-            c.partial_allreduce("solo", like=like(), op="max")
+            c.partial_allreduce(Solo(), like=like(), op="max")
         with pytest.raises(ValueError, match="density"):
-            c.partial_allreduce("solo", like=np.zeros(3), density=0.1)
+            c.partial_allreduce(Solo(), like=np.zeros(3), path=DataPath(density=0.1))
         with pytest.raises(ValueError, match="algorithm"):
-            c.partial_allreduce("solo", like=like(), algorithm="ring")
-        h = c.partial_allreduce("solo", like=like(), name="s")
+            c.partial_allreduce(Solo(), like=like(), path=DataPath(algorithm='ring'))
+        h = c.partial_allreduce(Solo(), like=like(), name="s")
         with pytest.raises(ValueError, match="size 16"):
             await h(SparseVector([1], [1.0], N + 1))
         with pytest.raises(ValueError, match="16 entries"):
@@ -500,8 +509,8 @@ async def rank_main(rank: int, P: int, port: int, transport: str) -> str:
         for alg in ALGORITHMS:
             r = await comm.sparse_allreduce(from_dense(xs[rank]), algorithm=alg, timeout=30)
             assert np.array_equal(to_dense(r), ref), alg
-        h = comm.partial_allreduce("majority", like=SparseVector([], np.zeros(0), 8),
-                                   accumulate=True)
+        h = comm.partial_allreduce(Majority(), like=SparseVector([], np.zeros(0), 8),
+                                   accumulate=Accumulate.SUM)
         got = np.zeros(8)
         for t in range(5):
             await asyncio.sleep(0.002 * rank)

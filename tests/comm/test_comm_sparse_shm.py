@@ -21,11 +21,11 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
-from asynccoll import SparseVector
+from asynccoll import Accumulate, DataPath, SparseVector
 from asynccoll.collectives.sparse import from_dense, to_dense
 from asynccoll.comm import shm
 from asynccoll.comm.shm import SHM_DIR
-from asynccoll.testing import local_world
+from asynccoll.testing import local_world, policy_of
 
 
 def _ours() -> set[str]:
@@ -232,10 +232,10 @@ async def _partial_main(rank: int, P: int, port: int, kind: str, algorithm: str
     n, T = 600, 12
     got: dict[str, Any] = {}
     async with comm:
-        h = comm.partial_allreduce(kind, like=SparseVector(np.empty(0, np.int32),
-                                                           np.empty(0, np.float32), n),
-                                   algorithm=algorithm, accumulate=True,
-                                   quorum=2 if kind == "quorum" else None)
+        h = comm.partial_allreduce(policy_of(kind, 2 if kind == "quorum" else None),
+                                   like=SparseVector(np.empty(0, np.int32),
+                                                     np.empty(0, np.float32), n),
+                                   accumulate=Accumulate.SUM, path=DataPath(algorithm=algorithm))
         got["shm"] = h._segments is not None  # chosen by default: every rank on this host
         total = np.zeros(n, np.float32)
         summed = np.zeros(n, np.float32)

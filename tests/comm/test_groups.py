@@ -12,8 +12,9 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
+from asynccoll import Accumulate
 from asynccoll.comm.groups import GROUP_SPACE, GroupTransport
-from asynccoll.testing import local_world
+from asynccoll.testing import local_world, policy_of
 
 TRANSPORTS = ["inproc", "tcp"]
 PARTIAL = [("solo", None), ("majority", None), ("two_choice", None), ("quorum", 1),
@@ -46,8 +47,8 @@ async def _every_collective(g: asynccoll.Communicator, members: list[int],
         want[m % n] += 1.0
     assert np.array_equal(np.asarray(dense).reshape(-1), want)
     for kind, q in PARTIAL:
-        h = g.partial_allreduce(kind, like=x, accumulate=True,
-                                quorum=None if q is None else min(q, g.size))
+        h = g.partial_allreduce(policy_of(kind, None if q is None else min(q, g.size)), like=x,
+                                accumulate=Accumulate.SUM)
         acc = np.zeros(n)
         count = 0
         for step in range(4):

@@ -17,13 +17,13 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
+from asynccoll import Accumulate, DataPath, Deadline, Majority, Quorum, Solo, TwoChoice
 
 pytestmark = [pytest.mark.multiprocess]
 
 N = 1 << 16  # 256 KiB of float32: the host groups' allreduce takes shared memory
 STEPS = 8
-KINDS = [("solo", {}), ("majority", {}), ("two_choice", {}), ("quorum", {"quorum": 2}),
-         ("deadline", {"deadline": 0.005})]
+KINDS = [Solo(), Majority(), TwoChoice(), Quorum(2), Deadline(bounds=0.005)]
 
 
 def _x(rank: int, step: int) -> np.ndarray:
@@ -41,14 +41,14 @@ async def _main(rank: int, P: int, port: int, hosts: list[int]) -> dict[str, obj
     async with comm:
         # quorum counts hosts: more than there are is refused at creation, on every rank
         try:
-            comm.partial_allreduce("quorum", np.zeros(4, np.float32), quorum=P,
-                                   algorithm="hier")
+            comm.hier_partial_allreduce(Quorum(P), np.zeros(4, np.float32))
             out["quorum refused"] = False
         except ValueError as exc:
             out["quorum refused"] = "quorum" in str(exc)
-        for kind, kw in KINDS:
-            h = comm.partial_allreduce(kind, np.zeros(N, np.float32), accumulate=True,
-                                       algorithm="hier", name=f"hier-{kind}", **kw)
+        for policy in KINDS:
+            kind = policy.name
+            h = comm.hier_partial_allreduce(policy, np.zeros(N, np.float32),
+                                            accumulate=Accumulate.SUM, name=f"hier-{kind}")
             total = np.zeros(N, np.float64)
             seen = []
             for step in range(STEPS):
@@ -74,8 +74,8 @@ async def _main(rank: int, P: int, port: int, hosts: list[int]) -> dict[str, obj
         # op="min" over floats with -0.0 in them: every rank of every host the same bits (a
         # quorum of every host, so that every rank gets the same execution: under solo a late
         # host may be handed the next, empty one)
-        h = comm.partial_allreduce("quorum", np.zeros(N, np.float32), op="min",
-                                   quorum=len(comm.hosts), algorithm="hier", name="hier-min")
+        h = comm.hier_partial_allreduce(Quorum(len(comm.hosts)), np.zeros(N, np.float32), op="min",
+                                        name="hier-min")
         x = np.where(np.arange(N) % 3 == rank % 3, -0.0, 1.0 + rank).astype(np.float32)
         res = await h(x, timeout=30)
         fl = await h.flush(timeout=30)
@@ -84,8 +84,8 @@ async def _main(rank: int, P: int, port: int, hosts: list[int]) -> dict[str, obj
         # on a sub-communicator (ranks 1..P-1): hosts in its own ranks, conservation
         sub = await comm.group(list(range(1, P)), timeout=30)
         if sub is not None:
-            h = sub.partial_allreduce("solo", np.zeros(8, np.float32), accumulate=True,
-                                      algorithm="hier", name="hier-sub")
+            h = sub.hier_partial_allreduce(Solo(), np.zeros(8, np.float32),
+                                           accumulate=Accumulate.SUM, name="hier-sub")
             got = np.zeros(8, np.float64)
             for step in range(3):
                 got += (await h(np.full(8, rank + step, np.float32), timeout=30)).value
@@ -108,7 +108,7 @@ def test_every_kind_across_uneven_hosts(hosts: list[int]) -> None:
     for r in range(P):  # the communicator's own view of the topology
         assert sorted(map(tuple, out[r]["comm_hosts"])) == groups, out[r]["comm_hosts"]
         assert [g[0] for g in out[r]["comm_hosts"]] == sorted(g[0] for g in groups)
-    for kind, _ in KINDS:
+    for kind in (p.name for p in KINDS):
         for r in range(P):
             got = out[r][kind]
             assert sorted(map(tuple, got["hosts"])) == groups, (kind, r, got["hosts"])
@@ -141,7 +141,7 @@ def test_every_kind_across_uneven_hosts(hosts: list[int]) -> None:
         assert sorted(h_hosts) == sub_hosts == sorted(s_hosts), (r, h_hosts, s_hosts)
         assert got == [want_sub] * 8, (r, got)
     # the hosts did not all wait for each other (the later hosts sleep longer before calls)
-    assert any(len(c) < P for kind, _ in KINDS for _r, _i, c, _s in out[0][kind]["seen"])
+    assert any(len(c) < P for p in KINDS for _r, _i, c, _s in out[0][p.name]["seen"])
 
 
 @pytest.mark.timeout(30)
@@ -151,18 +151,21 @@ async def test_options_it_does_not_offer_are_refused_by_name() -> None:
     like = np.zeros(8, np.float32)
     async with local_world(2, "inproc", timeout=10) as comms:
         comm = comms[0]
-        for kw, said in (({"op": "avg"}, "op='avg'"), ({"accumulate": "mean"}, "accumulate"),
-                         ({"survive": True}, "survive"), ({"shm": True}, "shm")):
+        for kw, said in (({"op": "avg"}, "op='avg'"), ({"accumulate": "mean"}, "accumulate")):
             with pytest.raises(ValueError, match=said):
-                comm.partial_allreduce("solo", like, algorithm="hier", **kw)
-        comm.partial_allreduce("solo", like, algorithm="hier", name="a")
+                comm.hier_partial_allreduce("solo", like, **kw)
+        # (no survive= or path= on the hierarchical handle: Python's TypeError names them)
+        for kw, said in (({"survive": True}, "survive"), ({"path": DataPath(shm=True)}, "path")):
+            with pytest.raises(TypeError, match=said):
+                comm.hier_partial_allreduce("solo", like, **kw)
+        comm.hier_partial_allreduce(Solo(), like, name="a")
         with pytest.raises(ValueError, match="already used"):
-            comm.partial_allreduce("solo", like, name="a")
-        h = comm.partial_allreduce("solo", like, algorithm="hier")
+            comm.partial_allreduce(Solo(), like, name="a")
+        h = comm.hier_partial_allreduce(Solo(), like)
         with pytest.raises(ValueError, match="shape"):
             await h(np.zeros(9, np.float32))
         # one call at a time per handle, as the flat handle's
-        h1 = comm.partial_allreduce("solo", like, algorithm="hier", name="busy")
+        h1 = comm.hier_partial_allreduce(Solo(), like, name="busy")
         first = asyncio.ensure_future(h1(like, timeout=5))
         await asyncio.sleep(0)
         with pytest.raises(asynccoll.BusyError):
@@ -170,6 +173,6 @@ async def test_options_it_does_not_offer_are_refused_by_name() -> None:
         first.cancel()
         # seed and quorum are checked before anything else
         with pytest.raises(ValueError, match="seed"):
-            comm.partial_allreduce("solo", like, algorithm="hier", seed=-1)
-        with pytest.raises(ValueError, match="quorum"):
-            comm.partial_allreduce("solo", like, algorithm="hier", quorum=1)
+            comm.hier_partial_allreduce(Majority(seed=-1), like)
+        with pytest.raises(TypeError, match="quorum"):  # (a keyword that is gone)
+            comm.hier_partial_allreduce("solo", like, quorum=1)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from asynccoll import Accumulate, Quorum, Solo
 from asynccoll.testing import local_world
 
 N = 8
@@ -27,7 +28,7 @@ def _recording(threads: list[str]) -> Any:
 @pytest.mark.timeout(30)
 async def test_a_call_that_returns_at_once_stays_on_the_callers_thread() -> None:
     async with local_world(2, "tcp", timeout=10) as comms:
-        hs = [c.partial_allreduce("solo", like=np.zeros(N, np.float32)) for c in comms]
+        hs = [c.partial_allreduce(Solo(), like=np.zeros(N, np.float32)) for c in comms]
         # rank 0 starts execution 0 alone; rank 1's contribution is late for it
         r0 = await hs[0](np.ones(N, np.float32))
         assert r0.included
@@ -73,7 +74,7 @@ async def test_contributions_are_conserved_while_calls_race_the_runtime() -> Non
     P, calls = 4, 150
     rng = random.Random(7)
     async with local_world(P, "tcp", timeout=20) as comms:
-        hs = [c.partial_allreduce("solo", like=np.zeros(N, np.float64), accumulate=True)
+        hs = [c.partial_allreduce(Solo(), like=np.zeros(N, np.float64), accumulate=Accumulate.SUM)
               for c in comms]
         got = [np.zeros(N) for _ in range(P)]
         at_once = [0] * P
@@ -131,7 +132,7 @@ def test_blocking_calls_answered_at_once_do_not_cross_either() -> None:
 @pytest.mark.timeout(30)
 async def test_results_say_who_arrived_late_and_by_how_much() -> None:
     async with local_world(3, "tcp", timeout=10) as comms:
-        hs = [c.partial_allreduce("quorum", like=np.zeros(N), quorum=3) for c in comms]
+        hs = [c.partial_allreduce(Quorum(3), like=np.zeros(N)) for c in comms]
 
         async def call(r: int, delay: float) -> Any:
             await asyncio.sleep(delay)

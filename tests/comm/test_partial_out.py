@@ -14,8 +14,9 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
+from asynccoll import Accumulate, DataPath, Majority, Solo
 from asynccoll.collectives.partial import initiators
-from asynccoll.testing import local_world
+from asynccoll.testing import local_world, policy_of
 
 
 def v(rank: int, step: int = 1) -> np.ndarray[Any, Any]:
@@ -32,9 +33,9 @@ async def test_out_receives_the_same_results_and_the_buffer_is_reused(kind: str)
     P = 4
     async with local_world(P, progress="inline") as comms:
         quorum = 3 if kind == "quorum" else None
-        plain = [c.partial_allreduce(kind, like=v(0), quorum=quorum, name="plain")
+        plain = [c.partial_allreduce(policy_of(kind, quorum), like=v(0), name="plain")
                  for c in comms]
-        into = [c.partial_allreduce(kind, like=v(0), quorum=quorum, name="into")
+        into = [c.partial_allreduce(policy_of(kind, quorum), like=v(0), name="into")
                 for c in comms]
         outs = [np.full(3, np.nan) for _ in range(P)]
         kept: list[list[int]] = [[] for _ in range(P)]
@@ -61,7 +62,7 @@ async def test_out_receives_the_same_results_and_the_buffer_is_reused(kind: str)
 @pytest.mark.timeout(30)
 async def test_out_is_checked_and_a_bad_one_changes_nothing() -> None:
     async with local_world(2, progress="inline") as comms:
-        hs = [c.partial_allreduce("solo", like=v(0)) for c in comms]
+        hs = [c.partial_allreduce(Solo(), like=v(0)) for c in comms]
         frozen = np.zeros(3)
         frozen.flags.writeable = False
         for bad, err, what in ((np.zeros(4), ValueError, "shape"),
@@ -74,8 +75,10 @@ async def test_out_is_checked_and_a_bad_one_changes_nothing() -> None:
         # the handle still works, nothing was contributed by the refused calls
         rs = await gather(*(h(v(r)) for r, h in enumerate(hs)))
         assert all(np.array_equal(res.value, v(0) + v(1)) for res in rs)
-        sparse = comms[0].partial_allreduce("solo", like=asynccoll.SparseVector(
-            np.array([0], np.int64), np.array([1.0], np.float32), 8), density=0.2)
+        sparse = comms[0].partial_allreduce(Solo(),
+                                            like=asynccoll.SparseVector(
+            np.array([0], np.int64), np.array([1.0], np.float32), 8),
+                                            path=DataPath(density=0.2))
         with pytest.raises(TypeError, match="dense"):
             await sparse(asynccoll.SparseVector(np.array([1], np.int64),
                                                 np.array([1.0], np.float32), 8),
@@ -89,7 +92,7 @@ async def test_a_cancelled_call_leaves_out_alone_and_loses_nothing() -> None:
     """A call cancelled while it waits never writes its ``out``; its contribution goes into
     the next execution as any late data does (conservation)."""
     async with local_world(2, progress="inline") as comms:
-        hs = [c.partial_allreduce("majority", like=v(0)) for c in comms]
+        hs = [c.partial_allreduce(Majority(), like=v(0)) for c in comms]
         first = initiators("majority", 1, 2, hs[0].seed)
         assert 0 not in first or 1 not in first
         waiter = 1 if 0 in first else 0  # not execution 1's initiator: its call must wait
@@ -124,7 +127,7 @@ async def test_a_cancelled_call_leaves_out_alone_and_loses_nothing() -> None:
 async def test_torch_tensor_out_and_average() -> None:
     torch = pytest.importorskip("torch")
     async with local_world(2, progress="inline") as comms:
-        hs = [c.partial_allreduce("solo", like=torch.zeros(3, dtype=torch.float64), op="avg")
+        hs = [c.partial_allreduce(Solo(), like=torch.zeros(3, dtype=torch.float64), op="avg")
               for c in comms]
         outs = [torch.full((3,), float("nan"), dtype=torch.float64) for _ in range(2)]
         xs = [torch.tensor(v(r)) for r in range(2)]
@@ -146,8 +149,8 @@ async def _shm_main(rank: int, P: int, port: int) -> list[bool]:
         # sum. Without it a slow rank's call may rightly get only the latest execution's
         # result, which can be an empty one that the other ranks' flush forced (count 0,
         # zeros), so a test of "every result is non-zero" failed about one run in 30.
-        h = comm.partial_allreduce("majority", like=np.zeros(n, np.float32), shm=True,
-                                   accumulate=True)
+        h = comm.partial_allreduce(Majority(), like=np.zeros(n, np.float32),
+                                   accumulate=Accumulate.SUM, path=DataPath(shm=True))
         out = np.empty(n, np.float32)
         total = np.zeros(n, np.float64)
         for step in range(1, 6):

@@ -19,9 +19,10 @@ import pytest
 from _helpers import async_child, free_port, spawn_world
 
 import asynccoll
+from asynccoll import Accumulate, DataPath, Deadline, Quorum, Solo
 from asynccoll.collectives.shm import build_shm_partial_allreduce
 from asynccoll.comm.shm import SHM_DIR, job_prefix, job_tag
-from asynccoll.testing import local_world
+from asynccoll.testing import local_world, policy_of
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -60,12 +61,13 @@ async def _kinds_main(rank: int, P: int, port: int, token: int, T: int) -> dict[
     out: dict[str, Any] = {}
     async with comm:
         for i, (kind, q) in enumerate(KINDS):
-            algo = ("shm_one_shot", "shm_two_shot")[i % 2]
+            algo = ("one_shot", "two_shot")[i % 2]
             n = 1003 if i % 2 else 5  # sizes with fewer elements than ranks too
-            h = comm.partial_allreduce(kind, like=np.zeros(n, np.int64), accumulate=True,
-                                       quorum=_quorum(q, P), algorithm=algo,
-                                       name=f"shm-{kind}", deadline=0.05 if kind == "deadline"
-                                       else None)
+            policy = (Deadline(quorum=_quorum(q, P), bounds=0.05) if kind == "deadline"
+                      else policy_of(kind, _quorum(q, P)))
+            h = comm.partial_allreduce(policy, like=np.zeros(n, np.int64),
+                                       accumulate=Accumulate.SUM, name=f"shm-{kind}",
+                                       path=DataPath(shm=algo))
             assert h._segments is not None, "not through shared memory"
             got = []
             for t in range(T):
@@ -80,15 +82,16 @@ async def _kinds_main(rank: int, P: int, port: int, token: int, T: int) -> dict[
                                                                            strict=True)]}
         # a float32 handle (meta packed) and an int16 one (meta over the network), in place
         for dtype in (np.float32, np.int16):
-            h = comm.partial_allreduce("solo", like=np.zeros(300_000, dtype),
-                                       accumulate=True, shm=True, name=f"shm-{dtype.__name__}")
+            h = comm.partial_allreduce(Solo(), like=np.zeros(300_000, dtype),
+                                       accumulate=Accumulate.SUM, name=f"shm-{dtype.__name__}",
+                                       path=DataPath(shm=True))
             acc = np.zeros(300_000, np.float64)
             for t in range(3):
                 acc += (await h(np.full(300_000, rank + t, dtype), timeout=30)).value
             acc += (await h.flush(timeout=30)).value
             out[np.dtype(dtype).name] = float(acc[0]), float(acc[-1])
         # chosen by default at this size, with every rank on this host
-        h = comm.partial_allreduce("solo", like=np.zeros(1 << 16, np.float32), name="auto")
+        h = comm.partial_allreduce(Solo(), like=np.zeros(1 << 16, np.float32), name="auto")
         out["auto"] = h._segments is not None
         await h.flush(timeout=30)
         await comm.barrier(timeout=30)
@@ -131,8 +134,9 @@ async def test_in_process_world_every_kind(P: int) -> None:
     async with local_world(P) as comms:
         await asyncio.gather(*(c.sync_clocks() for c in comms))
         for kind, q in KINDS:
-            hs = [c.partial_allreduce(kind, like=np.zeros(P + 1, np.int64), accumulate=True,
-                                      quorum=_quorum(q, P), shm=True) for c in comms]
+            hs = [c.partial_allreduce(policy_of(kind, _quorum(q, P)),
+                                      like=np.zeros(P + 1, np.int64), accumulate=Accumulate.SUM,
+                                      path=DataPath(shm=True)) for c in comms]
             assert all(h._segments is not None for h in hs)
 
             async def rank_main(r: int, h: Any) -> list[Any]:
@@ -155,7 +159,8 @@ async def test_a_first_execution_that_times_out_says_to_create_handles_alike(
     # ExecutionError where a message does not fit, or time out; here rank 1 has no handle)
     async with local_world(2, progress="inline", timeout=5) as comms:
         await asyncio.gather(*(c.sync_clocks() for c in comms))
-        h = comms[0].partial_allreduce("quorum", quorum=2, like=np.zeros(8), shm=shm, name="m")
+        h = comms[0].partial_allreduce(Quorum(2), like=np.zeros(8), name="m",
+                                       path=DataPath(shm=shm))
         with pytest.raises(asynccoll.CollectiveTimeoutError) as info:
             await h(np.ones(8), timeout=0.5)
         assert "the first execution of 'm': every rank must create the handle alike" in \
@@ -179,25 +184,26 @@ async def test_shm_arguments_are_checked() -> None:
     async with local_world(2) as comms:
         x = np.zeros(8, np.float32)
         with pytest.raises(ValueError, match="host layout is not known"):
-            comms[0].partial_allreduce("solo", like=x, shm=True)
+            comms[0].partial_allreduce(Solo(), like=x, path=DataPath(shm=True))
         with pytest.raises(ValueError, match="shm=False"):
-            comms[0].partial_allreduce("solo", like=x, algorithm="shm", shm=False)
+            comms[0].partial_allreduce(Solo(), like=x, path=DataPath(algorithm="shm", shm=False))
         await asyncio.gather(*(c.sync_clocks() for c in comms))
-        h = comms[0].partial_allreduce("solo", like=x)
+        h = comms[0].partial_allreduce(Solo(), like=x)
         assert h._segments is None  # 32 bytes: the network's
         sv = asynccoll.SparseVector(np.array([0]), np.array([1.0], np.float32), 8)
         # sparse handles: through shared memory with the split algorithms only
         with pytest.raises(ValueError, match="split algorithms"):
-            comms[0].partial_allreduce("solo", like=sv, shm=True,
-                                       algorithm="ssar_recursive_double")
+            comms[0].partial_allreduce(Solo(), like=sv,
+                                       path=DataPath(algorithm='ssar_recursive_double', shm=True))
         with pytest.raises(ValueError, match="shm must be True, False or None"):
-            comms[0].partial_allreduce("solo", like=sv, shm="yes")
-        assert comms[0].partial_allreduce("solo", like=sv, shm=False,
-                                          name="sparse-net")._segments is None
-        assert comms[0].partial_allreduce("solo", like=sv, shm=np.False_,
-                                          name="sparse-net-np")._segments is None
+            comms[0].partial_allreduce(Solo(), like=sv, path=DataPath(shm="yes"))
+        assert comms[0].partial_allreduce(Solo(), like=sv, name="sparse-net",
+                                          path=DataPath(shm=False))._segments is None
+        assert comms[0].partial_allreduce(Solo(), like=sv, name="sparse-net-np",
+                                          path=DataPath(shm=np.False_))._segments is None
         # at P = 2 the chooser prefers recursive doubling; shm=True takes the split allgather
-        h = comms[0].partial_allreduce("solo", like=sv, shm=True, density=0.1, name="sp-shm")
+        h = comms[0].partial_allreduce(Solo(), like=sv, name="sp-shm",
+                                       path=DataPath(shm=True, density=0.1))
         assert h._segments is not None
         assert h._ex.schedule.name == "sparse_partial_allreduce.solo.shm"
 
@@ -209,8 +215,8 @@ async def test_groups_on_one_host_name_their_segments_apart() -> None:
     async with local_world(4) as comms:
         await asyncio.gather(*(c.sync_clocks() for c in comms))
         groups = await asyncio.gather(*(c.split(c.rank % 2) for c in comms))
-        hs = [g.partial_allreduce("solo", like=np.zeros(3, np.int64), shm=True,
-                                  accumulate=True) for g in groups]
+        hs = [g.partial_allreduce(Solo(), like=np.zeros(3, np.int64), accumulate=Accumulate.SUM,
+                                  path=DataPath(shm=True)) for g in groups]
 
         async def rank_main(r: int, h: Any) -> int:
             first = await h(np.full(3, r, np.int64), timeout=10)

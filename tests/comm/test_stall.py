@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from asynccoll import CollectiveTimeoutError
+from asynccoll import CollectiveTimeoutError, Quorum
 from asynccoll.testing import local_world
 
 
@@ -21,8 +21,8 @@ async def test_a_stalled_collective_warns_at_growing_intervals_then_times_out(
         if kind == "allreduce":
             call = comms[0].allreduce(x, timeout=1.0)  # rank 1 never calls
         else:
-            h = comms[0].partial_allreduce("quorum", like=x, quorum=2, name="q")
-            comms[1].partial_allreduce("quorum", like=x, quorum=2, name="q")
+            h = comms[0].partial_allreduce(Quorum(2), like=x, name="q")
+            comms[1].partial_allreduce(Quorum(2), like=x, name="q")
             call = h(x, timeout=1.0)
         with caplog.at_level(logging.WARNING, logger="asynccoll.comm"), \
                 pytest.raises(CollectiveTimeoutError, match="rank 1"):

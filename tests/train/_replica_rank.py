@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 import asynccoll
+from asynccoll import Majority, Quorum, Solo
 from asynccoll.train import ODSGD, RNA, BackupSGD, EagerSGD, TopKSGD
 
 N, STEPS = 517, 12
@@ -43,13 +44,13 @@ def trainers(comm: Any, dtype: Any) -> list[tuple[str, Callable[[str], Any]]]:
 
     q = comm.size - 1
     return [
-        ("EagerSGD solo", lambda t: EagerSGD(comm, w(), lr=0.02, mode="solo", accumulate=True,
+        ("EagerSGD solo", lambda t: EagerSGD(comm, w(), policy=Solo(), lr=0.02, accumulate=True,
                                              name=t)),
-        ("EagerSGD majority", lambda t: EagerSGD(comm, w(), lr=0.02, mode="majority",
+        ("EagerSGD majority", lambda t: EagerSGD(comm, w(), policy=Majority(), lr=0.02,
                                                  accumulate=True, name=t)),
-        ("EagerSGD contributions", lambda t: EagerSGD(
-            comm, w(), lr=0.02, mode="quorum", quorum=q, accumulate=True,
-            average="contributions", name=t)),
+        ("EagerSGD contributions", lambda t: EagerSGD(comm, w(), policy=Quorum(q), lr=0.02,
+                                                      accumulate=True, average="contributions",
+                                                      name=t)),
         ("RNA", lambda t: RNA(comm, w(), lr=0.02, accumulate=True, name=t)),
         ("BackupSGD", lambda t: BackupSGD(comm, w(), lr=0.02, name=t)),
         ("ODSGD", lambda t: ODSGD(comm, w(), lr=0.02, warmup=2)),

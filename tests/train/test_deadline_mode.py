@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from _train_problem import P, Problem, one_random_rank, run_ranks
 
+from asynccoll import Deadline, Solo
 from asynccoll.testing import local_world
 from asynccoll.train import EagerSGD
 
@@ -17,7 +18,7 @@ async def test_no_stragglers_equals_synchronous_sgd() -> None:
     prob = Problem(1)
     steps = 12
     ref = prob.sync_sgd(0.2, steps)
-    make = lambda c, w: EagerSGD(c, w, 0.2, mode="deadline", deadline=2.0)  # noqa: E731
+    make = lambda c, w: EagerSGD(c, w, 0.2, policy=Deadline(bounds=2.0))  # noqa: E731
     async with local_world(P, progress="inline", timeout=20) as comms:
         out = await run_ranks(comms, make, prob, steps, aligned=True)
     for _opt, w, infos in out:
@@ -33,8 +34,9 @@ async def test_stragglers_cut_off_and_accumulate_keeps_replicas_equal() -> None:
     steps = 24
 
     def make(c: Any, w: np.ndarray) -> EagerSGD:
-        return EagerSGD(c, w, 0.05, mode="deadline", quorum=P, accumulate=True,
-                        deadline=(0.005, 0.03), mad_factor=2.0, deadline_window=6)
+        return EagerSGD(c, w, 0.05,
+                        policy=Deadline(quorum=P, bounds=(0.005, 0.03), mad_factor=2.0, window=6),
+                        accumulate=True)
 
     async with local_world(P, timeout=20) as comms:
         out = await run_ranks(comms, make, prob, steps, delay=one_random_rank(5, 0.08),
@@ -54,11 +56,11 @@ async def test_stragglers_cut_off_and_accumulate_keeps_replicas_equal() -> None:
 async def test_bad_arguments_name_the_argument() -> None:
     async with local_world(2, progress="inline") as comms:
         w = np.zeros(3)
-        with pytest.raises(ValueError, match="deadline"):
-            EagerSGD(comms[0], w, 0.1, mode="solo", deadline=0.1)
+        with pytest.raises(TypeError, match="deadline"):  # (no Solo with a deadline now)
+            EagerSGD(comms[0], w, 0.1, Solo(), deadline=0.1)
         with pytest.raises(ValueError, match="mad_factor"):
-            EagerSGD(comms[0], w, 0.1, mode="deadline", mad_factor=-1.0)
+            EagerSGD(comms[0], w, 0.1, policy=Deadline(mad_factor=-1.0))
         with pytest.raises(ValueError, match="deadline"):
-            EagerSGD(comms[0], w, 0.1, mode="deadline", deadline=(0.2, 0.1))
+            EagerSGD(comms[0], w, 0.1, policy=Deadline(bounds=(0.2, 0.1)))
         with pytest.raises(ValueError, match="quorum"):
-            EagerSGD(comms[0], w, 0.1, mode="deadline", quorum=3)
+            EagerSGD(comms[0], w, 0.1, policy=Deadline(quorum=3))

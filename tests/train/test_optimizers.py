@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from _train_problem import P, Problem, one_random_rank, run_ranks
 
+from asynccoll import Majority, Quorum, Solo, Sync, TwoChoice
 from asynccoll.testing import local_world
 from asynccoll.train import ODSGD, RNA, BackupSGD, EagerSGD, TopKSGD
 
@@ -20,12 +21,11 @@ LR = 0.2
 STEPS = 30
 
 MAKERS = {
-    "sync": lambda c, w: EagerSGD(c, w, LR, mode="sync"),
-    "solo": lambda c, w: EagerSGD(c, w, LR, mode="solo"),
-    "majority": lambda c, w: EagerSGD(c, w, LR, mode="majority", seed=3),
-    "two_choice": lambda c, w: EagerSGD(c, w, LR, mode="two_choice", accumulate=True),
-    "quorum": lambda c, w: EagerSGD(c, w, LR, mode="quorum", quorum=2,
-                                    average="contributions"),
+    "sync": lambda c, w: EagerSGD(c, w, LR, policy=Sync()),
+    "solo": lambda c, w: EagerSGD(c, w, LR, policy=Solo()),
+    "majority": lambda c, w: EagerSGD(c, w, LR, policy=Majority(seed=3)),
+    "two_choice": lambda c, w: EagerSGD(c, w, LR, policy=TwoChoice(), accumulate=True),
+    "quorum": lambda c, w: EagerSGD(c, w, LR, policy=Quorum(2), average="contributions"),
     "rna": lambda c, w: RNA(c, w, LR),
     "backup0": lambda c, w: BackupSGD(c, w, LR, backups=0),
     "backup1": lambda c, w: BackupSGD(c, w, LR, backups=1, average="contributions"),
@@ -52,9 +52,9 @@ async def test_no_stragglers_equals_synchronous_sgd(transport: str, method: str)
 
 
 CONVERGE = {
-    "solo": lambda c, w: EagerSGD(c, w, 0.1, mode="solo"),
-    "majority": lambda c, w: EagerSGD(c, w, 0.1, mode="majority", sync_every=10),
-    "solo_acc_bound": lambda c, w: EagerSGD(c, w, 0.1, mode="solo", accumulate=True,
+    "solo": lambda c, w: EagerSGD(c, w, 0.1, policy=Solo()),
+    "majority": lambda c, w: EagerSGD(c, w, 0.1, policy=Majority(), sync_every=10),
+    "solo_acc_bound": lambda c, w: EagerSGD(c, w, 0.1, policy=Solo(), accumulate=True,
                                             max_staleness=3, momentum=0.5),
     "rna": lambda c, w: RNA(c, w, 0.1, staleness_bound=2),
     "backup": lambda c, w: BackupSGD(c, w, 0.1, backups=1),
@@ -86,7 +86,7 @@ async def test_eager_accumulate_keeps_replicas_equal_and_counts_every_gradient(
         transport: str) -> None:
     prob = Problem(3)
     steps = 40
-    make = lambda c, w: EagerSGD(c, w, 0.05, mode="solo", accumulate=True)  # noqa: E731
+    make = lambda c, w: EagerSGD(c, w, 0.05, policy=Solo(), accumulate=True)  # noqa: E731
     async with local_world(P, transport, timeout=20) as comms:
         out = await run_ranks(comms, make, prob, steps, delay=one_random_rank(5, 0.01),
                               finish=lambda o: o.finish(average=False))
@@ -110,14 +110,13 @@ async def test_eager_accumulate_keeps_replicas_equal_and_counts_every_gradient(
 
 
 ACCUMULATING = {
-    "eager-solo-world": lambda c, w: EagerSGD(c, w, 0.05, mode="solo", accumulate=True),
-    "eager-solo-contributions": lambda c, w: EagerSGD(c, w, 0.05, mode="solo", accumulate=True,
+    "eager-solo-world": lambda c, w: EagerSGD(c, w, 0.05, policy=Solo(), accumulate=True),
+    "eager-solo-contributions": lambda c, w: EagerSGD(c, w, 0.05, policy=Solo(), accumulate=True,
                                                       average="contributions"),
-    "eager-majority-contributions": lambda c, w: EagerSGD(
-        c, w, 0.05, mode="majority", accumulate=True, average="contributions"),
+    "eager-majority-contributions": lambda c, w: EagerSGD(c, w, 0.05, policy=Majority(),
+                                                          accumulate=True, average="contributions"),
     "backup-quorum": lambda c, w: BackupSGD(c, w, 0.05, backups=1),
-    "backup-contributions": lambda c, w: BackupSGD(c, w, 0.05, backups=1,
-                                                   average="contributions"),
+    "backup-contributions": lambda c, w: BackupSGD(c, w, 0.05, backups=1, average="contributions"),
     "rna": lambda c, w: RNA(c, w, 0.05, accumulate=True),
 }
 
@@ -204,8 +203,8 @@ async def test_odsgd_local_lr_zero_is_sync_sgd_one_step_late(transport: str,
 async def test_bad_arguments_name_the_argument() -> None:
     async with local_world(2, progress="inline") as comms:
         w = np.zeros(4)
-        with pytest.raises(ValueError, match="mode"):
-            EagerSGD(comms[0], w, 0.1, mode="fast")
+        with pytest.raises(ValueError, match="policy"):  # (the argument was mode=)
+            EagerSGD(comms[0], w, 0.1, policy="fast")
         with pytest.raises(ValueError, match="sync_every"):
             EagerSGD(comms[0], w, 0.1, sync_every=0)
         with pytest.raises(ValueError, match="backups"):

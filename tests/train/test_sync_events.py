@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from _train_problem import P, Problem, one_random_rank, run_ranks
 
+from asynccoll import Sync
 from asynccoll.testing import local_world
 from asynccoll.train import EagerSGD
 
@@ -22,7 +23,7 @@ from asynccoll.train import EagerSGD
 async def test_every_rank_takes_part_in_the_same_sync_events(mode: str, kw: dict) -> None:
     prob = Problem(6)
     steps = 30
-    make = lambda c, w: EagerSGD(c, w, 0.1, mode=mode, **kw)  # noqa: E731
+    make = lambda c, w: EagerSGD(c, w, 0.1, mode, **kw)  # noqa: E731
     async with local_world(P, "inproc", timeout=20) as comms:
         out = await run_ranks(comms, make, prob, steps, delay=one_random_rank(11, 0.006))
     syncs = [opt.syncs for opt, _, _ in out]
@@ -46,7 +47,7 @@ async def test_torch_parameters_train_in_place() -> None:
         for _ in range(2):
             torch.manual_seed(0)
             nets.append(torch.nn.Linear(3, 2))
-        opts = [EagerSGD(c, list(n.parameters()), 0.5, mode="sync") for c, n in
+        opts = [EagerSGD(c, list(n.parameters()), 0.5, policy=Sync()) for c, n in
                 zip(comms, nets, strict=True)]
         before = nets[0].weight.detach().clone()
         x = torch.ones(4, 3)
