@@ -34,7 +34,7 @@ async def main(args: argparse.Namespace) -> None:
         Xs, ys = X[shard], y[shard]
 
         w = np.zeros(args.dim)
-        opt = EagerSGD(comm, w, lr=args.lr, mode=args.mode, accumulate=True)
+        opt = EagerSGD(comm, w, policy=args.mode, lr=args.lr, accumulate=True)
         c = args.step_ms / 1000
         if comm.rank == 0:
             print(f"{comm.size} ranks, mode={args.mode}; the accelerator is simulated by a "

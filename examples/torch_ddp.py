@@ -171,7 +171,8 @@ def main(args: argparse.Namespace) -> None:
             ddp = DDP(net)
             state = None
             if args.kind != "gloo":
-                state, hook = partial_hook(comm, args.kind, quorum=args.quorum,
+                policy = args.kind if args.quorum is None else f"{args.kind}:{args.quorum}"
+                state, hook = partial_hook(comm, policy,
                                            **({} if args.average is None
                                               else {"average": args.average}))
                 ddp.register_comm_hook(state, hook)

@@ -38,8 +38,7 @@ async def train(comm: asynccoll.Communicator, mode: str, args: argparse.Namespac
     Xtr, ytr, Xte, yte = data
     net = model(args.seed)
     params = list(net.parameters())
-    opt = EagerSGD(comm, params, lr=args.lr, mode=mode, name=f"digits-{mode}",
-                   accumulate=True)
+    opt = EagerSGD(comm, params, policy=mode, lr=args.lr, name=f"digits-{mode}", accumulate=True)
     loss_fn = torch.nn.CrossEntropyLoss()
     P, c = comm.size, args.step_ms / 1000
     levels = np.linspace(0.25, 2.0, P) * c

@@ -1,6 +1,6 @@
 """A DDP communication hook running a partial allreduce per bucket (eager-SGD §5 for DDP).
 
-``state, hook = partial_hook(comm, kind="majority")`` then ``ddp.register_comm_hook(state,
+``state, hook = partial_hook(comm, Majority())`` then ``ddp.register_comm_hook(state,
 hook)``. Each DDP bucket gets one persistent partial handle (``op="avg"``), made at the
 bucket's first partial step and named by the hook's ``name``, the bucket's index and size, so
 equal on every rank. The hook starts the bucket's call on the progress thread and returns a
@@ -22,13 +22,13 @@ equal on every rank. The hook starts the bucket's call on the progress thread an
 * **accumulate** (default True): a rank that missed rounds gets the sum of their per-round
   averages (every rank applies the same total, so plain-SGD replicas stay equal after
   :meth:`PartialHookState.finish`); False: only the latest round's average (the paper).
-* ``kind="sync"``: a plain averaging allreduce per bucket, DDP's default hook over asynccoll.
-* ``kind="deadline"``: a bucket's round starts once ``quorum`` ranks (default all) have
-  arrived or an adaptive deadline after the first arrival expired (``deadline=(lo, hi)``
-  seconds, ``mad_factor``, ``deadline_window``: as :meth:`Communicator.partial_allreduce
+* ``Sync()``: a plain averaging allreduce per bucket, DDP's default hook over asynccoll.
+* ``Deadline(quorum=, bounds=, mad_factor=, window=)``: a bucket's round starts once its
+  quorum of ranks (default all) have arrived or an adaptive deadline after the first arrival
+  expired (as :meth:`Communicator.partial_allreduce
   <asynccoll.Communicator.partial_allreduce>`); each bucket adapts its own deadline, and
   :class:`BucketStep` reports ``deadline`` and ``deadline_expired``.
-* **The first step is synchronous** whatever the kind: DDP rebuilds its buckets after its first
+* **The first step is synchronous** whatever the policy: DDP rebuilds its buckets after its first
   iteration, and handles are only made for the buckets it keeps.
 
 ``state.buckets`` holds, per bucket index, what its latest step did (:class:`BucketStep`:
@@ -53,7 +53,14 @@ from typing import Any
 
 import torch
 
-from ..collectives.partial import DeadlineConfig, check_deadline, check_kind
+from ..collectives.policy import (
+    POLICY_MOVED,
+    Accumulate,
+    Majority,
+    Policy,
+    as_policy,
+    moved_arguments,
+)
 from ..comm.blocking import BlockingCollectives
 from ..results import PartialResult
 from ._comm import blocking, pieces
@@ -61,7 +68,6 @@ from .broadcast import broadcast_parameters
 
 __all__ = ["BucketStep", "PartialHookState", "partial_hook"]
 
-KINDS = ("solo", "majority", "two_choice", "quorum", "deadline", "sync")
 AVERAGES = ("world", "contributions")
 
 #: hooks made so far per communicator, for default names that never collide (every rank makes
@@ -100,19 +106,15 @@ class PartialHookState:
     :meth:`finish` drains adds up to P times this).
     """
 
-    def __init__(self, comm: BlockingCollectives, kind: str, quorum: int | None,
-                 accumulate: bool, name: str, seed: int | None = None,
-                 average: str = "world",
-                 deadline: DeadlineConfig | None = None) -> None:
+    def __init__(self, comm: BlockingCollectives, policy: Policy, accumulate: bool, name: str,
+                 average: str = "world") -> None:
         self.comm = comm
-        self.kind = kind
-        self.quorum = quorum
+        #: the straggler policy of every bucket (:mod:`asynccoll.collectives.policy`)
+        self.policy = policy
+        self.kind = policy.name
         self.accumulate = accumulate
         self.name = name
-        self.seed = seed
         self.average = average
-        #: ``kind="deadline"``'s parameters (None for other kinds)
-        self.deadline = deadline
         self.buckets: dict[int, BucketStep] = {}
         self.steps = 0
         #: buckets handed to the hook so far (this rank's contributions, for accounting)
@@ -122,21 +124,17 @@ class PartialHookState:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return (f"PartialHookState(kind={self.kind!r}, name={self.name!r}, steps={self.steps}, "
+        return (f"PartialHookState({self.policy!r}, name={self.name!r}, steps={self.steps}, "
                 f"buckets={len(self._params)})")
 
     def _handle(self, index: int, buf: torch.Tensor) -> Any:
         key = (index, buf.numel(), str(buf.dtype))
         h = self._handles.get(key)
         if h is None:
-            d = self.deadline
-            extra: dict[str, Any] = {} if d is None else {
-                "deadline": (d.lo, d.hi), "mad_factor": d.m, "deadline_window": d.window}
             h = self.comm.comm.partial_allreduce(
-                self.kind, like=buf, op="avg" if self.average == "contributions" else "sum",
-                accumulate=self.accumulate,
-                quorum=self.quorum, seed=self.seed,
-                name=f"{self.name}/bucket{index}/{buf.numel()}/{buf.dtype}", **extra)
+                self.policy, like=buf, op="avg" if self.average == "contributions" else "sum",
+                accumulate=Accumulate.SUM if self.accumulate else Accumulate.LATEST,
+                name=f"{self.name}/bucket{index}/{buf.numel()}/{buf.dtype}")
             h.flush_hint = "'state.finish(opt)' of the DDP hook's state"
             self._handles[key] = h
         return h
@@ -152,7 +150,7 @@ class PartialHookState:
         self.calls += 1
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         P = self.comm.size
-        if self.kind == "sync" or step == 0:
+        if not self.policy.partial or step == 0:
             cf: concurrent.futures.Future[Any] = self.comm.submit(
                 self.comm.comm.allreduce(buf, op="avg"))
             everyone = frozenset(range(P))
@@ -251,42 +249,40 @@ def _complete(fut: torch.futures.Future[torch.Tensor], f: concurrent.futures.Fut
         target.set_exception(e)
 
 
-def partial_hook(comm: Any, kind: str = "majority", quorum: int | None = None,
-                 accumulate: bool = True, *, average: str = "world",
-                 name: str | None = None, seed: int | None = None,
-                 deadline: float | tuple[float, float] | None = None,
-                 mad_factor: float | None = None, deadline_window: int | None = None,
+@moved_arguments(kind="give the policy: Solo(), Majority(), TwoChoice(), Quorum(k), Backup(b), "
+                      "Deadline() or Sync() (asynccoll), or its text", **POLICY_MOVED)
+def partial_hook(comm: Any, policy: Policy | str = Majority(), *, accumulate: bool = True,
+                 average: str = "world", name: str | None = None,
                  ) -> tuple[PartialHookState, Callable[[PartialHookState, Any],
                                                        torch.futures.Future[torch.Tensor]]]:
     """``(state, hook)`` for ``ddp.register_comm_hook(state, hook)`` (module doc).
 
     ``comm``: a :class:`~asynccoll.Communicator` with a progress thread, or
-    :func:`asynccoll.init`'s communicator. ``kind``: ``solo``, ``majority``, ``two_choice``,
-    ``quorum`` (with ``quorum`` = k ranks), ``deadline`` (``quorum`` = k, default all;
-    ``deadline=(lo, hi)``, ``mad_factor``, ``deadline_window``: module doc) or ``sync``.
+    :func:`asynccoll.init`'s communicator. ``policy``: the straggler policy of every bucket
+    (:class:`~asynccoll.Policy` or its text: ``Solo()``, ``Majority(seed=)``, ``TwoChoice()``,
+    ``Quorum(k)``, ``Backup(b)``, ``Deadline(...)``: module doc; ``Sync()``: DDP's averaging
+    allreduce); a seed left None is one per bucket, from its name.
     ``accumulate``, ``average`` (``"world"``, the default, or ``"contributions"``): module
     doc. ``name``: the prefix of the buckets' handle names, distinct per hook of one
     communicator and equal on every rank; default ``"ddp"`` for the communicator's first hook,
     ``"ddp-1"``, ``"ddp-2"``, ... for later ones (a second model, or DDP rebuilt), so every
-    rank must make its hooks in the same order. ``seed``: the initiator draws
-    of every bucket (default: one per bucket, from its name). Raises ``ValueError`` naming
-    ``kind``, ``quorum``, ``deadline``, ``mad_factor`` or ``deadline_window``. Costs per
+    rank must make its hooks in the same order. Raises ``ValueError`` naming ``policy`` (a bad
+    text, a quorum above P) or ``average``; ``TypeError`` naming the new spelling for a
+    keyword that is gone (``kind=``, ``quorum=``, ``seed=``, ``deadline=``, ...). Costs per
     bucket and step: one partial allreduce of the bucket (the first step: one allreduce),
     started without blocking the backward pass.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    policy = as_policy(policy)
     if average not in AVERAGES:
         raise ValueError(f"average must be one of {AVERAGES}, got {average!r}")
     c = blocking(comm)
-    if kind != "sync":
-        check_kind(kind, c.size, quorum)
-    config = check_deadline(kind, deadline, mad_factor, deadline_window)
+    if policy.partial:
+        policy.activation(c.size)  # ValueError naming the policy when it does not fit
     made = _hooks_made.get(c.comm, 0)
     _hooks_made[c.comm] = made + 1
     if name is None:
         name = "ddp" if made == 0 else f"ddp-{made}"
-    state = PartialHookState(c, kind, quorum, bool(accumulate), name, seed, average, config)
+    state = PartialHookState(c, policy, bool(accumulate), name, average)
 
     def hook(st: PartialHookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         return st.reduce(bucket)

@@ -68,6 +68,15 @@ from typing import Any
 import torch
 
 from ..collectives.partial import check_deadline, check_kind
+from ..collectives.policy import (
+    Accumulate,
+    Deadline,
+    Majority,
+    Policy,
+    Quorum,
+    Solo,
+    TwoChoice,
+)
 from ..results import PartialResult
 from ..train._staleness import check_staleness_bound, staleness_combine
 from ..train.backup import drop_late
@@ -219,15 +228,19 @@ class DistributedOptimizer:
         self._pending: list[tuple[int, Any]] = []  # RNA: the steps the send buffer holds
         self._h: Any = None
         if kind is not None:
-            extra: dict[str, Any] = {} if dconf is None else {
-                "deadline": (dconf.lo, dconf.hi), "mad_factor": dconf.m,
-                "deadline_window": dconf.window}
+            policy: Policy = (
+                Deadline(quorum, (dconf.lo, dconf.hi), dconf.m, dconf.window)
+                if dconf is not None else Quorum(quorum) if quorum is not None
+                else Majority(seed) if kind == "majority"
+                else TwoChoice(seed) if kind == "two_choice" else Solo())
+            #: the straggler policy of the mode (:mod:`asynccoll.collectives.policy`)
+            self.policy = policy
             # RNA divides by contributors itself (its combine makes a rank count once).
             op = "avg" if average == "contributions" and mode != "rna" else "sum"
             self._h = self.comm.comm.partial_allreduce(
-                kind, like=torch.zeros(n, dtype=self._dtype), op=op,
-                accumulate=accumulate, quorum=quorum, seed=seed, name=name, timeout=timeout,
-                **extra)
+                policy, like=torch.zeros(n, dtype=self._dtype), op=op,
+                accumulate=Accumulate.SUM if accumulate else Accumulate.LATEST, name=name,
+                timeout=timeout)
             self._h.flush_hint = "'opt.finish()' of the DistributedOptimizer"
 
     # -- the inner optimizer's surface -------------------------------------------------------

@@ -15,7 +15,9 @@ from _helpers import SECRET
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import asynccoll
+from asynccoll import Majority, Quorum, TwoChoice
 from asynccoll.collectives.partial import initiators
+from asynccoll.testing import policy_of
 from asynccoll.torch import (
     DistributedOptimizer,
     broadcast_optimizer_state,
@@ -117,8 +119,9 @@ def ddp_main(rank: int, P: int, port: int) -> dict[str, Any]:
                     # machine (0.15 s left a margin a stall of that size undid)
                     return 0.4 if rank in initiators(kind, s - 1, P, seed) else 0.0
 
-                state, hook = partial_hook(comm, kind, quorum=P if kind == "quorum" else None,
-                                           name=f"eq-{kind}", seed=seed)
+                policy = {"quorum": Quorum(P), "majority": Majority(seed=seed),
+                          "two_choice": TwoChoice(seed=seed)}.get(kind, kind)
+                state, hook = partial_hook(comm, policy, name=f"eq-{kind}")
                 ddp, opt, counts, _ = _train_ddp(rank, steps, (state, hook), late_initiator)
                 held = state.finish(opt)
                 out[f"{kind}_equal"] = bool(torch.equal(_flat(ddp.module), ref)) and held == 0
@@ -128,8 +131,8 @@ def ddp_main(rank: int, P: int, port: int) -> dict[str, Any]:
                                   ("two_choice", "contributions"),
                                   ("quorum", "contributions"), ("solo", "world")):
                 key = f"{kind}-{average}"
-                state, hook = partial_hook(comm, kind, quorum=P - 1 if kind == "quorum"
-                                           else None, name=f"strag-{key}", average=average)
+                state, hook = partial_hook(comm, Quorum(P - 1) if kind == "quorum" else kind,
+                                           name=f"strag-{key}", average=average)
                 ddp, opt, counts, stale = _train_ddp(rank, 10, (state, hook),
                                               lambda s: 0.06 if s % P == rank else 0.0,
                                               dtype=torch.float64)
@@ -159,7 +162,7 @@ def optimizer_main(rank: int, P: int, port: int) -> dict[str, Any]:
         # DistributedOptimizer(SGD) against the built-in EagerSGD, float64 least squares
         for mode, q in (("sync", None), ("quorum", P)):
             w_np = np.zeros(6)
-            eager = EagerSGD(comm.comm, w_np, lr=0.05, mode=mode, quorum=q, accumulate=True,
+            eager = EagerSGD(comm.comm, w_np, policy=policy_of(mode, q), lr=0.05, accumulate=True,
                              average="contributions", name=f"eager-{mode}")
             w_t = torch.zeros(6, dtype=torch.float64, requires_grad=True)
             dopt = DistributedOptimizer(torch.optim.SGD([w_t], lr=0.05), comm, mode=mode,

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from asynccoll import Deadline, Majority
 from asynccoll.testing import local_world
 from asynccoll.torch import partial_hook
 
@@ -36,8 +37,8 @@ def grad(rank: int, step: int) -> torch.Tensor:
 async def test_deadline_hook_cuts_a_straggler_and_conserves_gradients() -> None:
     P, steps = 3, 6
     async with local_world(P, timeout=20) as comms:
-        made = [partial_hook(c, "deadline", average="world", name="dl", deadline=(0.02, 0.05),
-                             deadline_window=4) for c in comms]
+        made = [partial_hook(c, Deadline(bounds=(0.02, 0.05), window=4), average="world",
+                             name="dl") for c in comms]
         states = [s for s, _ in made]
         params = [[torch.zeros(6, dtype=torch.float64)] for _ in range(P)]
         applied = [torch.zeros(6, dtype=torch.float64) for _ in range(P)]
@@ -69,10 +70,10 @@ async def test_deadline_hook_cuts_a_straggler_and_conserves_gradients() -> None:
 async def test_bad_arguments_name_the_argument() -> None:
     async with local_world(2) as comms:
         with pytest.raises(ValueError, match="deadline"):
-            partial_hook(comms[0], "deadline", deadline=(1.0, 0.5))
+            partial_hook(comms[0], Deadline(bounds=(1.0, 0.5)))
         with pytest.raises(ValueError, match="mad_factor"):
-            partial_hook(comms[0], "deadline", mad_factor=-2.0)
+            partial_hook(comms[0], Deadline(mad_factor=-2.0))
         with pytest.raises(ValueError, match="quorum"):
-            partial_hook(comms[0], "deadline", quorum=3)
-        with pytest.raises(ValueError, match="deadline"):
-            partial_hook(comms[0], "majority", deadline=0.1)
+            partial_hook(comms[0], Deadline(quorum=3))
+        with pytest.raises(TypeError, match="deadline"):  # (a keyword that is gone)
+            partial_hook(comms[0], Majority(), deadline=0.1)

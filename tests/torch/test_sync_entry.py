@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import asynccoll  # noqa: E402
+from asynccoll import Quorum, Solo  # noqa: E402
 from asynccoll.torch import DistributedOptimizer, broadcast_parameters, partial_hook  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def test_init_returns_a_blocking_communicator() -> None:
         assert np.array_equal(comm.allreduce(np.ones(3), op="avg"), np.ones(3))
         t = comm.broadcast(torch.arange(4.0))
         assert isinstance(t, torch.Tensor)
-        h = comm.partial_allreduce("solo", like=torch.zeros(2), op="avg", name="h")
+        h = comm.partial_allreduce(Solo(), like=torch.zeros(2), op="avg", name="h")
         r = h(torch.ones(2))
         assert torch.equal(r.value, torch.ones(2))
         assert h.flush().count == 0
@@ -50,12 +51,12 @@ def test_init_refuses_a_running_loop() -> None:
 @pytest.mark.usefixtures("secret")
 def test_torch_entry_points_check_their_arguments() -> None:
     with asynccoll.init(rank=0, world_size=1) as comm:
-        with pytest.raises(ValueError, match="kind must be one of"):
+        with pytest.raises(ValueError, match="kind must be one of"):  # (a bad policy text)
             partial_hook(comm, "fastest")
         with pytest.raises(ValueError, match="average must be"):
             partial_hook(comm, "solo", average="mean")
         with pytest.raises(ValueError, match="quorum"):
-            partial_hook(comm, "quorum", quorum=5)
+            partial_hook(comm, Quorum(5))
         with pytest.raises(TypeError, match="comm must be a Communicator"):
             partial_hook(object(), "solo")
         p = torch.nn.Parameter(torch.zeros(3))

@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from asynccoll import Accumulate, Majority, Quorum, Solo  # noqa: E402
 from asynccoll.testing import local_world  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -62,7 +63,7 @@ async def test_every_collective_takes_and_returns_tensors(dtype: Any) -> None:
         for res in await each(lambda c, x: c.solo_allreduce(x)):
             assert isinstance(res.value, torch.Tensor)
             assert res.value.dtype == dtype
-        hs = [c.partial_allreduce("majority", like=xs[0], op="avg", accumulate=True,
+        hs = [c.partial_allreduce(Majority(), like=xs[0], op="avg", accumulate=Accumulate.SUM,
                                   name="avg") for c in comms]
         rs = await asyncio.gather(*(h(x) for h, x in zip(hs, xs, strict=True)))
         fs = await asyncio.gather(*(h.flush() for h in hs))
@@ -106,8 +107,8 @@ async def test_non_contiguous_tensors_are_refused_naming_the_argument() -> None:
         with pytest.raises(ValueError, match=r"^out must be a contiguous tensor"):
             await comms[0].allreduce(torch.zeros(4, 4), out=torch.zeros(4, 4).t())
         with pytest.raises(ValueError, match=r"^like must be a contiguous tensor"):
-            comms[0].partial_allreduce("solo", like=t)
-        h = comms[0].partial_allreduce("solo", like=torch.zeros(4, 4), name="nc")
+            comms[0].partial_allreduce(Solo(), like=t)
+        h = comms[0].partial_allreduce(Solo(), like=torch.zeros(4, 4), name="nc")
         with pytest.raises(ValueError, match=r"^x must be a contiguous tensor"):
             await h(t)
 
@@ -118,14 +119,14 @@ async def test_avg_is_refused_for_integers() -> None:
         with pytest.raises(ValueError, match="op='avg' needs floating-point"):
             await comms[0].allreduce(torch.ones(3, dtype=torch.int64), op="avg")
         with pytest.raises(ValueError, match="op='avg' needs floating-point"):
-            comms[0].partial_allreduce("solo", like=np.zeros(3, np.int32), op="avg")
+            comms[0].partial_allreduce(Solo(), like=np.zeros(3, np.int32), op="avg")
 
 
 @pytest.mark.timeout(30)
 async def test_partial_avg_divides_by_contributions() -> None:
     async with local_world(3, timeout=10) as comms:
-        hs = [c.partial_allreduce("quorum", like=torch.zeros(2), op="avg", quorum=2,
-                                  name="q") for c in comms]
+        hs = [c.partial_allreduce(Quorum(2), like=torch.zeros(2), op="avg", name="q")
+              for c in comms]
         # ranks 0 and 1 make the quorum; rank 2's gradient waits for the next round
         a, _ = await asyncio.gather(hs[0](torch.full((2,), 1.0)), hs[1](torch.full((2,), 3.0)))
         assert a.count == 2
@@ -148,13 +149,13 @@ def test_blocking_facade_takes_tensors() -> None:
             def run(r: int) -> None:
                 b = comms[r].blocking
                 results[r] = (b.allreduce(torch.ones(3) * (r + 1), op="avg"),
-                              b.partial_allreduce("quorum", like=torch.zeros(3), quorum=2,
+                              b.partial_allreduce(Quorum(2), like=torch.zeros(3),
                                                   name="b")(torch.ones(3)))
             ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
             for t in ts:
                 t.start()
             await asyncio.to_thread(lambda: [t.join(20) for t in ts])
-            await asyncio.gather(*(c.partial_allreduce("solo", like=np.zeros(1), name="x")
+            await asyncio.gather(*(c.partial_allreduce(Solo(), like=np.zeros(1), name="x")
                                    .flush() for c in comms))
 
     asyncio.run(main())

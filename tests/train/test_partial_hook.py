@@ -8,13 +8,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from asynccoll import Solo
 from asynccoll.testing import local_world
 
 
 @pytest.mark.timeout(30)
 async def test_combine_sees_late_calls_and_controls_the_send_buffer() -> None:
     async with local_world(2, progress="inline", timeout=10) as comms:
-        hs = [c.partial_allreduce("solo", like=np.zeros(3), name="hook") for c in comms]
+        hs = [c.partial_allreduce(Solo(), like=np.zeros(3), name="hook") for c in comms]
         seen: list[tuple[int, bool]] = []
 
         def drop_late(acc: Any, x: Any, n: int, late: bool) -> int:
