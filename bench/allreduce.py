@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from asynccoll import DataPath
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (
     SECRET,
@@ -100,8 +102,8 @@ async def _asynccoll_rank(rank: int, P: int, port: int, transport: str, sizes: l
             warm, timed = calls_for(size, quick)
             times = []
             if partial is not None:  # a partial handle: (kind, through shared memory)
-                h = comm.partial_allreduce(partial[0], like=x, shm=partial[1],
-                                           name=f"bench-{size}")
+                h = comm.partial_allreduce(partial[0], like=x, name=f"bench-{size}",
+                                           path=DataPath(shm=partial[1]))
             for i in range(warm + timed):
                 x[...] = rank + 1  # in place overwrites x: refill it, outside the timed part
                 await comm.barrier(timeout=120)
@@ -166,8 +168,8 @@ async def _interleaved_rank(rank: int, P: int, port: int, sizes: list[int], quic
     async with comm:
         for size in sizes:
             x = np.full(size // 4, rank + 1, np.float32)
-            hs = {v: comm.partial_allreduce(kind, like=x, shm=v == "partial-shm",
-                                            name=f"bench-{v}-{size}")
+            hs = {v: comm.partial_allreduce(kind, like=x, name=f"bench-{v}-{size}",
+                                            path=DataPath(shm=v == "partial-shm"))
                   for v in variants if v.startswith("partial")}
             warm, timed = calls_for(size, quick)
             for v in variants:

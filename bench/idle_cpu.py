@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from asynccoll import Solo
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import bar_plot, stats, write_json
 
@@ -34,7 +36,7 @@ async def _idle_asynccoll(transport: str, seconds: float) -> float:
     from asynccoll.testing import local_world
 
     async with local_world(2, transport, timeout=30) as comms:
-        hs = [c.partial_allreduce("solo", like=np.zeros(4, np.float32)) for c in comms]
+        hs = [c.partial_allreduce(Solo(), like=np.zeros(4, np.float32)) for c in comms]
         await asyncio.gather(*(h(np.ones(4, np.float32)) for h in hs))
         t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.sleep(seconds)

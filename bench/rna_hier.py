@@ -76,6 +76,7 @@ class Problem:
 async def rank_main(rank: int, port: int, impl: str, cfg: dict[str, Any],
                     stop: Any) -> dict[str, Any]:
     import asynccoll
+    from asynccoll import TwoChoice
     from asynccoll.train import RNA
 
     comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
@@ -87,7 +88,7 @@ async def rank_main(rank: int, port: int, impl: str, cfg: dict[str, Any],
         w = np.zeros(DIM)
         kw: dict[str, Any] = {"groups": GROUPS, "threshold": 1.0, "check_interval": 1.0,
                               "exchange_every": 4} if impl == "hier" else {}
-        opt = RNA(comm, w, cfg["lr"], accumulate=True, seed=cfg["rep"], **kw)
+        opt = RNA(comm, w, cfg["lr"], policy=TwoChoice(seed=cfg["rep"]), accumulate=True, **kw)
         await comm.barrier(timeout=60)
         t0 = time.perf_counter()
         curve: list[tuple[float, int, float]] = []

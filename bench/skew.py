@@ -69,8 +69,9 @@ async def asynccoll_rank(rank: int, P: int, port: int, iters: int, warmup: int,
                 def call() -> Any:
                     return comm.allreduce(x, timeout=60)
             else:
-                h = comm.partial_allreduce(impl, like=x, name=handle_name(impl),
-                                           quorum=max(1, P // 2) if impl == "quorum" else None)
+                q = max(1, P // 2) if impl == "quorum" else None
+                h = comm.partial_allreduce(impl if q is None else f"{impl}:{q}", like=x,
+                                           name=handle_name(impl))
 
                 def call(h: Any = h) -> Any:
                     return h(x, timeout=60)

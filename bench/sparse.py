@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from asynccoll import DataPath
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import free_port, peer_missing, spawn_world, stats, write_json
 
@@ -247,8 +249,8 @@ async def _comm_main(rank: int, P: int, port: int, N: int, reps: int,
                 out[form][d] = times
             await h.close()
             if partial is not None:  # its sparse allreduce the split allgather, as above
-                ph = comm.partial_allreduce(partial, like=x, algorithm="ssar_split_allgather",
-                                            name=f"bench-partial-{d}")
+                ph = comm.partial_allreduce(partial, like=x, name=f"bench-partial-{d}",
+                                            path=DataPath(algorithm='ssar_split_allgather'))
                 if (ph._segments is not None) != shm:
                     raise AssertionError(f"the partial handle's shm is not the world's {shm}")
                 times = []

@@ -25,6 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from asynccoll import Solo
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
@@ -50,7 +52,7 @@ async def _traced_solo_run(directory: Path) -> None:
     world, calls = 4, 4
     async with local_world(world, "inproc", trace=str(directory), timeout=20) as comms:
         like = np.zeros(1024, np.float32)
-        handles = [c.partial_allreduce("solo", like=like) for c in comms]
+        handles = [c.partial_allreduce(Solo(), like=like) for c in comms]
 
         async def rank(r: int) -> None:
             for step in range(calls):

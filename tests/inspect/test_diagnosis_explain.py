@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asynccoll import CollectiveTimeoutError
+from asynccoll import CollectiveTimeoutError, Majority, Quorum, TwoChoice
 from asynccoll.collectives.partial import initiators
 from asynccoll.inspect.pending import explain
 from asynccoll.inspect.tracefile import load_dir
@@ -37,9 +37,9 @@ async def _stall(tmp: Path, kind: str, callers: list[int], caplog: pytest.LogCap
         if kind == "allreduce":
             calls = [comms[r].allreduce(x, timeout=0.8) for r in callers]
         else:
-            seed = {"majority": MAJORITY_SEED, "two_choice": TWO_CHOICE_SEED}.get(kind)
-            hs = [c.partial_allreduce(kind, like=x, name="h", seed=seed,
-                                      quorum=3 if kind == "quorum" else None) for c in comms]
+            policy = {"majority": Majority(seed=MAJORITY_SEED), "quorum": Quorum(3),
+                      "two_choice": TwoChoice(seed=TWO_CHOICE_SEED)}.get(kind, kind)
+            hs = [c.partial_allreduce(policy, like=x, name="h") for c in comms]
             calls = [hs[r](x, timeout=0.8) for r in callers]
         with caplog.at_level(logging.WARNING, logger="asynccoll.comm"):
             for res in await asyncio.gather(*calls, return_exceptions=True):

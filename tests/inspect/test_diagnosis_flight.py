@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asynccoll import CollectiveTimeoutError
+from asynccoll import CollectiveTimeoutError, Quorum
 from asynccoll.cli import main
 from asynccoll.inspect.tracefile import load_dir
 from asynccoll.testing import local_world
@@ -21,7 +21,7 @@ async def test_the_dump_after_a_timeout_holds_the_failing_collective(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     x = np.ones(4)
     async with local_world(2, trace=str(tmp_path)) as comms:
-        h = [c.partial_allreduce("quorum", like=x, quorum=2, name="q") for c in comms]
+        h = [c.partial_allreduce(Quorum(2), like=x, name="q") for c in comms]
         for _ in range(3):
             await asyncio.gather(*(c.allreduce(x) for c in comms))
         with pytest.raises(CollectiveTimeoutError):

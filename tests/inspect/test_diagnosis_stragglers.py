@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from asynccoll import Solo
 from asynccoll.cli import main
 from asynccoll.inspect.stragglers import stragglers
 from asynccoll.inspect.tracefile import load_dir
@@ -59,7 +60,7 @@ async def _run_solo(tmp: Path, steps: int = 12) -> None:
     for it, so it never arrives before an execution is under way."""
     async with local_world(4, trace=str(tmp), timeout=20) as comms:
         x = np.ones(256, np.float32)
-        hs = [c.partial_allreduce("solo", like=x) for c in comms]
+        hs = [c.partial_allreduce(Solo(), like=x) for c in comms]
 
         async def worker(r: int) -> None:
             for _ in range(steps):

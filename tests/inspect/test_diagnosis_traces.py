@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from asynccoll import Solo
 from asynccoll.inspect.html import timeline_html
 from asynccoll.inspect.perfetto import perfetto_json
 from asynccoll.inspect.summary import summarize
@@ -27,7 +28,7 @@ async def _solo_run(tmp: Path, steps: int) -> None:
     activated from outside."""
     async with local_world(4, trace=str(tmp), timeout=10) as comms:
         x = np.ones(4, np.float32)
-        hs = [c.partial_allreduce("solo", like=x, name="s") for c in comms]
+        hs = [c.partial_allreduce(Solo(), like=x, name="s") for c in comms]
         for _ in range(steps):
             await hs[2](x)
         await asyncio.gather(*(h.flush() for h in hs))

@@ -8,7 +8,15 @@ from typing import Any
 
 import numpy as np
 
-from asynccoll import PartialResult
+from asynccoll import (
+    Deadline,
+    Majority,
+    PartialResult,
+    Policy,
+    Quorum,
+    Solo,
+    TwoChoice,
+)
 from asynccoll.sim import DeadlinePolicy, LinkClass, Profile, SimPartial, SimWorld
 from asynccoll.testing import local_world
 
@@ -41,6 +49,15 @@ def fields(res: PartialResult) -> tuple[Any, ...]:
             None if res.value is None else res.value.tolist())
 
 
+def policy(kind: str, quorum: int | None, seed: int) -> Policy:
+    """The runtime's policy of the simulator's ``kind``, ``quorum`` and ``seed``."""
+    if kind == "quorum":
+        assert quorum is not None
+        return Quorum(quorum)
+    return {"solo": Solo(), "majority": Majority(seed=seed), "two_choice": TwoChoice(seed=seed),
+            "deadline": Deadline(quorum=quorum, bounds=FIXED)}[kind]
+
+
 async def run_runtime(P: int, kind: str, quorum: int | None, calls: int, seed: int,
                       script_seed: int) -> tuple[list[int], list[list[Any]], list[Any]]:
     """Drive the runtime with a random arrival order; return the order, each rank's results
@@ -49,9 +66,8 @@ async def run_runtime(P: int, kind: str, quorum: int | None, calls: int, seed: i
     order: list[int] = []
     out: list[list[Any]] = [[] for _ in range(P)]
     async with local_world(P, progress="inline", timeout=20) as comms:
-        kw = {"deadline": FIXED} if kind == "deadline" else {}
-        hs = [c.partial_allreduce(kind, like=value(0, 0), quorum=quorum, seed=seed,
-                                  name="script", **kw) for c in comms]
+        hs = [c.partial_allreduce(policy(kind, quorum, seed), like=value(0, 0), name="script")
+              for c in comms]
         tasks: list[asyncio.Task[PartialResult] | None] = [None] * P
         made = [0] * P
         for _ in range(40 * P):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from asynccoll import Majority
 from asynccoll.cli import main
 from asynccoll.inspect.tracefile import load_dir
 from asynccoll.sim import BUILTIN_PROFILES, Profile
@@ -20,7 +21,7 @@ from asynccoll.testing import local_world
 
 async def _record(directory: Path) -> None:
     async with local_world(4, "tcp", trace=str(directory), timeout=30) as comms:
-        hs = [c.partial_allreduce("majority", like=np.zeros(8, np.float32), name="grads")
+        hs = [c.partial_allreduce(Majority(), like=np.zeros(8, np.float32), name="grads")
               for c in comms]
 
         async def rank(r: int) -> None:
