@@ -76,6 +76,8 @@ class Survives(Protocol):
 
     def cancel(self) -> None: ...
 
+    def moved_to(self, comm: Any) -> None: ...
+
 
 def stable_id(text: str, space: int) -> int:
     """A 60-bit id of ``text`` in id space ``space`` (0-3): equal on every rank and run."""
@@ -116,6 +118,8 @@ class HandleState:
     _segments: PartialSegments | None
     _route: asyncio.Future[None] | None
     _survival: Survives | None
+    #: the quorum the handle was made with (set at its first rebuild; None before)
+    _quorum_asked: int | None = None
     _value: Any
     _vmeta: Any
     _vold: tuple[int, list[int]] | None
@@ -361,7 +365,11 @@ class MemberSide(HandleState):
             P = self.world_size = transport.world_size
             self.rank = transport.rank
             if self.quorum is not None:
-                self.quorum = min(self.quorum, P)
+                if self._quorum_asked is None:
+                    self._quorum_asked = self.quorum
+                # lowered for fewer survivors, raised again (never past what was asked) when
+                # lost ranks come back (:meth:`grow`)
+                self.quorum = min(self._quorum_asked, P)
             # the survivors' world goes over the network (docs/collectives.md)
             self._shm_close()
             c.go_network()
@@ -387,6 +395,22 @@ class MemberSide(HandleState):
             old = self._ex
             self._arm(self._executor(transport, sched, bufs, comm.live, first))
         old.close()
+
+    def grow(self, comm: Any, first: int, ranks: list[int]) -> None:
+        """Go on over ``comm``, a membership that took lost ranks back (:mod:`.joining`),
+        from execution ``first``: :meth:`rebuild` for it, and the survival state follows it.
+        Call it at a flush boundary (every member has completed the same executions and
+        holds no contribution; the joining protocol makes sure), on every member with the
+        same ``comm`` and ``first``; a process that joined calls it on its new handle with
+        ``ranks`` = its ranks in order. On the runtime's loop."""
+        self.rebuild(comm, first, ranks)
+        with self._lock:
+            # At a flush boundary everything up to ``first - 1`` is completed and handed out
+            # (a new handle of a process that joined starts there too)
+            self._round = max(self._round, first - 1)
+            self._given = max(self._given, first - 1)
+        if self._survival is not None:
+            self._survival.moved_to(comm)
 
     def _rejoin(self, e: int, stamp: int) -> asyncio.Future[int]:
         """After a recovery that left execution ``e`` to the new world: the waiting call

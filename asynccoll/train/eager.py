@@ -65,6 +65,7 @@ from ..comm.communicator import Communicator
 from ..results import PartialResult
 from .bucket import ParamBucket
 from .info import StepInfo
+from .joining import TakesJoinersBack
 from .updaters import SGD
 
 __all__ = ["MOVED", "EagerSGD"]
@@ -75,7 +76,7 @@ MOVED = {"mode": "give policy=Solo(), Majority(), TwoChoice(), Quorum(k), Backup
          **POLICY_MOVED}
 
 
-class EagerSGD:
+class EagerSGD(TakesJoinersBack):
     """SGD whose gradient sum is a partial allreduce; see the module doc.
 
     ``params``: one flat array, a list of arrays or PyTorch CPU tensors (fused into one bucket;
@@ -142,8 +143,9 @@ class EagerSGD:
                 Accumulate.WORLD if self._world_rounds() else
                 Accumulate.SUM if self.accumulate else Accumulate.LATEST)
             self._h.flush_hint = f"'await opt.finish()' of the {type(self).__name__}"
+            self._join_init()  # restarted ranks taken back at sync events (.joining)
         n = self.params.size
-        self._sync_buf = np.empty(n + 2, self.params.dtype)
+        self._sync_buf = np.empty(n + 2 + self._join_slots(), self.params.dtype)
         # Each step's result lands here (the call's out=): no fresh array per step, whose page
         # faults cost more than the collective at 16 MiB (docs/benchmarks.md)
         self._rbuf = None if self._h is None else empty_like(self.params)
@@ -206,6 +208,8 @@ class EagerSGD:
             P = self.world_size
             return StepInfo(self.steps - 1, True, frozenset(range(P)), P, 0, self.lr,
                             fresh=frozenset(range(P)))
+        if self._joining:  # a restarted rank's first step: receive the state (.joining)
+            return await self._join_step()
         res = await self._h(g, self.timeout, combine=self._combine(), out=self._rbuf)
         self._stale_run = 0 if res.included else self._stale_run + 1
         self.applied += res.count
@@ -217,7 +221,8 @@ class EagerSGD:
         stale = self._stale_run
         synced = False
         if res.flushed or (self.sync_every is not None and self._since_sync >= self.sync_every) \
-                or (self.max_staleness is not None and stale > self.max_staleness):
+                or (self.max_staleness is not None and stale > self.max_staleness) \
+                or self._join_wanted():
             await self._sync(finished=False)
             synced = True
         return StepInfo(res.round, res.included, res.contributors, res.count, stale, lr,
@@ -242,6 +247,7 @@ class EagerSGD:
         self._sync_buf[:n] = self.params
         self._sync_buf[n] = 1.0 if finished else 0.0
         self._sync_buf[n + 1] = 0.0 if average else 1.0
+        self._join_flags(self._sync_buf[n + 2:])
         tot = await self._comm_now().allreduce(self._sync_buf, timeout=self.timeout)
         self._averaged = bool(tot[n + 1] == 0)
         if self._averaged:
@@ -249,7 +255,10 @@ class EagerSGD:
         self._since_sync = 0
         self._stale_run = 0
         self.syncs += 1
-        return bool(tot[n] >= self.world_size)
+        done = bool(tot[n] >= self.world_size)
+        if not done:  # take restarted ranks back, ready on every member (.joining)
+            await self._admit_agreed(tot[n + 2:], equal=self._averaged)
+        return done
 
     async def finish(self, average: bool = True) -> None:
         """Collective: drain every contribution and (``average``) average the parameters,
