@@ -32,13 +32,32 @@ import os
 import secrets
 import socket
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import AuthenticationError
 from .store import StoreClient, StoreError, StoreServer, StoreTimeoutError
 
-if TYPE_CHECKING:
-    from .runner import LaunchConfig
+
+class LaunchConfig(Protocol):
+    """What this module uses of :class:`.runner.LaunchConfig` (named by shape: the runner
+    imports this module)."""
+
+    @property
+    def nnodes(self) -> int: ...
+    @property
+    def node_rank(self) -> int: ...
+    @property
+    def nproc(self) -> int: ...
+    @property
+    def rdzv(self) -> tuple[str, int] | None: ...
+    @property
+    def secret(self) -> bytes: ...
+    @property
+    def max_restarts(self) -> int: ...
+    @property
+    def join_timeout(self) -> float: ...
+    @property
+    def exit_timeout(self) -> float: ...
 
 __all__ = ["check_out", "follow", "join", "rank_starts", "spend_restart", "tell_new_store"]
 
