@@ -47,14 +47,14 @@ from _harness import stats, write_json
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: impl -> (example, its options)
 IMPLS: dict[str, tuple[str, list[str]]] = {
-    "ddp-gloo": ("torch_ddp.py", ["--kind", "gloo"]),
-    "ddp-sync": ("torch_ddp.py", ["--kind", "sync"]),
-    "ddp-solo": ("torch_ddp.py", ["--kind", "solo"]),
-    "ddp-majority": ("torch_ddp.py", ["--kind", "majority"]),
-    "ddp-solo-world": ("torch_ddp.py", ["--kind", "solo", "--average", "world"]),
-    "ddp-majority-world": ("torch_ddp.py", ["--kind", "majority", "--average", "world"]),
-    "adam-sync": ("torch_adam.py", ["--mode", "sync"]),
-    "adam-majority": ("torch_adam.py", ["--mode", "majority"]),
+    "ddp-gloo": ("torch_ddp.py", ["--policy", "gloo"]),
+    "ddp-sync": ("torch_ddp.py", ["--policy", "sync"]),
+    "ddp-solo": ("torch_ddp.py", ["--policy", "solo"]),
+    "ddp-majority": ("torch_ddp.py", ["--policy", "majority"]),
+    "ddp-solo-world": ("torch_ddp.py", ["--policy", "solo", "--average", "world"]),
+    "ddp-majority-world": ("torch_ddp.py", ["--policy", "majority", "--average", "world"]),
+    "adam-sync": ("torch_adam.py", ["--policy", "sync"]),
+    "adam-majority": ("torch_adam.py", ["--policy", "majority"]),
 }
 NO_DELAY = ("ddp-gloo", "ddp-sync", "adam-sync")
 

@@ -1,4 +1,4 @@
-"""Final test accuracy of every kind of ``partial_hook`` and every mode of
+"""Final test accuracy of every policy of ``partial_hook`` and every policy and algorithm of
 ``DistributedOptimizer`` against DDP over Gloo, each with its default averaging, on
 ``examples/torch_ddp.py`` (4 ranks, one straggler per step), over several seeds.
 
@@ -21,12 +21,12 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: (label, torch_ddp.py arguments); quorum and deadline wait for 3 of 4 ranks
-CASES = [("ddp-gloo", ["--kind", "gloo"])] + [
-    (f"hook-{k}", ["--kind", k] + (["--quorum", "3"] if k in ("quorum", "deadline") else []))
-    for k in ("majority", "solo", "two_choice", "quorum", "deadline", "sync")] + [
-    (f"opt-{m}", ["--optimizer", m] + (["--quorum", "3"] if m in ("quorum", "deadline") else []))
-    for m in ("majority", "solo", "two_choice", "quorum", "deadline", "backup", "rna", "odsgd",
-              "sync")]
+CASES = [("ddp-gloo", ["--policy", "gloo"])] + [
+    (f"hook-{k.split(':')[0]}", ["--policy", k])
+    for k in ("majority", "solo", "two_choice", "quorum:3", "deadline:3", "sync")] + [
+    (f"opt-{m.split(':')[0]}", ["--optimizer", "--policy", m])
+    for m in ("majority", "solo", "two_choice", "quorum:3", "deadline:3", "backup:1", "sync")] + [
+    (f"opt-{a}", ["--algorithm", a]) for a in ("rna", "odsgd")]
 
 
 def run(args: list[str], seed: int, extra: list[str]) -> float:

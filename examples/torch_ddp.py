@@ -1,16 +1,18 @@
 """A small convolutional network on scikit-learn's digits under DDP with ``partial_hook``.
 
     pip install 'asynccoll[torch]'          # torch (CPU) and scikit-learn; no download
-    asynccoll run -n 4 examples/torch_ddp.py --kind majority
-    torchrun --nproc_per_node 4 examples/torch_ddp.py --kind majority
+    asynccoll run -n 4 examples/torch_ddp.py --policy majority
+    torchrun --nproc_per_node 4 examples/torch_ddp.py --policy majority
 
 A plain synchronous PyTorch loop: ``DistributedDataParallel`` over a Gloo process group (for
 DDP's own setup) with asynccoll's communication hook, ``loss.backward(); opt.step()``.
-``--kind gloo`` keeps DDP's default hook (the baseline a PyTorch user has today); ``sync``,
-``solo``, ``majority``, ``two_choice``, ``quorum`` and ``deadline`` run asynccoll's hook.
-``--optimizer MODE`` drops DDP and wraps the same SGD in ``DistributedOptimizer(mode=MODE)``
-instead (``sync``, ``solo``, ``majority``, ``two_choice``, ``quorum``, ``deadline``,
-``backup``, ``rna``, ``odsgd``). Each runs with its default averaging. Stragglers are
+``--policy gloo`` keeps DDP's default hook (the baseline a PyTorch user has today); a policy's
+text (``sync``, ``solo``, ``majority``, ``two_choice``, ``quorum:3``, ``deadline:3``:
+:func:`asynccoll.as_policy`) runs asynccoll's hook with it. ``--optimizer`` drops DDP and
+wraps the same SGD in ``DistributedOptimizer(opt, comm, policy)`` instead (any policy,
+``backup:1`` too); ``--algorithm rna`` or ``odsgd`` (implies ``--optimizer``) runs that
+algorithm, over its default policy unless ``--policy`` is given. Each runs with its default
+averaging. Stragglers are
 injected as in eager-SGD §7.2.3: the accelerator's time is simulated by a sleep up to ``c``
 (``--step-ms``; this machine has 2 CPU cores and no GPU) and on every step one rank, drawn
 from a generator seeded alike on all ranks, sleeps ``D = --delay * c`` more. Rank 0 prints test
@@ -33,12 +35,14 @@ from sklearn.model_selection import train_test_split
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import asynccoll
+from asynccoll.collectives.policy import POLICY_SYNTAX
 from asynccoll.torch import (
     DistributedOptimizer,
     broadcast_parameters,
     init_process_group,
     partial_hook,
 )
+from asynccoll.torch.optimizer import ALGORITHMS
 
 Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -137,20 +141,21 @@ def report(rank: int, args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 
 def wrapped(args: argparse.Namespace) -> None:
-    """``--optimizer MODE``: no DDP; the SGD wrapped in ``DistributedOptimizer``."""
+    """``--optimizer``: no DDP; the SGD wrapped in ``DistributedOptimizer``."""
+    policy = args.policy if args.policy is not None or args.algorithm else "majority"
     with asynccoll.init() as comm:
         data = digits(args.seed)
         net = convnet(args.seed + comm.rank)  # the wrapper broadcasts rank 0's parameters
         opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=args.lr), comm,
-                                   mode=args.optimizer,
-                                   **({} if args.quorum is None else {"quorum": args.quorum}))
+                                   policy, algorithm=args.algorithm)
 
         def step(loss: torch.Tensor) -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
 
-        out = train(comm.rank, comm.size, net, step, args, data, f"opt-{args.optimizer}")
+        out = train(comm.rank, comm.size, net, step, args, data,
+                    f"opt-{args.algorithm or opt.policy}")
         opt.finish()  # collective: drain, apply, average the replicas
         with torch.no_grad():
             out["accuracy"] = float((net(data[2]).argmax(1) == data[3]).float().mean())
@@ -159,9 +164,10 @@ def wrapped(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # ranks share the machine's cores
-    if args.optimizer is not None:
+    if args.optimizer or args.algorithm is not None:
         wrapped(args)
         return
+    kind = args.policy or "majority"
     with asynccoll.init() as comm:  # asynccoll run, torchrun or SLURM: from the environment
         init_process_group(comm)  # Gloo, for DDP's own setup
         try:
@@ -170,9 +176,8 @@ def main(args: argparse.Namespace) -> None:
             broadcast_parameters(net, root=0, comm=comm)  # replicas start equal
             ddp = DDP(net)
             state = None
-            if args.kind != "gloo":
-                policy = args.kind if args.quorum is None else f"{args.kind}:{args.quorum}"
-                state, hook = partial_hook(comm, policy,
+            if kind != "gloo":
+                state, hook = partial_hook(comm, kind,
                                            **({} if args.average is None
                                               else {"average": args.average}))
                 ddp.register_comm_hook(state, hook)
@@ -183,7 +188,7 @@ def main(args: argparse.Namespace) -> None:
                 loss.backward()
                 opt.step()
 
-            label = f"ddp-{args.kind}"
+            label = f"ddp-{kind}"
             out = train(comm.rank, comm.size, ddp, step, args, data, label)
             if state is not None:
                 state.finish(opt)  # collective: what is still in flight, applied everywhere
@@ -197,15 +202,13 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kind", default="majority",
-                   choices=("gloo", "sync", "solo", "majority", "two_choice", "quorum",
-                            "deadline"),
-                   help="DDP's hook: gloo (DDP's default) or partial_hook's kind")
-    p.add_argument("--optimizer", default=None, metavar="MODE",
-                   choices=("sync", "solo", "majority", "two_choice", "quorum", "deadline",
-                            "backup", "rna", "odsgd"),
-                   help="no DDP: SGD in DistributedOptimizer(mode=MODE) instead")
-    p.add_argument("--quorum", type=int, default=None, help="k for --kind quorum")
+    p.add_argument("--policy", default=None,
+                   help="DDP's hook: gloo (DDP's default) or partial_hook's policy (default "
+                        f"majority): {POLICY_SYNTAX}")
+    p.add_argument("--optimizer", action="store_true",
+                   help="no DDP: SGD in DistributedOptimizer(opt, comm, POLICY) instead")
+    p.add_argument("--algorithm", default=None, choices=ALGORITHMS,
+                   help="DistributedOptimizer's algorithm (implies --optimizer)")
     p.add_argument("--average", default=None, choices=("contributions", "world"),
                    help="partial_hook's averaging of each round (default: the hook's, world)")
     p.add_argument("--lr", type=float, default=0.1)

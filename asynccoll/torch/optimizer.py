@@ -1,57 +1,69 @@
 """``DistributedOptimizer``: any ``torch.optim`` optimizer over a (partial) gradient allreduce.
 
 Horovod-style: ``opt = DistributedOptimizer(torch.optim.Adam(model.parameters()), comm,
-mode="majority")``, then the usual synchronous loop ``opt.zero_grad(); loss.backward();
+Majority())``, then the usual synchronous loop ``opt.zero_grad(); loss.backward();
 opt.step()``. Each ``step()`` fuses the parameters' gradients into one flat bucket, reduces it
-by ``mode`` and hands the averaged gradient to the inner optimizer's ``step()``; it returns
-(and keeps as :attr:`DistributedOptimizer.last`) a :class:`~asynccoll.StepInfo`: round,
-included, contributors, count, staleness, the learning rate used.
+by the ``policy`` (and ``algorithm``) and hands the averaged gradient to the inner optimizer's
+``step()``; it returns (and keeps as :attr:`DistributedOptimizer.last`) a
+:class:`~asynccoll.StepInfo`: round, included, contributors, count, staleness, the learning
+rate used.
 
-Modes:
+**Policy and algorithm** (one vocabulary with :class:`asynccoll.train.EagerSGD` and
+:func:`asynccoll.torch.partial_hook`). ``policy`` is a straggler policy value
+(:mod:`asynccoll.collectives.policy`) or its text (``"majority"``, ``"quorum:3"``): *when* a
+round starts. ``algorithm`` is what a step does with the rounds: ``None`` (the policy's plain
+averaging), ``"rna"`` or ``"odsgd"``. RNA and OD-SGD are algorithms, not policies: RNA runs
+its averaging over a policy (``TwoChoice()``, its paper's, by default), OD-SGD overlaps a
+synchronous allreduce and takes no partial policy. So ``mode="rna"`` became
+``algorithm="rna"`` (policy ``TwoChoice()``), ``mode="odsgd"`` ``algorithm="odsgd"``, and
+``mode="quorum", quorum=k`` ``policy=Quorum(k)``; the old keywords raise ``TypeError`` naming
+the new spelling.
 
-* ``"sync"``: an averaging allreduce, the synchronous baseline.
-* ``"solo"``, ``"majority"``, ``"two_choice"``, ``"quorum"`` (``quorum=k``, default P):
-  eager-SGD's partial allreduce with stale gradients carried to the next round, **averaged by
-  the world** (each round's sum divided by P, so every gradient enters once with weight 1/P as
-  under synchronous SGD; the default because it keeps synchronous SGD's accuracy, docs/torch.md
-  *Accuracy*; ``average="contributions"``: by the round's own count, larger steps when rounds
-  are small), rounds missed by this rank summed (``accumulate=True``) or superseded by the
-  latest (False). ``"majority"`` here ended 7.3 points below synchronous DDP's final accuracy
-  on examples/torch_ddp.py (median of 3 seeds; ``"solo"``: +0.9), docs/torch.md *Accuracy*:
-  prefer the DDP hook's majority or ``"solo"`` where final accuracy matters.
-* ``"deadline"`` (``quorum=k``, default P; ``deadline=(lo, hi)``, ``mad_factor``,
-  ``deadline_window``): as ``"quorum"``, but a round also starts when an adaptive deadline
-  after its first arrival expires (docs/partial.md, *Deadline*); ``StepInfo.deadline`` and
-  ``.deadline_expired`` say what happened.
-* ``"backup"`` (``backups=b``): synchronous SGD with backup workers: a quorum of P - b, late
-  gradients dropped (the combine hook of :class:`asynccoll.train.BackupSGD`), each round
-  averaged by its contributions (the P - b gradients it kept) by default.
-* ``"rna"`` (``staleness_bound``, ``scale_lr``): RNA §3.2-3.3, as
-  :class:`asynccoll.train.RNA`: a two-choice initiator; a rank whose earlier gradients still
-  wait in the send buffer contributes their **staleness-weighted mean** (the oldest weighs 1,
-  newer ones linearly more; older than ``staleness_bound`` steps: dropped), so it counts once
-  per round; the round's sum is **divided by its contributors** and, with ``scale_lr=True``
-  (RNA's linear scaling rule), each param group's learning rate is multiplied by
-  contributors / P for that step. Around SGD a step is then ``lr * sum / P``, and with every
-  rank in every round it is synchronous SGD exactly.
-* ``"odsgd"`` (``warmup``, ``local``, ``local_lr``, ``lam``): OD-SGD (Algorithm 2). After
-  ``warmup`` synchronous steps, step t starts the allreduce of g_t and, without waiting for
-  it, applies the average of g_{t-1} with the inner optimizer to the **global weights** W
-  (equal on every rank), so the communication of a step overlaps the next step's
-  computation. Without a local updater (the default) the model trains on W: synchronous SGD
-  one step late (``staleness`` 1). With one (``local="sgd"``, ``"dc-asgd-c"`` or
-  ``"dc-asgd-a"``, rate ``local_lr``) the model trains on ``local(W, g_t)``: W moved at once
-  by the rank's own gradient (compensated by DC-ASGD's ``lam`` for having been computed off W),
-  while the global update arrives one step later.
+* ``Sync()`` (the default): an averaging allreduce, the synchronous baseline.
+* ``Solo()``, ``Majority()``, ``TwoChoice()``, ``Quorum(k)``: eager-SGD's partial allreduce
+  with stale gradients carried to the next round, **averaged by the world** (each round's sum
+  divided by P, so every gradient enters once with weight 1/P as under synchronous SGD; the
+  default because it keeps synchronous SGD's accuracy, docs/torch.md *Accuracy*;
+  ``average="contributions"``: by the round's own count, larger steps when rounds are small),
+  rounds missed by this rank summed (``accumulate=True``) or superseded by the latest (False).
+  ``Majority()`` here ended 7.3 points below synchronous DDP's final accuracy on
+  examples/torch_ddp.py (median of 3 seeds; ``Solo()``: +0.9), docs/torch.md *Accuracy*:
+  prefer the DDP hook's majority or ``Solo()`` where final accuracy matters.
+* ``Deadline(quorum=k, bounds=(lo, hi), mad_factor=, window=)``: as ``Quorum(k)`` (default
+  k = P), but a round also starts when an adaptive deadline after its first arrival expires
+  (docs/partial.md, *Deadline*); ``StepInfo.deadline`` and ``.deadline_expired`` say what
+  happened.
+* ``Backup(b)``: synchronous SGD with backup workers: a quorum of P - b, **late gradients
+  dropped** (the combine hook of :class:`asynccoll.train.BackupSGD`), each round averaged by
+  its contributions (the P - b gradients it kept) by default. (``Quorum(P - b)`` carries late
+  gradients to the next round instead.)
+* ``algorithm="rna"`` (``staleness_bound``, ``scale_lr``): RNA §3.2-3.3, as
+  :class:`asynccoll.train.RNA`: a two-choice initiator by default (another partial policy may
+  be given; ``Sync()`` is refused); a rank whose earlier gradients still wait in the send
+  buffer contributes their **staleness-weighted mean** (the oldest weighs 1, newer ones
+  linearly more; older than ``staleness_bound`` steps: dropped), so it counts once per round;
+  the round's sum is **divided by its contributors** and, with ``scale_lr=True`` (RNA's
+  linear scaling rule), each param group's learning rate is multiplied by contributors / P for
+  that step. Around SGD a step is then ``lr * sum / P``, and with every rank in every round it
+  is synchronous SGD exactly.
+* ``algorithm="odsgd"`` (``warmup``, ``local``, ``local_lr``, ``lam``; the policy
+  ``Sync()``): OD-SGD (Algorithm 2). After ``warmup`` synchronous steps, step t starts the
+  allreduce of g_t and, without waiting for it, applies the average of g_{t-1} with the inner
+  optimizer to the **global weights** W (equal on every rank), so the communication of a step
+  overlaps the next step's computation. Without a local updater (the default) the model trains
+  on W: synchronous SGD one step late (``staleness`` 1). With one (``local="sgd"``,
+  ``"dc-asgd-c"`` or ``"dc-asgd-a"``, rate ``local_lr``) the model trains on
+  ``local(W, g_t)``: W moved at once by the rank's own gradient (compensated by DC-ASGD's
+  ``lam`` for having been computed off W), while the global update arrives one step later.
 
 The constructor broadcasts rank ``root``'s parameters and optimizer state
 (:func:`~asynccoll.torch.broadcast_parameters`), so replicas start equal.
 :meth:`DistributedOptimizer.finish` (collective, after the last step) drains what is in flight,
 applies it and, with ``average=True``, averages the parameters (stateful optimizers such as
-Adam drift apart under partial modes: each rank groups the same rounds into different steps);
-``average=False`` gives every rank rank 0's parameters instead. Either way every replica ends
-equal to the bit. ``zero_grad``, ``state_dict``, ``load_state_dict``, ``param_groups`` and
-``state`` are the inner optimizer's.
+Adam drift apart under partial policies: each rank groups the same rounds into different
+steps); ``average=False`` gives every rank rank 0's parameters instead. Either way every
+replica ends equal to the bit. ``zero_grad``, ``state_dict``, ``load_state_dict``,
+``param_groups`` and ``state`` are the inner optimizer's.
 
 Do not wrap the model in ``DistributedDataParallel`` as well: DDP already averages the
 gradients in the backward pass, and this wrapper would reduce them a second time. The
@@ -67,15 +79,15 @@ from typing import Any
 
 import torch
 
-from ..collectives.partial import check_deadline, check_kind
 from ..collectives.policy import (
+    POLICY_MOVED,
     Accumulate,
-    Deadline,
-    Majority,
+    Backup,
     Policy,
-    Quorum,
-    Solo,
+    Sync,
     TwoChoice,
+    as_policy,
+    moved_arguments,
 )
 from ..results import PartialResult
 from ..train._staleness import check_staleness_bound, staleness_combine
@@ -85,22 +97,24 @@ from ..train.updaters import DCASGD, SGD, make_updater
 from ._comm import blocking, pieces
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["ALGORITHMS", "MOVED", "DistributedOptimizer"]
 
-MODES = ("sync", "solo", "majority", "two_choice", "quorum", "deadline", "backup", "rna",
-         "odsgd")
+#: what a step does with the rounds, besides the policy's plain averaging (module doc)
+ALGORITHMS = ("rna", "odsgd")
 #: OD-SGD's local updaters (:func:`asynccoll.train.make_updater`)
 LOCAL_UPDATERS = ("sgd", "dc-asgd-c", "dc-asgd-a")
+# Options that only one algorithm reads; giving one without it is a mistake worth naming.
+_ONLY = {"scale_lr": "rna", "warmup": "odsgd", "local": "odsgd", "local_lr": "odsgd",
+         "lam": "odsgd"}
 
-# The partial allreduce kind behind each mode that runs one.
-_KIND = {"solo": "solo", "majority": "majority", "two_choice": "two_choice",
-         "quorum": "quorum", "deadline": "deadline", "backup": "quorum", "rna": "two_choice"}
-# Options that only some modes read; giving one to another mode is a mistake worth naming.
-_ONLY = {"quorum": ("quorum", "deadline"), "backups": ("backup",),
-         "deadline": ("deadline",), "mad_factor": ("deadline",),
-         "deadline_window": ("deadline",), "scale_lr": ("rna",), "warmup": ("odsgd",),
-         "local": ("odsgd",), "local_lr": ("odsgd",), "lam": ("odsgd",),
-         "seed": tuple(_KIND)}
+#: the keywords the constructor took before policies were values (0.1), and what to write now
+MOVED = {
+    "mode": "give policy=Sync(), Solo(), Majority(), TwoChoice(), Quorum(k), Deadline() or "
+            "Backup(b) (asynccoll), or its text ('majority', 'quorum:3'); mode='rna' is "
+            "algorithm='rna' (policy TwoChoice() by default), mode='odsgd' algorithm='odsgd'",
+    "backups": "give policy=Backup(b)",
+    **POLICY_MOVED,
+}
 
 
 def _rate(arg: str, v: Any) -> float:
@@ -109,69 +123,87 @@ def _rate(arg: str, v: Any) -> float:
     return float(v)
 
 
+def _policy(policy: Policy | str | None, algorithm: str | None, P: int) -> Policy:
+    """The policy the constructor runs (module doc), checked against the algorithm and P."""
+    if algorithm is not None and algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be None or one of {ALGORITHMS}, got {algorithm!r}")
+    if isinstance(policy, str) and policy.strip() in ALGORITHMS:
+        raise ValueError(f"policy={policy!r} is an algorithm, not a policy: give "
+                         f"algorithm={policy.strip()!r} (module doc)")
+    if policy is None:
+        return TwoChoice() if algorithm == "rna" else Sync()
+    p = as_policy(policy)
+    if algorithm == "rna" and not p.partial:
+        raise ValueError("policy must be a partial policy for algorithm='rna' (TwoChoice() by "
+                         f"default), got {p!r}")
+    if algorithm == "odsgd" and p.partial:
+        raise ValueError("policy must be Sync() for algorithm='odsgd' (it overlaps a "
+                         f"synchronous allreduce), got {p!r}")
+    if p.partial:
+        p.activation(P)  # ValueError naming the policy when it does not fit the world
+    return p
+
+
 class DistributedOptimizer:
     """Wrap ``optimizer`` so that ``step()`` reduces gradients over ``comm`` first (module doc).
 
     ``comm``: a :class:`~asynccoll.Communicator` with a progress thread or
-    :func:`asynccoll.init`'s communicator. ``mode``: one of :data:`MODES` (module doc). Options,
-    each read by the modes named (given to another mode: ``ValueError``):
+    :func:`asynccoll.init`'s communicator. ``policy``: a straggler policy value or its text
+    (default ``Sync()``; ``TwoChoice()`` with ``algorithm="rna"``). ``algorithm``: None,
+    ``"rna"`` or ``"odsgd"`` (:data:`ALGORITHMS`). Options:
 
-    * ``backups``: b for ``"backup"`` (default 1).
-    * ``quorum``: k for ``"quorum"`` (default P: every rank) as for ``"deadline"``.
-    * ``accumulate`` (partial modes, default True): missed rounds summed, else superseded.
-    * ``average`` (partial modes but ``"rna"``): ``"world"`` (by P: every gradient enters
-      once with weight 1/P, as in synchronous SGD, however rounds split the steps; the default
-      but for ``"backup"``) or ``"contributions"`` (each round's sum divided by its count; the
-      default for ``"backup"``, whose rounds drop the late gradients). See docs/torch.md.
-    * ``deadline=(lo, hi)`` seconds (or one number: fixed), ``mad_factor``,
-      ``deadline_window``: ``"deadline"``'s adaptive deadline (defaults as
-      :meth:`Communicator.partial_allreduce <asynccoll.Communicator.partial_allreduce>`).
+    * ``accumulate`` (partial policies, default True): missed rounds summed, else superseded.
+    * ``average`` (partial policies but ``algorithm="rna"``): ``"world"`` (by P: every gradient
+      enters once with weight 1/P, as in synchronous SGD, however rounds split the steps; the
+      default but for ``Backup(b)``) or ``"contributions"`` (each round's sum divided by its
+      count; the default for ``Backup(b)``, whose rounds drop the late gradients). See
+      docs/torch.md.
     * ``staleness_bound`` (``"rna"``, steps, default 4; None: unbounded) and ``scale_lr``
-      (``"rna"``, default True): RNA's bounded staleness and linear scaling rule.
-    * ``warmup`` (``"odsgd"``, synchronous steps first, default 0), ``local`` (the local
-      updater: ``"sgd"``, ``"dc-asgd-c"``, ``"dc-asgd-a"``), ``local_lr`` (its rate; default
-      the first param group's ``lr`` when ``local`` is given, else no local updater) and
-      ``lam`` (DC-ASGD's lambda, default 0.04).
-    * ``seed``: the initiator draws of the partial modes (default: from ``name``).
+      (``"rna"`` only, default True): RNA's bounded staleness and linear scaling rule.
+    * ``warmup`` (synchronous steps first, default 0), ``local`` (the local updater:
+      ``"sgd"``, ``"dc-asgd-c"``, ``"dc-asgd-a"``), ``local_lr`` (its rate; default the first
+      param group's ``lr`` when ``local`` is given, else no local updater) and ``lam``
+      (DC-ASGD's lambda, default 0.04): ``"odsgd"`` only.
 
     ``broadcast``: broadcast ``root``'s parameters and state at construction. ``name``: the
     partial handle's name (distinct per optimizer, equal on every rank). ``timeout``: per
     collective (default: the communicator's).
 
     Raises ``ValueError`` naming the bad argument (all checked before any communication), or
-    when the parameters do not share one dtype and device (CPU). Costs per step: one copy of
+    when the parameters do not share one dtype and device (CPU); ``TypeError`` naming the new
+    spelling for the keywords of 0.1 (:data:`MOVED`: ``mode``, ``quorum``, ``backups``,
+    ``seed``, ``deadline``, ``mad_factor``, ``deadline_window``). Costs per step: one copy of
     the gradients into the bucket, one collective of the parameter size, the inner step;
     ``"odsgd"`` with a local updater two more copies of the parameters and one vectorised
     update; ``"rna"`` with a staleness bound one copy of the gradient per waiting step.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, comm: Any, mode: str = "sync", *,
-                 quorum: int | None = None, backups: int | None = None,
+    @moved_arguments(**MOVED)
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Any,
+                 policy: Policy | str | None = None, *, algorithm: str | None = None,
                  accumulate: bool = True, average: str | None = None,
-                 deadline: float | tuple[float, float] | None = None,
-                 mad_factor: float | None = None, deadline_window: int | None = None,
                  staleness_bound: int | None = 4, scale_lr: bool | None = None,
                  warmup: int | None = None, local: str | None = None,
                  local_lr: float | None = None, lam: float | None = None,
-                 seed: int | None = None, broadcast: bool = True, root: int = 0,
+                 broadcast: bool = True, root: int = 0,
                  name: str = "distributed-optimizer", timeout: float | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        given = {"quorum": quorum, "backups": backups, "deadline": deadline,
-                 "mad_factor": mad_factor, "deadline_window": deadline_window,
-                 "scale_lr": scale_lr, "warmup": warmup, "local": local,
-                 "local_lr": local_lr, "lam": lam, "seed": seed}
+        self.comm = blocking(comm)
+        P = self.comm.size
+        policy = _policy(policy, algorithm, P)
+        given = {"scale_lr": scale_lr, "warmup": warmup, "local": local,
+                 "local_lr": local_lr, "lam": lam}
         for arg, v in given.items():
-            if v is not None and mode not in _ONLY[arg]:
-                raise ValueError(f"{arg} is only meaningful for mode in {_ONLY[arg]}, "
-                                 f"got mode={mode!r}")
+            if v is not None and algorithm != _ONLY[arg]:
+                raise ValueError(f"{arg} is only meaningful for algorithm={_ONLY[arg]!r}, "
+                                 f"got algorithm={algorithm!r}")
+        backup = isinstance(policy, Backup) and algorithm is None
         if average is None:
-            average = "contributions" if mode in ("backup", "rna") else "world"
+            average = "contributions" if backup or algorithm == "rna" else "world"
         if average not in ("contributions", "world"):
             raise ValueError(f"average must be 'contributions' or 'world', got {average!r}")
-        if mode == "rna" and average != "contributions":
-            raise ValueError("average must be 'contributions' for mode='rna' (RNA averages by "
-                             f"contributors; scale_lr scales the step), got {average!r}")
+        if algorithm == "rna" and average != "contributions":
+            raise ValueError("average must be 'contributions' for algorithm='rna' (RNA averages "
+                             f"by contributors; scale_lr scales the step), got {average!r}")
         self.staleness_bound = check_staleness_bound(staleness_bound)
         self.scale_lr = True if scale_lr is None else bool(scale_lr)
         if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int)
@@ -182,21 +214,11 @@ class DistributedOptimizer:
             raise ValueError(f"local must be one of {LOCAL_UPDATERS}, got {local!r}")
         llr = None if local_lr is None else _rate("local_lr", local_lr)
         dc_lam = 0.04 if lam is None else _rate("lam", lam)
-        self.comm = blocking(comm)
-        P = self.comm.size
-        kind = _KIND.get(mode)
-        if mode == "backup":
-            b = 1 if backups is None else backups
-            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < P:
-                raise ValueError(f"backups must be an int in 0..{P - 1}, got {backups!r}")
-            quorum = P - b
-        if mode == "quorum" and quorum is None:
-            quorum = P  # as documented: a quorum of every rank unless told otherwise
-        if kind is not None:
-            quorum = check_kind(kind, P, quorum)
-        dconf = check_deadline(kind or mode, deadline, mad_factor, deadline_window)
         self.optimizer = optimizer
-        self.mode = mode
+        #: the straggler policy (:mod:`asynccoll.collectives.policy`; ``Sync()``: none)
+        self.policy = policy
+        #: ``"rna"``, ``"odsgd"`` or None (module doc)
+        self.algorithm = algorithm
         self.average = average
         self.timeout = timeout
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups
@@ -222,21 +244,14 @@ class DistributedOptimizer:
         self.steps = 0
         self.last: StepInfo | None = None
         self._stale = 0
-        self._combine: Any = drop_late if mode == "backup" else None
+        self._combine: Any = drop_late if backup else None
         self._inflight: concurrent.futures.Future[Any] | None = None
         self._weights: torch.Tensor | None = None  # OD-SGD's W, kept while params differ
         self._pending: list[tuple[int, Any]] = []  # RNA: the steps the send buffer holds
         self._h: Any = None
-        if kind is not None:
-            policy: Policy = (
-                Deadline(quorum, (dconf.lo, dconf.hi), dconf.m, dconf.window)
-                if dconf is not None else Quorum(quorum) if quorum is not None
-                else Majority(seed) if kind == "majority"
-                else TwoChoice(seed) if kind == "two_choice" else Solo())
-            #: the straggler policy of the mode (:mod:`asynccoll.collectives.policy`)
-            self.policy = policy
+        if policy.partial:
             # RNA divides by contributors itself (its combine makes a rank count once).
-            op = "avg" if average == "contributions" and mode != "rna" else "sum"
+            op = "avg" if average == "contributions" and algorithm != "rna" else "sum"
             self._h = self.comm.comm.partial_allreduce(
                 policy, like=torch.zeros(n, dtype=self._dtype), op=op,
                 accumulate=Accumulate.SUM if accumulate else Accumulate.LATEST, name=name,
@@ -262,7 +277,8 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
-        return (f"DistributedOptimizer({type(self.optimizer).__name__}, mode={self.mode!r}, "
+        alg = "" if self.algorithm is None else f", algorithm={self.algorithm!r}"
+        return (f"DistributedOptimizer({type(self.optimizer).__name__}, {self.policy!r}{alg}, "
                 f"rank={self.comm.rank}/{self.comm.size}, steps={self.steps})")
 
     # -- the step ----------------------------------------------------------------------------
@@ -306,14 +322,14 @@ class DistributedOptimizer:
         everyone = frozenset(range(P))
         s = self.steps
         self.steps += 1
-        if self.mode == "sync" or (self.mode == "odsgd" and s < self.warmup):
+        if self._h is None and (self.algorithm != "odsgd" or s < self.warmup):
             self._apply(self.comm.allreduce(g, op="avg", timeout=self.timeout))
             info = StepInfo(s, True, everyone, P, 0, self._lr(), fresh=everyone)
-        elif self.mode == "odsgd":
+        elif self._h is None:  # OD-SGD after its warm-up
             self._odsgd(g)
             info = StepInfo(s - 1, True, everyone, P, 1, self._lr(), fresh=everyone)
         else:
-            combine = self._combine if self.mode != "rna" else \
+            combine = self._combine if self.algorithm != "rna" else \
                 staleness_combine(s, self._pending, self.staleness_bound)
             res: PartialResult = self.comm.submit(
                 self._h(g, self.timeout, combine=combine)).result()
@@ -347,12 +363,13 @@ class DistributedOptimizer:
         self._load(w)
 
     def _apply_result(self, res: PartialResult) -> float:
-        """Apply a partial result as the mode averages it; returns the learning rate used."""
+        """Apply a partial result as the policy and algorithm average it; returns the learning
+        rate used."""
         lr = self._lr()
         if not res.count:
             return lr
         value: torch.Tensor = res.value
-        if self.mode == "rna":
+        if self.algorithm == "rna":
             c = len(res.contributors)
             scale = c / self.comm.size if self.scale_lr else 1.0
             self._apply(value.div_(c), scale)

@@ -2,8 +2,8 @@
 
 An unchanged torch.distributed setup (``init_process_group("gloo")`` from the environment),
 then asynccoll beside it: two DDP hooks on one communicator, ``finish`` without and with the
-optimizer, DistributedOptimizer over a DDP model (refused) and ``mode="quorum"`` without
-``quorum=``. Prints ``CONVENTIONS OK <rank>`` when every check held.
+optimizer, DistributedOptimizer over a DDP model (refused) and with ``Quorum(P)``. Prints
+``CONVENTIONS OK <rank>`` when every check held.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> None:
             torch.optim.SGD(ddp.parameters(), lr=0.1), comm))
         plain = model(5)
         dopt = DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1), comm,
-                                    mode="quorum")
+                                    asynccoll.Quorum(comm.size))
         train(plain, dopt, rank, 3)
         dopt.finish()
         assert same_bytes(comm, list(plain.parameters()))

@@ -165,8 +165,8 @@ def optimizer_main(rank: int, P: int, port: int) -> dict[str, Any]:
             eager = EagerSGD(comm.comm, w_np, policy=policy_of(mode, q), lr=0.05, accumulate=True,
                              average="contributions", name=f"eager-{mode}")
             w_t = torch.zeros(6, dtype=torch.float64, requires_grad=True)
-            dopt = DistributedOptimizer(torch.optim.SGD([w_t], lr=0.05), comm, mode=mode,
-                                        quorum=q, name=f"dopt-{mode}")
+            dopt = DistributedOptimizer(torch.optim.SGD([w_t], lr=0.05), comm,
+                                        policy_of(mode, q), name=f"dopt-{mode}")
             for _ in range(20):
                 g = X.T @ (X @ w_np - y) / len(y)
                 comm.submit(eager.step(g)).result()
@@ -187,7 +187,7 @@ def optimizer_main(rank: int, P: int, port: int) -> dict[str, Any]:
             torch.manual_seed(rank)  # differently seeded: the constructor broadcasts rank 0's
             net = torch.nn.Linear(64, 10)
             dopt = DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=0.01), comm,
-                                        mode=mode, name=f"adam-{mode}")
+                                        mode, name=f"adam-{mode}")
             gen = torch.Generator().manual_seed(rank)
             infos = []
             for s in range(60):

@@ -35,8 +35,8 @@ def _asynccoll_run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("script", "opts"), [("torch_ddp.py", ["--kind", "majority"]),
-                                              ("torch_adam.py", ["--mode", "majority"])])
+@pytest.mark.parametrize(("script", "opts"), [("torch_ddp.py", ["--policy", "majority"]),
+                                              ("torch_adam.py", ["--policy", "majority"])])
 def test_example_under_asynccoll_run(script: str, opts: list[str]) -> None:
     p = _asynccoll_run(f"examples/{script}", *opts, *SMALL)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -45,8 +45,8 @@ def test_example_under_asynccoll_run(script: str, opts: list[str]) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH")
-@pytest.mark.parametrize(("script", "opts"), [("torch_ddp.py", ["--kind", "solo"]),
-                                              ("torch_adam.py", ["--mode", "odsgd"])])
+@pytest.mark.parametrize(("script", "opts"), [("torch_ddp.py", ["--policy", "solo"]),
+                                              ("torch_adam.py", ["--algorithm", "odsgd"])])
 def test_example_under_torchrun(script: str, opts: list[str]) -> None:
     assert TORCHRUN is not None
     # torchrun's own store on a port below the ephemeral range, and asynccoll's on the next

@@ -1,4 +1,5 @@
-"""``DistributedOptimizer``'s ``rna``, ``odsgd`` (with local updaters) and ``deadline`` modes
+"""``DistributedOptimizer``'s ``rna`` and ``odsgd`` algorithms (with local updaters) and its
+``Deadline()`` policy
 on a float64 least-squares problem, P = 4 ranks over TCP loopback in one process (each rank's
 synchronous loop in its own thread, one shared progress thread).
 
@@ -24,6 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from asynccoll import Backup, Deadline, Majority, Quorum, Sync, TwoChoice  # noqa: E402
 from asynccoll.collectives.partial import initiators  # noqa: E402
 from asynccoll.testing import local_world  # noqa: E402
 from asynccoll.torch import DistributedOptimizer  # noqa: E402
@@ -146,7 +148,8 @@ def aligned(comm: Any, steps: int) -> Iterator[tuple[threading.Barrier, threadin
 async def test_rna_without_stragglers_is_synchronous_sgd() -> None:
     steps, lr = 8, 0.1
     make: Make = lambda ps, c: DistributedOptimizer(  # noqa: E731
-        torch.optim.SGD(ps, lr=lr, momentum=0.5), c, mode="rna", seed=SEED, name="rna-sync")
+        torch.optim.SGD(ps, lr=lr, momentum=0.5), c, TwoChoice(seed=SEED), algorithm="rna",
+        name="rna-sync")
     ref = torch.zeros(N, dtype=torch.float64)
     buf = torch.zeros(N, dtype=torch.float64)
     for _ in range(steps):  # torch's SGD with momentum on the mean gradient
@@ -169,7 +172,7 @@ async def test_rna_without_stragglers_is_synchronous_sgd() -> None:
 async def test_rna_converges_under_stragglers_and_replicas_agree(bound: int | None) -> None:
     steps, lr = 60, 0.2
     make: Make = lambda ps, c: DistributedOptimizer(  # noqa: E731
-        torch.optim.SGD(ps, lr=lr), c, mode="rna", staleness_bound=bound, name="rna")
+        torch.optim.SGD(ps, lr=lr), c, algorithm="rna", staleness_bound=bound, name="rna")
     async with local_world(P, "tcp", timeout=10) as comms:
         out = await run_ranks(comms, make, steps,
                               delay=lambda r, s: 0.02 if s % P == r else 0.0)
@@ -199,8 +202,8 @@ async def test_odsgd_local_lr_zero_is_sync_sgd_one_step_late(local: str) -> None
         at = W.clone()
         W = W - lr * g
     make: Make = lambda ps, c: DistributedOptimizer(  # noqa: E731
-        torch.optim.SGD(ps, lr=lr), c, mode="odsgd", warmup=warm, local=local, local_lr=0.0,
-        name="odsgd0")
+        torch.optim.SGD(ps, lr=lr), c, algorithm="odsgd", warmup=warm, local=local,
+        local_lr=0.0, name="odsgd0")
     async with local_world(P, "tcp", timeout=10) as comms:
         out = await run_ranks(comms, make, steps)
     for w, infos, held in out:
@@ -216,8 +219,8 @@ async def test_odsgd_local_lr_zero_is_sync_sgd_one_step_late(local: str) -> None
 async def test_odsgd_local_updater_converges_and_ends_on_global_weights(local: str) -> None:
     steps = 60
     make: Make = lambda ps, c: DistributedOptimizer(  # noqa: E731
-        torch.optim.SGD(ps, lr=0.2), c, mode="odsgd", warmup=3, local=local, local_lr=0.2,
-        name="odsgd")
+        torch.optim.SGD(ps, lr=0.2), c, algorithm="odsgd", warmup=3, local=local,
+        local_lr=0.2, name="odsgd")
     async with local_world(P, "tcp", timeout=10) as comms:
         out = await run_ranks(comms, make, steps,
                               delay=lambda r, s: 0.01 if s % P == r else 0.0)
@@ -234,7 +237,7 @@ async def test_odsgd_local_update_moves_the_model_off_the_global_weights() -> No
     seen: list[list[Any]] = [[] for _ in range(P)]
 
     def make(ps: Any, c: Any) -> DistributedOptimizer:
-        opt = DistributedOptimizer(torch.optim.SGD(ps, lr=0.1), c, mode="odsgd",
+        opt = DistributedOptimizer(torch.optim.SGD(ps, lr=0.1), c, algorithm="odsgd",
                                    local_lr=0.1, name="odsgd-local")
         step = opt.step
 
@@ -261,8 +264,8 @@ async def test_odsgd_local_update_moves_the_model_off_the_global_weights() -> No
 async def test_deadline_cuts_stragglers_replicas_agree_and_converge() -> None:
     steps = 60
     make: Make = lambda ps, c: DistributedOptimizer(  # noqa: E731
-        torch.optim.SGD(ps, lr=0.2), c, mode="deadline", deadline=(0.005, 0.03),
-        deadline_window=4, accumulate=True, name="deadline")
+        torch.optim.SGD(ps, lr=0.2), c, Deadline(bounds=(0.005, 0.03), window=4),
+        accumulate=True, name="deadline")
     async with local_world(P, "tcp", timeout=10) as comms:
         out = await run_ranks(comms, make, steps,
                               delay=lambda r, s: 0.08 if s % P == r and s >= 2 else 0.0)
@@ -278,23 +281,35 @@ async def test_deadline_cuts_stragglers_replicas_agree_and_converge() -> None:
 
 # -- arguments ---------------------------------------------------------------------------------
 BAD: list[tuple[dict[str, Any], str]] = [
-    ({"mode": "fast"}, "mode"),
-    ({"mode": "rna", "staleness_bound": -1}, "staleness_bound"),
-    ({"mode": "rna", "average": "world"}, "average"),
-    ({"mode": "rna", "quorum": 2}, "quorum"),
-    ({"mode": "sync", "scale_lr": False}, "scale_lr"),
-    ({"mode": "odsgd", "local": "adam"}, "local"),
-    ({"mode": "odsgd", "local_lr": -0.1}, "local_lr"),
-    ({"mode": "odsgd", "local": "dc-asgd-c", "lam": float("nan")}, "lam"),
-    ({"mode": "odsgd", "warmup": -1}, "warmup"),
-    ({"mode": "majority", "local_lr": 0.1}, "local_lr"),
-    ({"mode": "sync", "warmup": 3}, "warmup"),
-    ({"mode": "deadline", "deadline": (1.0, 0.5)}, "deadline"),
-    ({"mode": "deadline", "mad_factor": -1.0}, "mad_factor"),
-    ({"mode": "deadline", "deadline_window": 0}, "deadline_window"),
-    ({"mode": "deadline", "quorum": 3}, "quorum"),
-    ({"mode": "majority", "deadline": 0.1}, "deadline"),
-    ({"mode": "sync", "seed": 1}, "seed"),
+    ({"policy": "fast"}, "policy"),
+    ({"policy": "rna"}, "policy"),  # an algorithm, not a policy: the error says algorithm=
+    ({"algorithm": "fast"}, "algorithm"),
+    ({"algorithm": "rna", "staleness_bound": -1}, "staleness_bound"),
+    ({"algorithm": "rna", "average": "world"}, "average"),
+    ({"algorithm": "rna", "policy": "sync"}, "policy"),
+    ({"algorithm": "odsgd", "policy": Majority()}, "policy"),
+    ({"scale_lr": False}, "scale_lr"),
+    ({"algorithm": "odsgd", "local": "adam"}, "local"),
+    ({"algorithm": "odsgd", "local_lr": -0.1}, "local_lr"),
+    ({"algorithm": "odsgd", "local": "dc-asgd-c", "lam": float("nan")}, "lam"),
+    ({"algorithm": "odsgd", "warmup": -1}, "warmup"),
+    ({"policy": Majority(), "local_lr": 0.1}, "local_lr"),
+    ({"algorithm": "rna", "warmup": 3}, "warmup"),
+    ({"policy": Quorum(3)}, r"Quorum\(k=3\): quorum"),
+    ({"policy": Backup(2)}, r"Backup\(b=2\): backup"),
+    ({"policy": Deadline(quorum=3)}, r"Deadline\(quorum=3"),
+]
+
+#: the keywords of 0.1: a TypeError naming the new spelling
+MOVED: list[tuple[dict[str, Any], str]] = [
+    ({"mode": "majority"}, "mode= is gone: give policy="),
+    ({"mode": "rna"}, "algorithm='rna'"),
+    ({"quorum": 2}, r"Quorum\(k\)"),
+    ({"backups": 1}, r"Backup\(b\)"),
+    ({"seed": 1}, r"Majority\(seed="),
+    ({"deadline": 0.1}, r"Deadline\(bounds="),
+    ({"mad_factor": 2.0}, r"Deadline\(mad_factor="),
+    ({"deadline_window": 4}, r"Deadline\(window="),
 ]
 
 
@@ -305,13 +320,32 @@ async def test_bad_arguments_name_the_argument() -> None:
         for kw, arg in BAD:
             with pytest.raises(ValueError, match=rf"^{arg}\b"):
                 DistributedOptimizer(torch.optim.SGD([p], lr=0.1), comms[0], **kw)
-        # the local updater's defaults (no communication without the broadcast)
-        opt = DistributedOptimizer(torch.optim.SGD([p], lr=0.3), comms[0], mode="odsgd",
+        for kw, new in MOVED:
+            with pytest.raises(TypeError, match=new):
+                DistributedOptimizer(torch.optim.SGD([p], lr=0.1), comms[0], **kw)
+        # the policy's text and the defaults (no communication without the broadcast)
+        opt = DistributedOptimizer(torch.optim.SGD([p], lr=0.3), comms[0], "quorum:2",
+                                   broadcast=False, name="text")
+        assert opt.policy == Quorum(2)
+        assert opt.algorithm is None
+        opt = DistributedOptimizer(torch.optim.SGD([p], lr=0.3), comms[0], algorithm="rna",
+                                   broadcast=False, name="rna-default")
+        assert opt.policy == TwoChoice()
+        assert opt.average == "contributions"
+        assert repr(opt).startswith("DistributedOptimizer(SGD, TwoChoice(seed=None), "
+                                    "algorithm='rna', rank=0/2")
+        opt = DistributedOptimizer(torch.optim.SGD([p], lr=0.3), comms[0], Backup(1),
+                                   broadcast=False, name="backup-default")
+        assert opt.average == "contributions"
+        assert DistributedOptimizer(torch.optim.SGD([p], lr=0.3), comms[0],
+                                    broadcast=False).policy == Sync()
+        # the local updater's defaults
+        opt = DistributedOptimizer(torch.optim.SGD([p], lr=0.3), comms[0], algorithm="odsgd",
                                    local="dc-asgd-a", broadcast=False, name="defaults")
         assert isinstance(opt.local, DCASGD)
         assert opt.local.adaptive
         assert (opt.local.lr, opt.local.lam) == (0.3, 0.04)
-        opt = DistributedOptimizer(torch.optim.SGD([p], lr=0.3), comms[0], mode="odsgd",
+        opt = DistributedOptimizer(torch.optim.SGD([p], lr=0.3), comms[0], algorithm="odsgd",
                                    broadcast=False, name="defaults-none")
         assert opt.local is None
 

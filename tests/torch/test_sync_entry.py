@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import asynccoll  # noqa: E402
-from asynccoll import Quorum, Solo  # noqa: E402
+from asynccoll import Backup, Quorum, Solo  # noqa: E402
 from asynccoll.torch import DistributedOptimizer, broadcast_parameters, partial_hook  # noqa: E402
 
 
@@ -60,15 +60,16 @@ def test_torch_entry_points_check_their_arguments() -> None:
         with pytest.raises(TypeError, match="comm must be a Communicator"):
             partial_hook(object(), "solo")
         p = torch.nn.Parameter(torch.zeros(3))
-        with pytest.raises(ValueError, match="mode must be one of"):
-            DistributedOptimizer(torch.optim.SGD([p], lr=0.1), comm, mode="fast")
-        with pytest.raises(ValueError, match="backups must be"):
-            DistributedOptimizer(torch.optim.SGD([p], lr=0.1), comm, mode="backup", backups=1)
-        # a world of one: every mode is a plain step
-        for mode in ("sync", "solo", "odsgd"):
+        with pytest.raises(ValueError, match="kind must be one of"):
+            DistributedOptimizer(torch.optim.SGD([p], lr=0.1), comm, "fast")
+        with pytest.raises(ValueError, match="backup workers must be"):
+            DistributedOptimizer(torch.optim.SGD([p], lr=0.1), comm, Backup(1))
+        # a world of one: every policy and algorithm is a plain step
+        for policy, algorithm in (("sync", None), ("solo", None), (None, "odsgd")):
             q = torch.nn.Parameter(torch.ones(3))
-            opt = DistributedOptimizer(torch.optim.SGD([q], lr=0.5), comm, mode=mode,
-                                       name=f"one-{mode}")
+            mode = algorithm or policy
+            opt = DistributedOptimizer(torch.optim.SGD([q], lr=0.5), comm, policy,
+                                       algorithm=algorithm, name=f"one-{mode}")
             q.grad = torch.ones(3)
             info = opt.step()
             assert info.contributors == frozenset({0})

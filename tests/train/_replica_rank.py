@@ -110,13 +110,17 @@ def torch_part(bad: list[str]) -> int:
             return all(bytes(row) == bytes(everyone[0]) for row in everyone)
 
         for dtype in (torch.float32, torch.float64):
-            modes = ("sync", "solo", "majority", "two_choice", "quorum", "deadline", "backup",
-                     "rna", "odsgd")
-            for mode in modes:
+            modes: tuple[tuple[Any, str | None], ...] = (
+                ("sync", None), ("solo", None), ("majority", None), ("two_choice", None),
+                (f"quorum:{comm.size}", None), ("deadline", None), ("backup:1", None),
+                (None, "rna"), (None, "odsgd"))
+            for policy, algorithm in modes:
+                mode = algorithm or policy
                 torch.manual_seed(comm.rank)  # replicas start apart: the wrapper broadcasts
                 model = torch.nn.Linear(13, 3).to(dtype)
                 opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), comm,
-                                           mode=mode, name=f"opt-{mode}-{dtype}")
+                                           policy, algorithm=algorithm,
+                                           name=f"opt-{mode}-{dtype}")
                 loop(model, opt, comm.rank, dtype)
                 opt.finish()
                 checks += 1
