@@ -198,11 +198,18 @@ class Grouping:
                  self.rank, len(members), sorted(lost), shrunk.rank)
         return shrunk
 
-    async def on_runtime(self, fn: Callable[[], T]) -> T:
+    def in_runtime(self, fn: Callable[[], T]) -> T:
         """Run the plain function ``fn`` on the runtime's loop (for objects bound to it:
-        futures of the transport, handles' membership side) and return what it returns."""
-        self._check_open()
+        futures of the transport, handles' membership side) and return what it returns; from
+        another thread it blocks until the loop has run it. Works while ranks are lost (the
+        joining protocol runs then)."""
+        if self._closed:
+            raise TransportClosedError("communicator is closed")
         return self._engine.call(fn)
+
+    async def on_runtime(self, fn: Callable[[], T]) -> T:
+        """:meth:`in_runtime`, for coroutines."""
+        return self.in_runtime(fn)
 
     async def run_on_runtime(self, make: Callable[[], Coroutine[Any, Any, T]],
                              timeout: float | None) -> T:

@@ -40,6 +40,7 @@ collective does; the joiner can be restarted again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -52,7 +53,8 @@ from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 from .partial_member import stable_id
 
-__all__ = ["Joiners", "StateMismatchError", "admit", "digest", "join", "stripe"]
+__all__ = ["Joiners", "StateMismatchError", "admit", "admit_ready", "digest", "join",
+           "join_handle", "stripe"]
 
 log = logging.getLogger("asynccoll.comm")
 
@@ -111,16 +113,32 @@ class Joiners:
         self.name = name
         self.sid = channel(name)
         self._ready: set[int] = set()
-        job.membership.join_listeners.append(self._on_join)
+        job.in_runtime(self._listen_all)
+
+    def _listen_all(self) -> None:  # on the runtime's loop
+        # Every other rank, member or not: a rank that joins later (and so becomes a member)
+        # must hear of a joiner that said it is ready before, or the others wait on it forever.
+        self.job.membership.join_listeners.append(self._on_join)
+        self.job.membership.listeners.append(self._on_lost)
+        for r in range(self.job.size):
+            if r != self.job.rank:
+                self._listen(r)
+
+    def _listen(self, rank: int) -> None:
+        fut = self.job.transport.post_recv(rank, self.sid, 0, _READY)
+        fut.add_done_callback(lambda f, r=rank: self._on_ready(r, f))
+
+    def _on_lost(self, rank: int) -> None:  # on the runtime's loop
+        self._ready.discard(rank)  # lost again before it was taken back
 
     def _on_join(self, rank: int) -> None:  # on the runtime's loop
         self._ready.discard(rank)  # an earlier process in its place said so, not this one
-        fut = self.job.transport.post_recv(rank, self.sid, 0, _READY)
-        fut.add_done_callback(lambda f, r=rank: self._on_ready(r, f))
+        self._listen(rank)  # (the loss failed the receive posted for the earlier one)
 
     def _on_ready(self, rank: int, fut: asyncio.Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is None:
             self._ready.add(rank)
+            self._listen(rank)  # a joiner says it again to each rank that joins after it
 
     def waiting(self, members: Sequence[int]) -> bool:
         """Whether a rank outside ``members`` (the job's ranks training now) is ready."""
@@ -180,8 +198,18 @@ async def admit(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
         return futs
 
     futs = await job.on_runtime(send)
-    await _settled(job, futs, h.timeout, "send the state to the joining ranks")
-    await check(grown, state, h.timeout)
+    try:
+        await _settled(job, futs, h.timeout, "send the state to the joining ranks")
+        await check(grown, state, h.timeout)
+    except PeerLostError:
+        gone = sorted(r for r in joiners if r in job.membership.gone)
+        if not gone:
+            raise
+        # A joiner lost again while it joined: the grown handle goes on without it (its
+        # survival recovers at the next call, as after any loss); the others are taken back.
+        log.warning("rank %d: rank(s) %s lost while joining partial allreduce %r; it goes "
+                    "on without them", job.rank, gone, h.name)
+        return grown
     log.warning("rank %d: partial allreduce %r took rank(s) %s back: %d ranks from execution "
                 "%d", job.rank, h.name, joiners, len(members), first)
     return grown
@@ -198,17 +226,40 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     sid = channel(name)
     views = [_bytes(a) for a in state]
 
-    def ready() -> list[asyncio.Future[Any]]:
-        heads = []
-        for r in range(job.size):
-            if r != job.rank and not t.matcher.is_lost(r):
-                t.post_frame(r, int(Kind.DATA), sid, 0, _READY,
-                             _NOTHING).add_done_callback(ignore_outcome)
-                heads.append(t.post_recv(r, sid, 0, _HEADER))
-        return heads
+    loop_box: list[asyncio.Future[Any]] = []
+    heads: list[asyncio.Future[Any]] = []
 
-    heads = await job.on_runtime(ready)
-    got = await _first(job, heads, timeout, f"be taken back by the members for {name!r}")
+    def say(r: int) -> None:  # on the runtime's loop: "ready" to r, and its header awaited
+        t.post_frame(r, int(Kind.DATA), sid, 0, _READY, _NOTHING
+                     ).add_done_callback(ignore_outcome)
+        head = t.post_recv(r, sid, 0, _HEADER)
+        head.add_done_callback(lambda f: _deliver(loop_box[0], f))
+        heads.append(head)
+
+    def ready() -> int:
+        loop_box.append(asyncio.get_running_loop().create_future())
+        reachable = [r for r in range(job.size) if r != job.rank and not t.matcher.is_lost(r)]
+        for r in reachable:
+            say(r)
+        # a rank that comes back meanwhile (it may be the one that will send the header) hears
+        # it too: members that joined after this rank said it would never learn of it
+        job.membership.join_listeners.append(say)
+        return len(reachable)
+
+    def done() -> None:
+        with contextlib.suppress(ValueError):
+            job.membership.join_listeners.remove(say)
+        for f in heads:
+            f.cancel()
+
+    if not await job.on_runtime(ready):
+        await job.on_runtime(done)
+        raise PeerLostError(job.rank, f"no member of the job is reachable to join {name!r}")
+    try:
+        got = await _wait_box(job, loop_box[0], timeout,
+                              f"be taken back by the members for {name!r}")
+    finally:
+        await job.on_runtime(done)
     head = msgpack.unpackb(bytes(got.payload))
     members, donors = list(head["members"]), list(head["donors"])
     if [int(v.size) for v in views] != list(head["sizes"]):
@@ -227,6 +278,40 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     log.warning("rank %d: joined partial allreduce %r: %d ranks from execution %d", job.rank,
                 name, len(members), int(head["first"]))
     return grown, int(head["first"]), dict(head["meta"])
+
+
+async def admit_ready(h: Any, watch: Joiners, state: Sequence[Any] = (),
+                      meta: dict[str, Any] | None = None,
+                      timeout: float | None = None) -> list[int]:
+    """The generic member side, for a bare partial handle ``h`` (``survive``) and user state:
+    every member calls it at the same point, right after ``await h.flush()`` (the flush
+    boundary); one allreduce of the ready flags over the members (``watch``: a
+    :class:`Joiners` made for ``h`` when the handle was), then :func:`admit` of the ranks
+    ready on every member with ``state`` (arrays equal on every member) and ``meta``. Returns
+    the ranks admitted (often none). A rank that joined calls it too from then on, at the
+    same points."""
+    now = h.communicator
+    if now is None:
+        raise ValueError(f"partial allreduce {h.name!r} does not survive losses "
+                         "(survive=True), so it cannot take ranks back")
+    summed = await now.allreduce(watch.flags(now.members), timeout=timeout)
+    admitted = watch.agreed(summed, now.members)
+    if admitted:
+        await admit(h, now, admitted, state, meta)
+    return admitted
+
+
+async def join_handle(h: Any, comm: Any, state: Sequence[Any] = (),
+                      timeout: float | None = None) -> dict[str, Any]:
+    """The generic joiner side for a bare partial handle ``h`` made on ``comm`` (whose
+    ``joined`` is set) before any call: be taken back at the members' next
+    :func:`admit_ready`, receive ``state`` into the given arrays, grow ``h``. Returns the
+    members' meta data. Call it before the handle's first call."""
+    grown, first, meta = await join(comm, h.name, state, timeout)
+    members = list(grown.members)
+    ranks = [members.index(m) if m in members else -1 for m in range(comm.job.size)]
+    await comm.on_runtime(lambda: h.grow(grown, first, ranks))
+    return meta
 
 
 async def check(comm: Any, state: Sequence[Any], timeout: float | None) -> None:
@@ -254,21 +339,15 @@ async def _settled(job: Any, futs: list[asyncio.Future[Any]], timeout: float | N
                                      ) from None
 
 
-async def _first(job: Any, futs: list[asyncio.Future[Any]], timeout: float | None,
-                 what: str) -> Any:
+def _deliver(box: asyncio.Future[Any], fut: asyncio.Future[Any]) -> None:
+    if not box.done() and not fut.cancelled() and fut.exception() is None:
+        box.set_result(fut.result())
+
+
+async def _wait_box(job: Any, box: asyncio.Future[Any], timeout: float | None,
+                    what: str) -> Any:
     async def wait() -> Any:
-        pending = set(futs)
-        try:
-            while pending:
-                done, pending = await asyncio.wait(pending,
-                                                   return_when=asyncio.FIRST_COMPLETED)
-                for f in done:
-                    if not f.cancelled() and f.exception() is None:
-                        return f.result()
-            raise PeerLostError(-1, "every member was lost before answering")
-        finally:
-            for f in pending:
-                f.cancel()
+        return await box
 
     try:
         return await job.run_on_runtime(wait, timeout)

@@ -406,12 +406,16 @@ class Membership:
         t = self.transport
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
-        peers = self._peers
+        # Not the ranks known lost: they say nothing more. (A lost rank whose place a new
+        # process took since is still lost to a group made before, whose transport view it
+        # never joined: only the job's membership forgets a loss, and only its groups made
+        # after it include the new process.)
+        peers = [r for r in self._peers if r not in self.gone]
         for r in peers:
             t.post_frame(r, int(Kind.DATA), CLOSE_SCHED, 0, 0,
                          _NOTHING).add_done_callback(ignore_outcome)
         byes = [t.post_recv(r, CLOSE_SCHED, 0, 0) for r in peers]
-        _, pending = await asyncio.wait(byes, timeout=wait)
+        _, pending = await asyncio.wait(byes, timeout=wait) if byes else (set(), set())
         for f in byes:
             if f.done() and not f.cancelled():
                 f.exception()  # a peer lost while we waited has said goodbye in its way

@@ -396,6 +396,12 @@ class MemberSide(HandleState):
             self._arm(self._executor(transport, sched, bufs, comm.live, first))
         old.close()
 
+    @property
+    def communicator(self) -> Any:
+        """The communicator the handle runs on now: the survivors' after a loss, the grown
+        one after a join (None for a handle that does not survive losses)."""
+        return None if self._survival is None else self._survival.comm
+
     def grow(self, comm: Any, first: int, ranks: list[int]) -> None:
         """Go on over ``comm``, a membership that took lost ranks back (:mod:`.joining`),
         from execution ``first``: :meth:`rebuild` for it, and the survival state follows it.

@@ -29,7 +29,7 @@ import os
 import secrets
 from typing import Any
 
-from ..errors import RendezvousError, RendezvousTimeoutError
+from ..errors import PeerLostError, RendezvousError, RendezvousTimeoutError
 from ..transport.base import Transport
 from ..transport.registry import make_transport
 from .env import JobSpec, listen_host
@@ -167,6 +167,12 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
             await server.close()
 
 
+#: how many times, and how often, a restarted process reads again the addresses of the peers
+#: it could not reach (one restarting at the same time publishes its new one meanwhile)
+REJOIN_REREADS = 6
+REJOIN_REREAD_S = 0.5
+
+
 async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
                   left: Any) -> Transport:
     """A restarted process (``spec.restart`` > 0) takes its rank's place in the running job:
@@ -197,11 +203,35 @@ async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
         t.admit_rejoins = True
         address = await t.listen(_listen_address(scheme, spec, salt))
         await client.set(f"{prefix}addr/{rank}", address.encode())
-        values = await asyncio.gather(*(client.get(f"{prefix}addr/{r}", timeout=left())
-                                        for r in range(world) if r != rank))
-        peers = {r: v.decode() for r, v in zip((r for r in range(world) if r != rank), values,
-                                               strict=True)}
-        await t.rejoin(peers, timeout=left())
+        others = [r for r in range(world) if r != rank]
+
+        async def addresses(ranks: list[int]) -> dict[int, str]:
+            got = await asyncio.gather(*(client.get(f"{prefix}addr/{r}", timeout=left())
+                                         for r in ranks))
+            return {r: v.decode() for r, v in zip(ranks, got, strict=True)}
+
+        peers = await addresses(others)
+        try:
+            reached = set(await t.rejoin(peers, timeout=left()))
+        except PeerLostError as exc:
+            raise RendezvousError(
+                f"rank {rank} was restarted (ASYNCCOLL_RESTART={spec.restart}) but no other "
+                "rank of the job took it back: the job has ended, or every other rank is lost "
+                f"({exc.reason})") from exc
+        # A peer restarting at the same time may have published its new address after we
+        # read the old one (nobody listened there): read again a few times, dial what changed.
+        # A peer truly gone costs these few reads; when it comes back it dials us.
+        for _ in range(REJOIN_REREADS):
+            missing = [r for r in others if r not in reached]
+            if not missing:
+                break
+            await asyncio.sleep(REJOIN_REREAD_S)
+            fresh = await addresses(missing)
+            changed = {r: a for r, a in fresh.items() if a != peers[r]}
+            peers.update(changed)
+            if changed:
+                with contextlib.suppress(PeerLostError):
+                    reached |= set(await t.rejoin(changed, timeout=min(left(), 10.0)))
         return t
     except BaseException:
         if t is not None:

@@ -1,6 +1,9 @@
 """A training job for tests/adversarial/test_rejoin.py: eager-SGD on 4 ranks; the ranks named in
 VICTIMS SIGKILL themselves at step KILL_AT of N on their first start; under ``asynccoll run
---max-restarts`` they come back (ASYNCCOLL_RESTART) and join. Every rank prints one FINAL line
+--max-restarts`` they come back (ASYNCCOLL_RESTART) and join. With KILL_JOINING=s a first
+restart SIGKILLs itself s seconds after it connected (while it joins). With CHURN=k, a rank
+drawn from the step number SIGKILLs itself every CHURN_EVERY steps, k times (a restarted
+process too, at steps after the one it joined at). Every rank prints one FINAL line
 with its global step and a digest of its parameters."""
 import asyncio
 import hashlib
@@ -32,16 +35,31 @@ async def main():
     restarted = int(os.environ.get("ASYNCCOLL_RESTART", "0"))
     comm = await asynccoll.connect()
     rank = comm.rank
+    if restarted == 1 and os.environ.get("KILL_JOINING"):
+        # killed again while it joins: after it said it is ready, before the state is in
+        import threading
+        delay = float(os.environ["KILL_JOINING"])
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
     w0 = np.zeros(1000, np.float32)
     target = np.linspace(-1, 1, 1000, dtype=np.float32) * (rank + 1)
     opt = optimizer(comm, w0)
     t0 = time.time()
     joined = None
+    churn = int(os.environ.get("CHURN", "0"))  # kills: one every CHURN_EVERY steps
+    every = int(os.environ.get("CHURN_EVERY", "25"))
+    first = None  # this process's first global step
     while opt.step_count < N:
         if rank in VICTIMS and not restarted and opt.step_count == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
+        s = opt.step_count
+        if churn and first is not None and s > first and s % every == 0 and s // every <= churn \
+                and int(hashlib.sha256(f"{s}".encode()).hexdigest(), 16) % 4 == rank:
+            print(f"CHURN kill rank {rank} at step {s}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         g = (opt.params - target) * 0.5
         info = await opt.step(g)
+        if first is None:
+            first = opt.step_count  # (a restarted process: the step it joined at)
         if info.joined:
             joined = opt.step_count
             print(f"rank {rank} joined at step {joined}", flush=True)
