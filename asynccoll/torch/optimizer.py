@@ -96,6 +96,7 @@ from ..train.info import StepInfo
 from ..train.updaters import DCASGD, SGD, make_updater
 from ._comm import blocking, pieces
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .joining import SyncEvents
 
 __all__ = ["ALGORITHMS", "MOVED", "DistributedOptimizer"]
 
@@ -144,7 +145,7 @@ def _policy(policy: Policy | str | None, algorithm: str | None, P: int) -> Polic
     return p
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(SyncEvents):
     """Wrap ``optimizer`` so that ``step()`` reduces gradients over ``comm`` first (module doc).
 
     ``comm``: a :class:`~asynccoll.Communicator` with a progress thread or
@@ -257,6 +258,7 @@ class DistributedOptimizer:
                 accumulate=Accumulate.SUM if accumulate else Accumulate.LATEST, name=name,
                 timeout=timeout)
             self._h.flush_hint = "'opt.finish()' of the DistributedOptimizer"
+            self._join_init()  # restarted ranks taken back at sync events (.joining)
 
     # -- the inner optimizer's surface -------------------------------------------------------
     @property
@@ -328,6 +330,8 @@ class DistributedOptimizer:
         elif self._h is None:  # OD-SGD after its warm-up
             self._odsgd(g)
             info = StepInfo(s - 1, True, everyone, P, 1, self._lr(), fresh=everyone)
+        elif self._joining:  # a restarted rank's first step: receive the state (.joining)
+            info = self._join_step()
         else:
             combine = self._combine if self.algorithm != "rna" else \
                 staleness_combine(s, self._pending, self.staleness_bound)
@@ -335,8 +339,12 @@ class DistributedOptimizer:
                 self._h(g, self.timeout, combine=combine)).result()
             self._stale = 0 if res.included else self._stale + 1
             lr = self._apply_result(res)
+            synced = res.flushed or self._join_wanted()
+            if synced:  # a sync event another rank started, or one to take a joiner back
+                self._sync(finished=False)
+                self._pending.clear()
             info = StepInfo(res.round, res.included, res.contributors, res.count, self._stale,
-                            lr, res.missed, False, res.fresh, res.lateness,
+                            lr, res.missed, synced, res.fresh, res.lateness,
                             res.latest_arrival, res.deadline, res.deadline_expired)
         self.last = info
         return info
@@ -385,9 +393,12 @@ class DistributedOptimizer:
         """Collective: drain every gradient in flight and apply it (one inner step, if any
         was left), then, with ``average``, average the parameters over all ranks (one
         allreduce, whose result every rank receives alike), else give every rank rank 0's
-        parameters (one broadcast): either way every replica ends equal to the bit. Call it
-        once on every rank after the last step. Returns how many local gradients (over all
-        ranks) the drain applied. ``"odsgd"`` leaves the model at the global weights W."""
+        parameters (one broadcast): either way every replica ends equal to the bit. Over a
+        partial policy this is a repeated sync event (every rank joins those another rank's
+        finish starts, until all have called it: :mod:`.joining`), and the inner optimizer's
+        state ends equal too (rank 0's, one broadcast). Call it once on every rank after the
+        last step. Returns how many local gradients (over all ranks) the drain applied.
+        ``"odsgd"`` leaves the model at the global weights W."""
         held = 0
         if self._inflight is not None:
             prev, self._inflight = self._inflight, None
@@ -397,10 +408,18 @@ class DistributedOptimizer:
             self._apply(prev.result())
             held = self.comm.size
         elif self._h is not None:
-            res = self._h.flush_blocking(self.timeout)
-            held = res.count
-            self._apply_result(res)
+            # sync events until every rank has called finish (ranks still stepping join the
+            # events it starts: .joining), each averaging the parameters
+            done = False
+            while not done:
+                done, n = self._sync(finished=True, average=average)
+                held += n
             self._pending.clear()
+            # Partial steps leave an adaptive optimizer's state a little different per rank:
+            # rank 0's for all, so that every rank's checkpoint is the same to the bit.
+            broadcast_optimizer_state(self.optimizer, 0, comm=self._now())
+            if average:
+                return held
         flat = self._flat_params()
         self._load(self.comm.allreduce(flat, op="avg", timeout=self.timeout) if average
                    else self.comm.broadcast(flat, 0, timeout=self.timeout))
