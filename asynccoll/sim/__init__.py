@@ -9,7 +9,8 @@
 * :mod:`.arrivals`: compute-time models (linear skew, shifted, lognormal, Pareto, slow group,
   replayed traces);
 * :mod:`.cost` and :mod:`.profiles`: the cost model and the shipped profiles;
-* :mod:`.policy`: policy specs and the adaptive deadline (:func:`next_deadline`);
+* :mod:`.policy`: the runtime's policy values in the simulator (:func:`parse_policies`) and
+  the adaptive deadline (:func:`next_deadline`);
 * :mod:`.calibrate` and :mod:`.replay`: ``asynccoll sim calibrate`` and ``asynccoll sim
   replay`` (:mod:`.cli`).
 
@@ -32,7 +33,7 @@ from .cost import LinkClass, Profile
 from .dense import SimBarrier, SimSync
 from .engine import SimExecutor, SimulationError, SimWorld
 from .handle import SimPartial
-from .policy import DeadlinePolicy, PolicySpec, next_deadline, parse_policies, parse_policy
+from .policy import next_deadline, parse_policies
 from .profiles import BUILTIN_PROFILES, builtin_profile
 from .run import SimRun, simulate
 from .sparse import SimSparse
@@ -41,12 +42,10 @@ __all__ = [
     "BUILTIN_PROFILES",
     "ComputeModel",
     "Constant",
-    "DeadlinePolicy",
     "LinearSkew",
     "LinkClass",
     "LogNormal",
     "Pareto",
-    "PolicySpec",
     "Profile",
     "Replayed",
     "Shifted",
@@ -64,6 +63,5 @@ __all__ = [
     "next_deadline",
     "parse_model",
     "parse_policies",
-    "parse_policy",
     "simulate",
 ]

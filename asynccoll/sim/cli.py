@@ -21,8 +21,8 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from ..collectives.policy import POLICY_SYNTAX
 from .arrivals import model_syntax
-from .policy import POLICY_SYNTAX
 from .replay import DEFAULT_TIE
 
 if TYPE_CHECKING:

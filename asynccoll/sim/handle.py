@@ -24,7 +24,14 @@ the runtime's :func:`~asynccoll.collectives.partial.write_meta` and adds it to t
 sum (what the meta allreduce would compute), and results carry ``value=None``. Results are
 :class:`~asynccoll.PartialResult` objects built by ``PartialResult.from_meta``, as the runtime's.
 
-**Deadline.** ``kind="deadline"`` is the runtime's, step for step: the deadline kind's schedule
+**Policies.** The handle takes the runtime's policy values (or their text,
+:func:`~asynccoll.as_policy`): ``Solo()``, ``Majority(seed=)``, ``TwoChoice(seed=)``,
+``Quorum(k)``, ``Backup(b)`` (a quorum of P - b) and ``Deadline(...)``; ``Sync()`` is
+:class:`~asynccoll.sim.dense.SimSync`'s. The initiator draws use the policy's ``seed`` when it
+gives one, else the handle's ``seed`` argument (the runtime derives a missing seed from the
+handle's name instead; pass a seeded policy to compare with a runtime handle draw for draw).
+
+**Deadline.** ``Deadline()`` is the runtime's, step for step: the deadline kind's schedule
 (k of P arrivals activate), a timer armed by each call of rule 2 for the rank's current
 deadline, which, when it fires before the execution was activated on the rank, sets the
 rank's ``EXPIRED`` flag and forces the execution; late calls recorded in ``LATE``; after each
@@ -76,18 +83,21 @@ from ..collectives.partial import (
     signature_sum,
     write_meta,
 )
+from ..collectives.policy import Policy, as_policy, moved_arguments
 from ..comm.contribution import DenseContribution
 from ..results import PartialResult
 from ..sched import Schedule
 from .engine import SimExecutor, SimulationError, SimWorld
-from .policy import DeadlinePolicy
 
 __all__ = ["Returned", "SimPartial"]
 
 #: ``on_return(result, rank)``: called at the virtual time a call returns
 Returned = Callable[[PartialResult, int], None]
 
-_KINDS = ("solo", "majority", "two_choice", "quorum", "deadline")
+#: the keywords ``SimPartial`` took before policies were values, and what to write now
+MOVED = {"quorum": "give Quorum(k) or Deadline(quorum=k) as the policy",
+         "deadline": "give Deadline(bounds=(lo, hi), mad_factor=..., window=...) as the policy",
+         "kind": "give the policy (Solo(), Majority(), ..., or its text) as the second argument"}
 
 
 @functools.lru_cache(maxsize=16)
@@ -102,39 +112,43 @@ def _partial_schedules(world_size: int, count: int, dtype: str, kind: str, op: s
 class SimPartial:
     """A persistent partial allreduce of every rank of ``world`` (module doc).
 
-    ``like``: an array of each call's shape and dtype. ``kind``: ``solo``, ``majority``,
-    ``two_choice``, ``quorum`` (with ``quorum``) or ``deadline`` (``quorum`` default P;
-    ``deadline``: a :class:`DeadlinePolicy`, default the runtime's defaults). ``seed``: the
-    initiator draws' seed (pass the runtime handle's to compare with it). ``data``: move data
-    (module doc). Raises ``ValueError`` naming a bad ``kind``, ``quorum``, ``accumulate`` or
-    ``like``.
+    ``policy``: a partial policy value or its text (module doc, *Policies*). ``like``: an
+    array of each call's shape and dtype. ``seed``: the initiator draws' seed when the policy
+    gives none. ``data``: move data (module doc). ``choices``: for ``TwoChoice()``, draw that
+    many initiators instead (a what-if the runtime does not offer). Raises ``ValueError``
+    naming a bad ``policy`` (``Sync()``, or one that does not fit the world), ``choices``,
+    ``accumulate`` or ``like``; ``TypeError`` naming the new spelling for ``kind=``,
+    ``quorum=`` and ``deadline=`` (:data:`MOVED`).
     """
 
-    def __init__(self, world: SimWorld, kind: str, like: Any, *, quorum: int | None = None,
-                 seed: int = 0, accumulate: bool | str = False, op: str = "sum",
-                 data: bool = True, algorithm: str | None = None, sched_id: int = 1,
-                 deadline: DeadlinePolicy | None = None, choices: int | None = None) -> None:
-        if kind not in _KINDS:
-            raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+    @moved_arguments(**MOVED)
+    def __init__(self, world: SimWorld, policy: Policy | str, like: Any, *, seed: int = 0,
+                 accumulate: bool | str = False, op: str = "sum", data: bool = True,
+                 algorithm: str | None = None, sched_id: int = 1,
+                 choices: int | None = None) -> None:
+        policy = as_policy(policy)
+        if not policy.partial:
+            raise ValueError(f"policy must be a partial policy, got {policy!r} (a synchronous "
+                             "allreduce is asynccoll.sim.SimSync)")
+        P = world.world_size
+        act = policy.activation(P)  # ValueError naming the policy when it does not fit
+        kind = act.kind
         if choices is not None and (kind != "two_choice" or not 1 <= choices):
-            raise ValueError(f"choices applies to kind='two_choice' and must be >= 1, got "
-                             f"{choices!r} with kind={kind!r}")
+            raise ValueError(f"choices applies to TwoChoice() and must be >= 1, got "
+                             f"{choices!r} with {policy!r}")
         if accumulate not in (False, True, "sum"):
             raise ValueError(f"accumulate must be False, True or 'sum', got {accumulate!r}")
-        P = world.world_size
-        if kind == "deadline":
-            quorum = P if quorum is None else quorum
-            self.config: DeadlineConfig | None = (deadline or DeadlinePolicy()).config()
-        else:
-            if deadline is not None:
-                raise ValueError("deadline applies to kind='deadline' only")
-            self.config = None
+        quorum = act.quorum
+        #: the deadline's validated parameters (``Deadline()``), else None
+        self.config: DeadlineConfig | None = act.deadline
         skind = kind
         like = np.asarray(like)
         self.world = world
+        #: the straggler policy (:mod:`asynccoll.collectives.policy`)
+        self.policy = policy
         self.kind = kind
         self.quorum = quorum
-        self.seed = seed
+        self.seed = seed if policy.seed is None else policy.seed
         self.accumulate = bool(accumulate)
         self.op = op
         self.data = data

@@ -107,7 +107,8 @@ def replay(trace_dir: str | os.PathLike[str], policies: str, *, profile: Profile
            collective: str | None = None, nbytes: int | None = None,
            seed: int = 0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Replay the trace in ``trace_dir`` through every policy of ``policies`` (comma-separated
-    specs); return one summary per policy (:meth:`SimRun.summary`) and what was replayed.
+    policies' text, :func:`~asynccoll.sim.parse_policies`; each row names its policy by
+    ``str()``); return one summary per policy (:meth:`SimRun.summary`) and what was replayed.
     ``steps``: how many steps (default: the recorded ones); ``nbytes``: each call's bytes
     (default: the traced collective's). Raises ``ValueError`` naming a bad argument, and the
     trace readers' errors for a bad directory."""
@@ -122,8 +123,8 @@ def replay(trace_dir: str | os.PathLike[str], policies: str, *, profile: Profile
     comp = model.sample(n, P, np.random.default_rng(seed))
     nb = nbytes or int(info.get("nbytes", 4))
     rows = []
-    for spec in parse_policies(policies, P):
-        run = simulate(spec, P, n, profile=profile, compute=comp, nbytes=nb, seed=seed)
+    for policy in parse_policies(policies, P):
+        run = simulate(policy, P, n, profile=profile, compute=comp, nbytes=nb, seed=seed)
         rows.append(run.summary())
     meta = {"trace": str(trace_dir), "sched_id": sid, "collective": info.get("collective"),
             "recorded_P": P0, "P": P, "steps": n, "nbytes": nb,

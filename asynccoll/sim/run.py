@@ -1,7 +1,7 @@
 """One simulated training loop: P ranks, ``steps`` calls each, under one policy.
 
 :func:`simulate` drives a :class:`~asynccoll.sim.handle.SimPartial` (or a
-:class:`~asynccoll.sim.handle.SimSync` for ``sync``) the way a training loop does: rank r
+:class:`~asynccoll.sim.handle.SimSync` for ``Sync()``) the way a training loop does: rank r
 computes for ``compute[s, r]`` seconds, calls, and when the call returns computes the next
 step (``barrier=True``: a dense barrier between steps, as ``bench/skew.py`` does); after its
 last step it flushes (``flush=True``, partial policies), so every contribution ends in an
@@ -35,20 +35,22 @@ from typing import Any
 
 import numpy as np
 
+from ..collectives.policy import Policy, as_policy, moved_arguments
 from ..results import PartialResult
 from .arrivals import ComputeModel
 from .cost import Profile
 from .dense import SimBarrier, SimSync
 from .engine import SimulationError, SimWorld
 from .handle import SimPartial
-from .policy import DeadlinePolicy, PolicySpec, parse_policy
 
 __all__ = ["SimRun", "simulate"]
 
 
 @dataclass
 class SimRun:
-    """What :func:`simulate` measured (module doc); times in seconds of virtual time."""
+    """What :func:`simulate` measured (module doc); times in seconds of virtual time.
+    ``policy``: the policy's text (``str(policy)``, which :func:`~asynccoll.as_policy` reads
+    back)."""
 
     policy: str
     world_size: int
@@ -108,22 +110,26 @@ class SimRun:
                 "wall_s": self.wall_s, "events": self.events, "messages": self.messages}
 
 
-def simulate(policy: str | PolicySpec, world_size: int, steps: int, *, profile: Profile,
+@moved_arguments(deadline="give Deadline(bounds=(lo, hi), mad_factor=..., window=...) as the "
+                          "policy (the simulator no longer widens its default bounds: "
+                          "'deadline:bounds=0.0001..10' is what deadline=None gave)")
+def simulate(policy: Policy | str, world_size: int, steps: int, *, profile: Profile,
              compute: ComputeModel | np.ndarray, nbytes: int = 4, data: bool = False,
              values: Callable[[int, int], Any] | None = None, seed: int = 0,
              barrier: bool = False, flush: bool = False, accumulate: bool = False,
-             deadline: DeadlinePolicy | None = None, keep_results: bool = False,
-             algorithm: str | None = None, choices: int | None = None) -> SimRun:
+             keep_results: bool = False, algorithm: str | None = None,
+             choices: int | None = None) -> SimRun:
     """Simulate ``steps`` steps of ``world_size`` ranks under ``policy`` (module doc).
 
-    ``compute``: a model, or a ``(steps, P)`` array of seconds. ``nbytes``: the size of each
-    call's float32 data (rounded up to whole elements). ``data``: move real data (then
-    ``values(rank, step)`` gives each call's array, default ones). ``seed``: the compute
-    model's draws and the initiator draws. ``deadline``: the deadline kind's parameters
-    (default :class:`DeadlinePolicy` bounded by [1e-4, 10] s). ``keep_results``: keep every
-    result (per rank, in call order) and each rank's flush result in the returned run.
-    ``choices``: for ``two_choice``, draw that many initiators instead (a what-if). Raises
-    ``ValueError`` naming a bad argument; ``SimulationError`` if the simulation stalls.
+    ``policy``: a policy value or its text (:func:`~asynccoll.as_policy`: ``"quorum:12"``);
+    a ``Deadline()`` runs with its own bounds, as the runtime would. ``compute``: a model, or
+    a ``(steps, P)`` array of seconds. ``nbytes``: the size of each call's float32 data
+    (rounded up to whole elements). ``data``: move real data (then ``values(rank, step)``
+    gives each call's array, default ones). ``seed``: the compute model's draws, and the
+    initiator draws unless the policy gives its own seed. ``keep_results``: keep every result
+    (per rank, in call order) and each rank's flush result in the returned run. ``choices``:
+    for ``TwoChoice()``, draw that many initiators instead (a what-if). Raises ``ValueError``
+    naming a bad argument; ``SimulationError`` if the simulation stalls.
 
     Python's cyclic garbage collector is off while it runs (and back on after): the events
     make no reference cycles, and its passes over the schedules' millions of objects cost
@@ -132,21 +138,22 @@ def simulate(policy: str | PolicySpec, world_size: int, steps: int, *, profile: 
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(policy, world_size, steps, profile, compute, nbytes, data, values,
-                         seed, barrier, flush, accumulate, deadline, keep_results, algorithm,
+        return _simulate(as_policy(policy), world_size, steps, profile, compute, nbytes, data,
+                         values, seed, barrier, flush, accumulate, keep_results, algorithm,
                          choices)
     finally:
         if collecting:
             gc.enable()
 
 
-def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Profile,
+def _simulate(policy: Policy, world_size: int, steps: int, profile: Profile,
               compute: ComputeModel | np.ndarray, nbytes: int, data: bool,
               values: Callable[[int, int], Any] | None, seed: int, barrier: bool, flush: bool,
-              accumulate: bool, deadline: DeadlinePolicy | None, keep_results: bool,
-              algorithm: str | None, choices: int | None) -> SimRun:
-    spec = policy if isinstance(policy, PolicySpec) else parse_policy(policy, world_size)
+              accumulate: bool, keep_results: bool, algorithm: str | None,
+              choices: int | None) -> SimRun:
     P = world_size
+    if policy.partial:
+        policy.activation(P)  # ValueError naming the policy before any work
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps!r}")
     if nbytes < 1:
@@ -165,15 +172,11 @@ def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Pr
     like = np.zeros(count, np.float32)
     world = SimWorld(P, profile)
     h: SimPartial | SimSync
-    if spec.kind == "sync":
+    if not policy.partial:
         h = SimSync(world, like, data=data, algorithm=algorithm)
     else:
-        dl = None
-        if spec.kind == "deadline":
-            dl = deadline or DeadlinePolicy(lo=1e-4, hi=10.0)
-        h = SimPartial(world, spec.kind, like, quorum=spec.quorum, seed=seed, data=data,
-                       accumulate=accumulate, algorithm=algorithm, deadline=dl,
-                       choices=choices)
+        h = SimPartial(world, policy, like, seed=seed, data=data, accumulate=accumulate,
+                       algorithm=algorithm, choices=choices)
     bar = SimBarrier(world) if barrier else None
     ones = np.ones(count, np.float32)
     t_call = np.full((P, steps), np.nan)
@@ -245,7 +248,7 @@ def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Pr
     if min(step) < steps:
         raise SimulationError(f"the simulation stalled: ranks "
                               f"{[r for r in range(P) if step[r] < steps][:16]} did not finish "
-                              f"their {steps} steps (policy {spec.label})")
+                              f"their {steps} steps (policy {policy})")
     if isinstance(h, SimPartial):
         execs = h.executions
         stale = h.staleness()
@@ -260,7 +263,7 @@ def _simulate(policy: str | PolicySpec, world_size: int, steps: int, profile: Pr
         dls = {}
         started = {}
         leftover = 0
-    return SimRun(spec.label, P, steps, float(np.nanmax(t_ret)), t_call.ravel(),
+    return SimRun(str(policy), P, steps, float(np.nanmax(t_ret)), t_call.ravel(),
                   (t_ret - t_call).ravel(), included.ravel(), rounds.ravel(), stale, execs,
                   calls, dls, started, results, flushes if flush else None, leftover, wall,
                   world.events, world.messages)

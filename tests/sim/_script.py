@@ -17,7 +17,7 @@ from asynccoll import (
     Solo,
     TwoChoice,
 )
-from asynccoll.sim import DeadlinePolicy, LinkClass, Profile, SimPartial, SimWorld
+from asynccoll.sim import LinkClass, Profile, SimPartial, SimWorld
 from asynccoll.testing import local_world
 
 #: a profile whose costs are tiny next to the script's spacing of calls (one per second), so
@@ -50,7 +50,7 @@ def fields(res: PartialResult) -> tuple[Any, ...]:
 
 
 def policy(kind: str, quorum: int | None, seed: int) -> Policy:
-    """The runtime's policy of the simulator's ``kind``, ``quorum`` and ``seed``."""
+    """The policy of ``kind``, ``quorum`` and ``seed`` that both worlds run."""
     if kind == "quorum":
         assert quorum is not None
         return Quorum(quorum)
@@ -99,9 +99,7 @@ def run_sim(P: int, kind: str, quorum: int | None, order: list[int], seed: int,
     """Replay ``order`` in the simulator, one call per virtual second; then every rank
     flushes."""
     w = SimWorld(P, FAST)
-    h = SimPartial(w, kind, value(0, 0), quorum=quorum, seed=seed, data=data,
-                   deadline=DeadlinePolicy(lo=FIXED[0], hi=FIXED[1])
-                   if kind == "deadline" else None)
+    h = SimPartial(w, policy(kind, quorum, seed), value(0, 0), data=data)
     out: list[list[Any]] = [[] for _ in range(P)]
     flushes: list[Any] = [None] * P
     made = [0] * P

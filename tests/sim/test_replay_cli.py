@@ -83,7 +83,7 @@ def test_replay_scaled_up(trace_dir: Path, capsys: pytest.CaptureFixture[str]) -
 
 def test_replay_rejects_bad_policy(trace_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "replay", str(trace_dir), "--policies", "quorum"]) == 2
-    assert "quorum needs a number" in capsys.readouterr().err
+    assert "quorum needs one number" in capsys.readouterr().err
 
 
 def test_profiles_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
