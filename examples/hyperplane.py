@@ -1,13 +1,14 @@
 """Hyperplane regression with eager-SGD (eager-SGD §7.2.1), NumPy only.
 
-    asynccoll run -n 4 examples/hyperplane.py [--mode solo] [--dim 256] [--steps 60]
+    asynccoll run -n 4 examples/hyperplane.py [--policy solo] [--dim 256] [--steps 60]
                                                [--step-ms 50] [--delay 1.0]
 
 Every rank fits a linear model to ``y = a . x + noise`` on its own shard with real NumPy
 gradients. This machine has 2 CPU cores and no GPU, so the accelerator's time per step is
 simulated by a sleep of ``--step-ms`` (minus the real gradient time); on every global step one
 rank, drawn by a generator seeded identically on all ranks, sleeps ``--delay`` times longer
-(the load imbalance). Compare ``--mode sync`` with ``--mode solo`` and ``--mode majority``.
+(the load imbalance). Compare ``--policy sync`` with ``--policy solo`` and ``--policy
+majority`` (any policy's text: ``quorum:3``, ``deadline``, ...).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import numpy as np
 
 import asynccoll
+from asynccoll.collectives.policy import POLICY_SYNTAX
 from asynccoll.train import EagerSGD
 
 
@@ -34,10 +36,10 @@ async def main(args: argparse.Namespace) -> None:
         Xs, ys = X[shard], y[shard]
 
         w = np.zeros(args.dim)
-        opt = EagerSGD(comm, w, policy=args.mode, lr=args.lr, accumulate=True)
+        opt = EagerSGD(comm, w, policy=args.policy, lr=args.lr, accumulate=True)
         c = args.step_ms / 1000
         if comm.rank == 0:
-            print(f"{comm.size} ranks, mode={args.mode}; the accelerator is simulated by a "
+            print(f"{comm.size} ranks, policy {opt.policy}; the accelerator is simulated by a "
                   f"{args.step_ms:g} ms sleep per step (2 CPU cores, no GPU here)")
         await comm.barrier()
         t0 = time.perf_counter()
@@ -66,7 +68,8 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", default="solo", choices=["sync", "solo", "majority"])
+    p.add_argument("--policy", default="solo",
+                   help=f"the straggler policy (default: %(default)s): {POLICY_SYNTAX}")
     p.add_argument("--dim", type=int, default=256, help="dimension (the paper: 8192)")
     p.add_argument("--batch", type=int, default=128, help="batch per rank")
     p.add_argument("--steps", type=int, default=60, help="global steps")

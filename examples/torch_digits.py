@@ -1,7 +1,7 @@
 """An MLP on scikit-learn's bundled digits under severe load imbalance (eager-SGD §7.2.3).
 
     pip install 'asynccoll[torch]'        # torch (CPU) and scikit-learn; no download
-    asynccoll run -n 4 examples/torch_digits.py [--modes sync,majority] [--steps 150]
+    asynccoll run -n 4 examples/torch_digits.py [--policies sync,majority] [--steps 150]
 
 PyTorch on the CPU. Every rank trains the same MLP on its shard of the 8x8 digits with
 ``EagerSGD``; the parameters are fused into one bucket (the model's tensors become views of it).
@@ -9,7 +9,7 @@ Severe imbalance, shifted injection: on global step ``e`` rank ``r`` is slowed b
 ``levels[(r + e) % P]``, levels spread evenly from 0.25c to 2c, so every rank is skewed on every
 step and the slowest one moves around. ``c`` (``--step-ms``) simulates the accelerator's time;
 this machine has 2 CPU cores and no GPU. Rank 0 prints test accuracy against wall time for
-each mode, then a summary.
+each policy, then a summary.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ def model(seed: int) -> torch.nn.Module:
                                torch.nn.Linear(64, 10))
 
 
-async def train(comm: asynccoll.Communicator, mode: str, args: argparse.Namespace,
+async def train(comm: asynccoll.Communicator, policy: str, args: argparse.Namespace,
                 data: tuple[torch.Tensor, ...]) -> tuple[float, float, int]:
     Xtr, ytr, Xte, yte = data
     net = model(args.seed)
     params = list(net.parameters())
-    opt = EagerSGD(comm, params, policy=mode, lr=args.lr, name=f"digits-{mode}", accumulate=True)
+    opt = EagerSGD(comm, params, policy=policy, lr=args.lr, name=f"digits-{policy}",
+                   accumulate=True)
     loss_fn = torch.nn.CrossEntropyLoss()
     P, c = comm.size, args.step_ms / 1000
     levels = np.linspace(0.25, 2.0, P) * c
@@ -62,7 +63,7 @@ async def train(comm: asynccoll.Communicator, mode: str, args: argparse.Namespac
         info = await opt.step([p.grad for p in params])
         last = max(last, info.round)
         if comm.rank == 0 and info.round % 25 == 0:
-            print(f"{mode:>8} t={time.perf_counter() - t0:6.2f}s step {last:4d} "
+            print(f"{policy:>8} t={time.perf_counter() - t0:6.2f}s step {last:4d} "
                   f"test accuracy {accuracy():.3f}")
     wall = time.perf_counter() - t0
     await opt.finish()
@@ -81,7 +82,7 @@ async def main(args: argparse.Namespace) -> None:
         if comm.rank == 0:
             print(f"{comm.size} ranks; accelerator time simulated as a {args.step_ms:g} ms sleep "
                   "(2 CPU cores, no GPU); shifted injection from 0.25c to 2c")
-        results = {m: await train(comm, m, args, data) for m in args.modes.split(",")}
+        results = {m: await train(comm, m, args, data) for m in args.policies.split(",")}
         if comm.rank == 0:
             base = results.get("sync")
             for m, (wall, acc, steps) in results.items():
@@ -92,8 +93,9 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="sync,majority")
-    p.add_argument("--steps", type=int, default=150, help="global steps per mode")
+    p.add_argument("--policies", default="sync,majority",
+                   help="comma-separated policies to compare (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=150, help="global steps per policy")
     p.add_argument("--batch", type=int, default=32, help="batch per rank")
     p.add_argument("--lr", type=float, default=0.2)
     p.add_argument("--step-ms", type=float, default=20.0, help="simulated accelerator time")
