@@ -42,7 +42,7 @@ def test_training_classes_end_with_equal_bytes(P: int, shm: bool) -> None:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("P", [3, 4])
+@pytest.mark.parametrize("P", [3, 4, 5])
 def test_torch_wrappers_end_with_equal_bytes(P: int) -> None:
     pytest.importorskip("torch")
     _check(_run(P, True, "--torch"), P)
