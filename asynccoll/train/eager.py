@@ -82,18 +82,19 @@ class EagerSGD(TakesJoinersBack):
     ``params``: one flat array, a list of arrays or PyTorch CPU tensors (fused into one bucket;
     the originals become views of it). ``lr``, ``momentum``, ``weight_decay``: the local
     update rule (:class:`~asynccoll.train.updaters.SGD`) applied to the averaged gradient.
-    ``mode``: the partial allreduce kind or ``"sync"``; ``quorum``: k for ``mode="quorum"``
-    (and ``"deadline"``, default P). ``deadline=(lo, hi)`` seconds, ``mad_factor``,
-    ``deadline_window``: ``mode="deadline"``'s adaptive deadline (a step's round starts once
-    ``quorum`` ranks have arrived or the deadline after the first arrival expired; see
-    :meth:`Communicator.partial_allreduce <asynccoll.Communicator.partial_allreduce>`);
-    :class:`~asynccoll.train.StepInfo` reports ``deadline`` and ``deadline_expired``.
-    ``accumulate``, ``average``, ``sync_every``, ``max_staleness``: module doc. ``seed``:
-    initiator draws. ``name``: the collective's name (distinct per optimizer, equal on all
-    ranks). ``timeout``: per collective call.
+    ``policy``: the straggler policy (:mod:`asynccoll.collectives.policy`) or its text:
+    ``Solo()`` (the default), ``Majority(seed=)``, ``TwoChoice(seed=)``, ``Quorum(k)``,
+    ``Backup(b)``, ``Deadline(quorum=, bounds=, mad_factor=, window=)`` (a step's round starts
+    once ``quorum`` ranks have arrived or the adaptive deadline after the first arrival
+    expired; :class:`~asynccoll.train.StepInfo` reports ``deadline`` and
+    ``deadline_expired``), or ``Sync()`` (a plain allreduce). ``accumulate``, ``average``,
+    ``sync_every``, ``max_staleness``: module doc. ``name``: the collective's name (distinct
+    per optimizer, equal on all ranks). ``timeout``: per collective call.
 
-    Raises ``ValueError`` naming a bad argument. Costs per step: one partial allreduce of the
-    parameter size and one vectorised update.
+    Raises ``ValueError`` naming a bad argument (a policy that does not fit the world:
+    ``policy``); ``TypeError`` naming the new spelling for the keywords of 0.1 (:data:`MOVED`:
+    ``mode``, ``quorum``, ``seed``, ``deadline``, ``mad_factor``, ``deadline_window``). Costs
+    per step: one partial allreduce of the parameter size and one vectorised update.
     """
 
     @moved_arguments(**MOVED)
