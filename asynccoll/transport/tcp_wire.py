@@ -434,8 +434,12 @@ class TcpConnection(asyncio.BufferedProtocol):
             auth.verify(auth.connector_mac(self._secret, self.peer, o.rank, o.world_size,
                                            self._nonce_c, self._nonce_a), chunk,
                         f"connection claiming rank {self.peer}")
-            self._ready()
+            # Refuse before accepting, and accept before the connection is the peer's: its
+            # owner's listeners may send on it at once (a joining rank says "ready" to a rank
+            # that came back), and a frame ahead of ACCEPT reads as a refusal to the dialer.
+            o.check_peer(self.peer)
             tr.write(auth.ACCEPT)
+            self._ready()
             self._authenticated()
         elif st == _ACCEPT:
             if bytes(chunk) != auth.ACCEPT:

@@ -96,7 +96,8 @@ async def test_a_lost_rank_stays_lost_unless_rejoins_are_admitted() -> None:
         with pytest.raises(PeerLostError, match="no rank of the job answered"):
             await new.rejoin({r: a for r, a in addrs.items() if r != 1}, timeout=1.5)
         await new.close()
-        assert ts[0].stats.reasons and "does not admit restarted ranks" in ts[0].stats.reasons[-1]
+        assert ts[0].stats.reasons
+        assert "does not admit restarted ranks" in ts[0].stats.reasons[-1]
     finally:
         await asyncio.gather(*(t.close() for t in ts))
 
@@ -140,3 +141,37 @@ async def test_rejoin_is_refused_by_a_transport_that_cannot() -> None:
     t = InprocTransport(0, 2)
     with pytest.raises(TransportError, match="cannot rejoin"):
         await t.rejoin({1: "inproc://x/1"}, timeout=1)
+
+
+async def test_a_frame_sent_when_a_peer_joins_does_not_break_its_handshake() -> None:
+    # A member whose join listener sends at once (a restarted rank that waits to be taken
+    # back says "ready" to every rank that comes back after it): the frame must follow the
+    # handshake's last message, or the dialer reads it as a refusal and the member sees the
+    # new process lost (and tells the others so) while it lives.
+    ts, addrs = await _world(3)
+    try:
+        for t in ts:
+            t.admit_rejoins = True
+        await _lose(ts, 0)
+        greeted: list[int] = []
+
+        def greet(rank: int) -> None:
+            greeted.append(rank)
+            ts[2].post_frame(rank, int(Kind.DATA), SCHED, 3, 0, memoryview(b"hi!!"))
+
+        ts[2].on_peer_joined(greet)
+        lost: list[int] = []
+        for t in ts[1:]:
+            t.on_peer_lost(lambda r, exc: lost.append(r))
+        new = TcpTransport(0, 3, secret=SECRET)
+        await new.listen("tcp://127.0.0.1:0")
+        got = new.post_recv(2, SCHED, 3, 0)
+        assert await new.rejoin({1: addrs[1], 2: addrs[2]}, timeout=5) == [1, 2]
+        assert bytes((await asyncio.wait_for(got, 5)).payload) == b"hi!!"
+        await asyncio.sleep(0.1)
+        assert greeted == [0]  # one handshake, accepted the first time
+        assert lost == []
+        assert new.stats.handshakes_rejected == 0, list(new.stats.reasons)
+        ts[0] = new
+    finally:
+        await asyncio.gather(*(t.close() for t in ts))
