@@ -1,0 +1,242 @@
+"""The rank programs of ``bench/join.py``, run under ``asynccoll run -n P --max-restarts N``:
+
+    python bench/_join_job.py transfer|restart|churn OUT_DIR CONFIG_JSON
+
+Every process (first start or restart, ``ASYNCCOLL_RESTART=k``) writes
+``OUT_DIR/rank-R-K.json`` when it ends, and ``OUT_DIR/status-R`` (``PID STATE``: ``joining``,
+``training``, ``finishing``) as it goes, and a churn process that joined
+``OUT_DIR/joined-R-K.json`` at once, which the parent reads to pick a victim and to stop
+what it started. Times are ``time.monotonic()``: on Linux one clock for every process of the
+host, so the parent compares them across ranks.
+
+* ``transfer``: :func:`asynccoll.comm.joining.admit` / :func:`~asynccoll.comm.joining.join`
+  called directly, a tiny solo handle and a separate state of ``bytes`` (two uint32 arrays, as
+  parameters and momentum); the rank ``victim`` SIGKILLs itself at iteration ``kill_at``, the
+  members flush and sum the ready flags every iteration (a flush boundary each time), and the
+  first iteration that finds the restarted rank ready on every member admits it. ``check``
+  (the digest comparison both sides end with) is wrapped to time it apart from the transfer.
+* ``restart``: :class:`asynccoll.EagerSGD` (solo, momentum 0.5, parameters of ``bytes / 2``,
+  so the state moved is ``bytes``) with ``step_s`` of simulated compute per step; the victim
+  SIGKILLs itself at global step ``kill_at``; every step's start and end is recorded, with the
+  world size after it, and a member's ``admit`` (wrapped: its start and end).
+* ``churn``: the hyperplane task of ``bench/hyperplane.py`` (the demo's data and straggler
+  draw: ``asynccoll.demo``) under EagerSGD solo with ``accumulate=True``, until global step
+  ``steps``; the parent kills ranks from outside, until some rank is within ``quiet_steps``
+  of the end (status ``finishing``): a rank killed as the others finish has nobody to join.
+"""
+
+import time
+
+T_START = time.monotonic()  # before the imports: a restart's time to connect includes them
+
+import asyncio  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import asynccoll  # noqa: E402
+from asynccoll import EagerSGD, Solo  # noqa: E402
+from asynccoll.comm import joining  # noqa: E402
+
+RESTART = int(os.environ.get("ASYNCCOLL_RESTART") or 0)
+OUT = Path(sys.argv[2])
+
+
+def status(rank: int, state: str) -> None:
+    """Tell the parent what this process is doing (atomically: write, then rename)."""
+    tmp = OUT / f".status-{rank}-{os.getpid()}"
+    tmp.write_text(f"{os.getpid()} {state}")
+    os.replace(tmp, OUT / f"status-{rank}")
+
+
+def report(rank: int, doc: dict[str, Any]) -> None:
+    doc.update(rank=rank, restart=RESTART, pid=os.getpid(), t_start=T_START,
+               maxrss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    (OUT / f"rank-{rank}-{RESTART}.json").write_text(json.dumps(doc))
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def connect(cfg: dict[str, Any]) -> tuple[asynccoll.Communicator, dict[str, float]]:
+    rank = int(os.environ["ASYNCCOLL_RANK"])
+    status(rank, "joining" if RESTART else "starting")
+    t0 = time.monotonic()
+    comm = await asynccoll.connect(collective_timeout=cfg["timeout"])
+    return comm, {"t_connect0": t0, "t_connect1": time.monotonic()}
+
+
+# -- transfer ----------------------------------------------------------------------------------
+def _timed(name: str, times: dict[str, float], key: str) -> None:
+    """Wrap ``joining.NAME`` (``check``: what ``admit`` and ``join`` end with once the stripes
+    are through; ``admit``: what a training class's member calls at the join) so that its
+    start and end are recorded as ``KEY0`` / ``KEY1``. ``admit`` and ``join`` look ``check``
+    up in their module, the training classes ``admit``: the wrapper is what they call."""
+    fn = getattr(joining, name)
+
+    async def timed(*args: Any, **kw: Any) -> Any:
+        times[f"{key}0"] = time.monotonic()
+        out = await fn(*args, **kw)
+        times[f"{key}1"] = time.monotonic()
+        return out
+
+    setattr(joining, name, timed)
+
+
+async def transfer(cfg: dict[str, Any]) -> None:
+    comm, times = await connect(cfg)
+    _timed("check", times, "t_check")
+    rank = comm.rank
+    x = np.ones(16, np.float32)
+    h = comm.partial_allreduce(Solo(), like=x, name="join-bench")
+    n = cfg["bytes"] // 8
+    t = time.monotonic()
+    if RESTART:  # a restarted process has built its model: its arrays' pages are touched
+        state = [np.full(n, 0, np.uint32), np.full(n, 0, np.uint32)]
+    else:
+        state = [np.arange(n, dtype=np.uint32), np.arange(n, 0, -1, dtype=np.uint32)]
+    times["fill_s"] = time.monotonic() - t
+    if RESTART:
+        status(rank, "joining")
+        times["t_join0"] = time.monotonic()
+        grown, first, _ = await joining.join(comm, h.name, state, cfg["timeout"])
+        times["t_join1"] = time.monotonic()
+        members = list(grown.members)
+        ranks = [members.index(m) if m in members else -1 for m in range(comm.size)]
+        await comm.on_runtime(lambda: h.grow(grown, first, ranks))
+    else:
+        status(rank, "training")
+        joiners = joining.Joiners(comm.job, h.name)
+        now: asynccoll.Communicator = comm
+        deadline = time.monotonic() + cfg["max_s"]
+        for it in range(1_000_000):
+            if rank == cfg["victim"] and it == cfg["kill_at"]:
+                # die while the others wait in the handle's flush (a loss it survives), not
+                # in the flags' synchronous allreduce, which would raise
+                await asyncio.sleep(0.5)
+                die()
+            await h(x)
+            await asyncio.sleep(cfg["step_s"])
+            if (await h.flush()).lost and now is comm:
+                now = await comm.shrink()
+            tot = await now.allreduce(joiners.flags(now.members))
+            admitted = joiners.agreed(tot, now.members)
+            if admitted:
+                times["t_admit0"] = time.monotonic()
+                await joining.admit(h, now, admitted, state)
+                times["t_admit1"] = time.monotonic()
+                times["admitted"] = admitted
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: nobody joined within {cfg['max_s']} s")
+    for _ in range(2):  # the grown handle works: two calls and a flush over every rank
+        await h(x)
+    res = await h.flush()
+    times["world_size_after"] = res.world_size
+    times["digest"] = joining.digest(state)
+    status(rank, "finishing")
+    report(rank, times)
+    await comm.close()
+
+
+# -- restart -----------------------------------------------------------------------------------
+async def restart(cfg: dict[str, Any]) -> None:
+    comm, times = await connect(cfg)
+    _timed("admit", times, "t_admit")  # which step holds the join (loss and join may share one)
+    rank, P = comm.rank, comm.size
+    n = cfg["bytes"] // 8
+    opt = EagerSGD(comm, np.zeros(n, np.float32), 0.1, Solo(), momentum=0.5,
+                   name="join-bench", timeout=cfg["timeout"])
+    g = np.empty(n, np.float32)
+    target = np.float32(rank + 1)
+    steps: list[list[float]] = []  # [start, end, world size after, joined, synced, included]
+    status(rank, "joining" if comm.joined else "training")
+    lost_seen = comm.joined
+    after = -1  # steps since the world was whole again (-1: not yet)
+    deadline = time.monotonic() + cfg["max_s"]
+    while opt.step_count < cfg["steps"] or after < cfg["after"]:
+        if rank == cfg["victim"] and not RESTART and opt.step_count == cfg["kill_at"]:
+            die()
+        t0 = time.monotonic()
+        await asyncio.sleep(cfg["step_s"])  # the accelerator's time
+        np.subtract(opt.params, target, out=g)
+        g *= 0.5
+        info = await opt.step(g)
+        ws = opt.world_size
+        steps.append([t0, time.monotonic(), ws, info.joined, info.synced, info.included])
+        lost_seen = lost_seen or ws < P
+        if after >= 0:
+            after += 1
+        elif lost_seen and ws == P:
+            after = 0
+            status(rank, "training")
+        if time.monotonic() > deadline:
+            break
+    status(rank, "finishing")
+    await opt.finish()
+    times.update(steps=steps, step_count=opt.step_count,
+                 digest=hashlib.sha256(opt.params.tobytes()).hexdigest()[:16])
+    report(rank, times)
+    await comm.close()
+
+
+# -- churn -------------------------------------------------------------------------------------
+async def churn(cfg: dict[str, Any]) -> None:
+    # The demo's task, so the loss compares with bench/hyperplane.py's
+    from asynccoll.demo import DemoConfig, _data, _straggler
+
+    comm, times = await connect(cfg)
+    rank, P = comm.rank, comm.size
+    demo = DemoConfig(ranks=P, dim=cfg["dim"], step_ms=cfg["step_ms"], lr=cfg["lr"])
+    X, y, Xv, yv = _data(demo, rank)
+    opt = EagerSGD(comm, np.zeros(demo.dim + 1), demo.lr, Solo(), accumulate=True,
+                   name="churn", timeout=cfg["timeout"])
+    w = opt.params
+    c, nb, local = demo.step_ms / 1000.0, len(X) // demo.batch, 0
+    curve: list[tuple[float, int, float]] = []
+    status(rank, "joining" if comm.joined else "training")
+    quiet = False
+    while opt.step_count < cfg["steps"]:
+        if not quiet and opt.step_count >= cfg["steps"] - cfg["quiet_steps"]:
+            quiet = True  # no more kills: a restart needs members to join
+            status(rank, "finishing")
+        t0 = time.monotonic()
+        b = slice(local % nb * demo.batch, (local % nb + 1) * demo.batch)
+        grad = X[b].T @ (X[b] @ w - y[b]) / demo.batch
+        pause = c - (time.monotonic() - t0)
+        if _straggler(demo.seed, opt.step_count, P) == rank:
+            pause += cfg["delay_ratio"] * c
+        await asyncio.sleep(max(pause, 0.0))
+        info = await opt.step(grad)
+        local += 1
+        if info.joined:  # said at once: this process may be killed before it reports
+            times["t_joined"] = time.monotonic()
+            times["joined_at_step"] = opt.step_count
+            (OUT / f"joined-{rank}-{RESTART}.json").write_text(json.dumps(
+                {"rank": rank, "restart": RESTART, "t": times["t_joined"],
+                 "step": opt.step_count}))
+            status(rank, "finishing" if quiet else "training")
+        if local % 5 == 0 or info.joined:
+            r = Xv @ w - yv
+            curve.append((time.monotonic(), opt.step_count, float(r @ r) / len(r)))
+    status(rank, "finishing")
+    await opt.finish()
+    r = Xv @ w - yv
+    times.update(curve=curve, final_val_mse=float(r @ r) / len(r), step_count=opt.step_count,
+                 local_steps=local, t_end=time.monotonic(),
+                 digest=hashlib.sha256(w.tobytes()).hexdigest()[:16])
+    report(rank, times)
+    await comm.close()
+
+
+if __name__ == "__main__":
+    programs = {"transfer": transfer, "restart": restart, "churn": churn}
+    asyncio.run(programs[sys.argv[1]](json.loads(sys.argv[3])))

@@ -1,0 +1,702 @@
+"""Taking a lost rank back (issue 32, "Grow back"): state transfer to a joiner, a restarted
+process's time to its first contribution, the members' step during the join, training under
+churn.
+
+    python bench/join.py [--quick | --full] [--out F.json] [--plot F.png] [--parts LIST]
+                         [--sizes 64M,1G] [--repeat N] [--churn-runs N]
+
+P = 4 real rank processes under ``asynccoll run -n 4 --max-restarts N`` over loopback tcp;
+a rank dies by SIGKILL, the launcher restarts it (``ASYNCCOLL_RESTART``), it joins the
+running job. The rank programs are in ``bench/_join_job.py``. Parts:
+
+* ``transfer``: the state (two uint32 arrays, as parameters and momentum, of ``size`` bytes
+  together) striped by the three members to the joiner through
+  :func:`asynccoll.comm.joining.admit` / :func:`~asynccoll.comm.joining.join` (a tiny solo
+  handle beside it, so the handle's rebuild costs nothing). Transfer time: from the first
+  member entering ``admit`` to the joiner having every stripe (its digest ``check`` starting);
+  ``effective``: to the last rank through the digest comparison that ends the join. The peer,
+  measured in the same run: raw loopback TCP, one stream of ``size`` bytes from one process to
+  another (``sock_sendall`` / ``sock_recv_into`` into a touched buffer, timed from the first
+  byte sent to a 1-byte acknowledgement), on uvloop (the loop of asynccoll's progress
+  thread) and on plain asyncio.
+  No shared-memory path for the state exists yet: the JSON says so; nothing is measured.
+* ``restart``: :class:`asynccoll.EagerSGD` (solo, momentum 0.5, ``step_s`` of simulated
+  compute per step) with a state of 1 MiB and of the largest size that fits this machine's
+  memory (every rank holds about 9.5 times its state: measured; by default at most 128 MiB,
+  whose steps already take seconds here). From the restarted process's ``connect()``
+  returning to its join step returning, and to its first step after the join returning (its
+  first contribution); every member's per-step times, and the step that contains the join
+  against the member's median step without a join or a loss.
+* ``churn``: the hyperplane task of ``bench/hyperplane.py`` (P = 4, c = 50 ms, D = 0.5c)
+  under EagerSGD solo, ``accumulate=True``; every ``--kill-every`` seconds the parent SIGKILLs a
+  rank chosen at random among those training (not one that is joining: a kill during a join is
+  a separate, known gap; and none in the last ``min(100, steps / 3)`` steps: a rank killed as
+  the others finish has nobody to join), the launcher restarts it (``--max-restarts 1000``)
+  and it joins; the same runs without kills. Final validation MSE (after ``finish()``), wall
+  time, kills, joins; a failed run is recorded with the launcher's exit code, its summary
+  lines and every traceback the ranks printed, not hidden.
+
+Defaults take about 10 minutes on the 2-core machine (sizes 64 MiB and 1 GiB, 3 repeats,
+churn runs of 500 steps); ``--full`` (what docs/benchmarks.md quotes) 64 MiB, 256 MiB and
+1 GiB, 5 repeats, churn runs of 1200 steps; ``--quick`` (under a minute or so) one repeat of
+64 MiB, 1 MiB and a short churn pair. Times are ``time.monotonic()``, one clock for every
+process of a Linux host. Every process started is stopped, by PID, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import free_port, spawn_world, stats, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = Path(__file__).with_name("_join_job.py")
+P = 4
+MiB = 1 << 20
+ANCHOR_GBPS = 2.4  # torchft's process-group transfer: 12 GB in about 5 s (issue 32)
+GOAL_STEP_RATIO = 1.5
+#: resident bytes per rank of the EagerSGD job: about 9.5 x the state plus 150 MiB (measured:
+#: 559 MiB at a 64 MiB state, 2484 MiB at 256 MiB: parameters, momentum, the sync buffer, the
+#: result buffer, the gradient, the handle's buffers and survival's copies)
+EAGER_RSS = (9.5, 150 * MiB)
+NO_SHM = ("not measured: the state goes to a joiner over the network only; a shared-memory "
+          "path for it does not exist yet (docs/groups.md, Joining)")
+
+
+# -- running a job -----------------------------------------------------------------------------
+class Job:
+    """One ``asynccoll run`` of a ``_join_job.py`` program; its reports, log and kills."""
+
+    def __init__(self, program: str, cfg: dict[str, Any], restarts: int) -> None:
+        self.program, self.cfg, self.restarts = program, cfg, restarts
+        self.rc: int | None = None
+        self.log = ""
+        self.reports: list[dict[str, Any]] = []
+        self.kills: list[dict[str, Any]] = []
+        self.joins: list[dict[str, Any]] = []
+        self.t0 = 0.0  # when the launcher started (time.monotonic())
+
+    def run(self, timeout: float, tick: Callable[[Job, Path], None] | None = None) -> Job:
+        with tempfile.TemporaryDirectory(prefix="join-bench-") as tmp:
+            out = Path(tmp)
+            cmd = [sys.executable, "-m", "asynccoll.cli", "run", "-n", str(P),
+                   "--max-restarts", str(self.restarts), str(JOB), self.program, tmp,
+                   json.dumps(self.cfg)]
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            self.t0 = time.monotonic()
+            with open(out / "launcher.log", "wb") as log:
+                proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+                try:
+                    deadline = time.monotonic() + timeout
+                    while proc.poll() is None and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                        if tick is not None:
+                            tick(self, out)
+                    self.rc = proc.poll()
+                finally:
+                    _stop(proc, out)
+            self.log = (out / "launcher.log").read_text(errors="replace")
+            for f in sorted(out.glob("rank-*.json")):
+                self.reports.append(json.loads(f.read_text()))
+            for f in sorted(out.glob("joined-*.json")):
+                self.joins.append(json.loads(f.read_text()))
+        return self
+
+    @property
+    def failed(self) -> bool:
+        return self.rc != 0 or not self.reports
+
+    def failure(self) -> dict[str, Any]:
+        """What a failed run said: exit code (None: timed out), the launcher's own lines, every
+        traceback a rank printed, the log's tail."""
+        lines = self.log.splitlines()
+        tracebacks, cur = [], None
+        for ln in lines:
+            m = re.match(r"\[(\d+)\] (.*)", ln)
+            body = m.group(2) if m else ln
+            if body.startswith("Traceback"):
+                cur = [ln]
+                tracebacks.append(cur)
+            elif cur is not None and m and (body.startswith(" ") or re.match(r"\w+(\.\w+)*"
+                                                                             r"(Error|Exception)",
+                                                                             body)):
+                cur.append(ln)
+            else:
+                cur = None
+        return {"rc": self.rc, "timed_out": self.rc is None,
+                "launcher": [ln for ln in lines if ln.startswith("asynccoll run")],
+                "tracebacks": ["\n".join(t) for t in tracebacks],
+                "log_tail": "\n".join(lines[-60:])}
+
+    def by(self, restarted: bool) -> list[dict[str, Any]]:
+        return [r for r in self.reports if bool(r["restart"]) == restarted]
+
+
+def _stop(proc: subprocess.Popen[bytes], out: Path) -> None:
+    """Stop the launcher (it stops its ranks), then any rank still alive, by PID."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    for f in out.glob("status-*"):
+        pid = _pid_of(f)
+        if pid is not None and _is_rank(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _pid_of(status: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(status.read_text().split()[0])
+    return None
+
+
+def _is_rank(pid: int) -> bool:
+    """Whether ``pid`` is alive and one of this benchmark's rank processes."""
+    try:
+        return JOB.name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _mem_available() -> int:
+    for ln in Path("/proc/meminfo").read_text().splitlines():
+        if ln.startswith("MemAvailable:"):
+            return int(ln.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": MiB, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units \
+        else int(text)
+
+
+def _label(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
+
+
+# -- part 1: state transfer --------------------------------------------------------------------
+def transfer_once(size: int, victim: int) -> dict[str, Any]:
+    cfg = {"bytes": size, "timeout": 300, "victim": victim, "kill_at": 3, "step_s": 0.02,
+           "max_s": 120}
+    job = Job("transfer", cfg, 1).run(timeout=300)
+    joiner, members = job.by(True), job.by(False)
+    if job.failed or len(joiner) != 1 or len(members) != P - 1:
+        return {"failed": job.failure()}
+    j = joiner[0]
+    start = min(m["t_admit0"] for m in members)
+    end = max(r["t_check1"] for r in job.reports)
+    digests = {r["digest"] for r in job.reports}
+    return {"transfer_s": j["t_check0"] - start, "effective_s": end - start,
+            "check_s": max(r["t_check1"] - r["t_check0"] for r in job.reports),
+            "joiner_rss_mib": j["maxrss_mib"],
+            "member_rss_mib": max(m["maxrss_mib"] for m in members),
+            "equal": len(digests) == 1}
+
+
+def _raw_peer(rank: int, world: int, port: int, size: int, reps: int, uv: bool,
+              q: Any) -> None:
+    """One side of the raw stream (:func:`_harness.spawn_world`'s target): rank 1 receives
+    into a touched buffer (as the joiner's arrays are) and acknowledges each transfer with
+    one byte; rank 0 sends and reports GB/s from its first byte to the acknowledgement."""
+
+    async def receive(loop: asyncio.AbstractEventLoop, view: memoryview) -> list[float]:
+        srv = socket.create_server(("127.0.0.1", port))
+        srv.setblocking(False)
+        conn, _ = await loop.sock_accept(srv)
+        srv.close()
+        conn.setblocking(False)
+        for _ in range(reps):
+            got = 0
+            while got < size:
+                n = await loop.sock_recv_into(conn, view[got:])
+                if not n:
+                    raise ConnectionError("the sender closed")
+                got += n
+            await loop.sock_sendall(conn, b"a")
+        conn.close()
+        return []
+
+    async def send(loop: asyncio.AbstractEventLoop, view: memoryview) -> list[float]:
+        s = socket.socket()
+        s.setblocking(False)
+        for _ in range(600):  # until the receiver listens
+            try:
+                await loop.sock_connect(s, ("127.0.0.1", port))
+                break
+            except ConnectionRefusedError:
+                s.close()
+                s = socket.socket()
+                s.setblocking(False)
+                await asyncio.sleep(0.05)
+        rates = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            await loop.sock_sendall(s, view)
+            if await loop.sock_recv(s, 1) != b"a":
+                raise ConnectionError("the receiver closed")
+            rates.append(size / (time.perf_counter() - t0) / 1e9)
+        s.close()
+        return rates
+
+    async def main() -> list[float]:
+        view = memoryview(np.ones(size, np.uint8))
+        return await (send if rank == 0 else receive)(asyncio.get_running_loop(), view)
+
+    try:
+        if uv:
+            import uvloop
+
+            rates = uvloop.run(main())
+        else:
+            rates = asyncio.run(main())
+        q.put((rank, "ok", rates))
+    except Exception:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def raw_tcp(size: int, reps: int, uv: bool) -> list[float]:
+    """GB/s of ``reps`` transfers of ``size`` bytes over one loopback TCP stream."""
+    rates: list[float] = spawn_world(_raw_peer, 2, (free_port(), size, reps, uv), 300)[0]
+    return rates
+
+
+def part_transfer(sizes: list[int], repeat: int, rng: random.Random,
+                  notes: list[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    avail = _mem_available()
+    loops = [("uvloop", True), ("asyncio", False)]
+    for size in sizes:
+        need = P * size + size * 2 // 3 + P * 150 * MiB  # joiner: early stripes held once
+        if need > 0.7 * avail:
+            notes.append(f"transfer {_label(size)} skipped: needs about {need / 2**30:.1f} GiB, "
+                         f"{avail / 2**30:.1f} GiB available")
+            print(notes[-1], file=sys.stderr)
+            continue
+        runs, fails = [], []
+        raw: dict[str, list[float]] = {name: [] for name, _ in loops}
+        for _ in range(repeat):  # the peer right after each run: the same load on both
+            res = transfer_once(size, rng.randrange(P))
+            (fails if "failed" in res else runs).append(res)
+            for name, uv in loops:
+                raw[name] += raw_tcp(size, 3, uv)
+        row: dict[str, Any] = {"case": "state transfer", "impl": "asynccoll",
+                               "transport": "tcp", "P": P, "donors": P - 1, "size": size,
+                               "runs": len(runs), "failures": [f["failed"] for f in fails]}
+        if runs:
+            row.update(stats("GBps", [size / r["transfer_s"] / 1e9 for r in runs]))
+            row.update(stats("effective_GBps", [size / r["effective_s"] / 1e9 for r in runs]))
+            for key in ("transfer_s", "effective_s", "check_s", "joiner_rss_mib",
+                        "member_rss_mib"):
+                row.update(stats(key, [r[key] for r in runs]))
+            row["state_equal_every_run"] = all(r["equal"] for r in runs)
+        rows.append(row)
+        for name, _ in loops:
+            rows.append({"case": "one tcp stream", "impl": "asyncio-raw", "loop": name,
+                         "size": size, "runs": len(raw[name]), **stats("GBps", raw[name])})
+        rows.append({"case": "state transfer", "impl": "asynccoll", "transport": "shm",
+                     "P": P, "size": size, "measured": False, "why": NO_SHM})
+        _say_transfer(rows[-4:])
+    return rows
+
+
+def _say_transfer(rows: list[dict[str, Any]]) -> None:
+    a = rows[0]
+    if "GBps_median" not in a:
+        print(f"transfer {_label(a['size'])}: every run failed", file=sys.stderr)
+        return
+    raw = {r["loop"]: r["GBps_median"] for r in rows[1:3]}
+    print(f"transfer {_label(a['size'])}: {a['GBps_median']:.2f} GB/s "
+          f"[{a['GBps_min']:.2f}, {a['GBps_max']:.2f}] (with the digest check "
+          f"{a['effective_GBps_median']:.2f}); one raw stream: uvloop {raw['uvloop']:.2f}, "
+          f"asyncio {raw['asyncio']:.2f} GB/s; {len(a['failures'])} failed", file=sys.stderr)
+
+
+# -- parts 2 and 3: restart to first contribution, the members' step during the join -----------
+def restart_once(size: int, victim: int, step_s: float) -> dict[str, Any]:
+    # a large state's steps take seconds: the restart is over within a step or two
+    short = size >= 64 * MiB
+    cfg = {"bytes": size, "timeout": 300, "victim": victim, "kill_at": 3 if short else 5,
+           "step_s": step_s, "max_s": 240, "steps": 10 if short else 15,
+           "after": 3 if short else 5}
+    job = Job("restart", cfg, 1).run(timeout=330)
+    joiner, members = job.by(True), job.by(False)
+    if job.failed or len(joiner) != 1 or len(members) != P - 1:
+        return {"failed": job.failure()}
+    j = joiner[0]
+    js = j["steps"]
+    if len(js) < 2 or not js[0][3]:
+        return {"failed": {"why": "the restarted process's first step did not join",
+                           **job.failure()}}
+    c1 = j["t_connect1"]
+    out: dict[str, Any] = {
+        "victim": victim,
+        "start_to_connected_s": c1 - j["t_start"],
+        "connect_s": c1 - j["t_connect0"],
+        "connect_to_joined_s": js[0][1] - c1,
+        "connect_to_first_contribution_s": js[1][1] - c1,
+        "first_included": bool(js[1][5]),
+        "equal": len({r["digest"] for r in job.reports}) == 1,
+        "rss_mib": max(r["maxrss_mib"] for r in job.reports), "members": []}
+    for m in members:
+        s = m["steps"]
+        dur = [b - a for a, b, *_ in s]
+        ws = [w for _, _, w, *_ in s]
+        holds = [i for i, (a, b, *_) in enumerate(s) if a <= m.get("t_admit0", -1.0) <= b]
+        if not holds:
+            return {"failed": {"why": f"member {m['rank']} has no step holding its admit",
+                               **job.failure()}}
+        g = holds[0]
+        # the loss's step: where the world shrank, or the join's own step when the restart
+        # was quicker than the step (the recovery and the join in one step)
+        lost = next((i for i in range(1, len(s)) if ws[i] < ws[i - 1]), g)
+        plain = [d for i, d in enumerate(dur) if i >= 2 and i not in (lost, g)]
+        med = float(np.median(plain))
+        out["members"].append({"rank": m["rank"], "join_step_s": dur[g], "median_step_s": med,
+                               "ratio": dur[g] / med, "loss_step_s": dur[lost],
+                               "loss_and_join_in_one_step": lost == g,
+                               "admit_s": m["t_admit1"] - m["t_admit0"], "join_step": g,
+                               "loss_step": lost, "steps_s": dur, "world": ws})
+    return out
+
+
+def part_restart(sizes: list[int], repeat: int, step_s: float, rng: random.Random
+                 ) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes:
+        runs, fails = [], []
+        for _ in range(repeat):
+            res = restart_once(size, rng.randrange(P), step_s)
+            (fails if "failed" in res else runs).append(res)
+        base = {"impl": "asynccoll", "transport": "tcp", "P": P, "size": size,
+                "step_compute_s": step_s, "runs": len(runs),
+                "failures": [f["failed"] for f in fails]}
+        row: dict[str, Any] = {"case": "restart to first contribution", **base}
+        mrow: dict[str, Any] = {"case": "members' step during the join", **base}
+        if runs:
+            for key in ("start_to_connected_s", "connect_s", "connect_to_joined_s",
+                        "connect_to_first_contribution_s", "rss_mib"):
+                row.update(stats(key, [r[key] for r in runs]))
+            row["first_contribution_included"] = [r["first_included"] for r in runs]
+            row["state_equal_every_run"] = all(r["equal"] for r in runs)
+            ms = [m for r in runs for m in r["members"]]
+            worst = [max(m["ratio"] for m in r["members"]) for r in runs]
+            mrow.update(stats("ratio", [m["ratio"] for m in ms]))
+            mrow.update(stats("worst_member_ratio", worst))
+            mrow.update(stats("join_step_s", [m["join_step_s"] for m in ms]))
+            mrow.update(stats("median_step_s", [m["median_step_s"] for m in ms]))
+            mrow.update(stats("admit_s", [m["admit_s"] for m in ms]))
+            mrow["loss_step_s"] = [m["loss_step_s"] for m in ms]
+            mrow["loss_and_join_in_one_step"] = sum(m["loss_and_join_in_one_step"] for m in ms)
+            mrow["per_run"] = [{"victim": r["victim"], "members": [
+                {k: m[k] for k in ("rank", "join_step", "loss_step", "steps_s", "world")}
+                for m in r["members"]]} for r in runs]
+        rows += [row, mrow]
+        if runs:
+            print(f"restart {_label(size)}: connect -> joined "
+                  f"{row['connect_to_joined_s_median']:.2f} s, -> first contribution "
+                  f"{row['connect_to_first_contribution_s_median']:.2f} s "
+                  f"[{row['connect_to_first_contribution_s_min']:.2f}, "
+                  f"{row['connect_to_first_contribution_s_max']:.2f}]; members' join step "
+                  f"{mrow['ratio_median']:.2f}x their median [{mrow['ratio_min']:.2f}, "
+                  f"{mrow['ratio_max']:.2f}]; {len(fails)} failed", file=sys.stderr)
+        else:
+            print(f"restart {_label(size)}: every run failed", file=sys.stderr)
+    return rows
+
+
+def largest_restart_size(notes: list[str], cap: int) -> int:
+    """The largest state among 1 GiB, 512, 256, 128, 64 MiB, at most ``cap``, whose EagerSGD
+    job fits in 60 % of the memory available now."""
+    avail = _mem_available()
+    for size in (s for s in (1 << 30, 512 * MiB, 256 * MiB, 128 * MiB, 64 * MiB) if s <= cap):
+        need = P * (EAGER_RSS[0] * size + EAGER_RSS[1])
+        if need <= 0.6 * avail:
+            capped = f", at most {_label(cap)} without --full" if cap < 1 << 30 else ""
+            notes.append(f"restart: largest state {_label(size)} (needs about "
+                         f"{need / 2**30:.1f} GiB over {P} ranks; {avail / 2**30:.1f} GiB "
+                         f"available{capped})")
+            return size
+    return 64 * MiB
+
+
+# -- part 4: training under churn --------------------------------------------------------------
+class Watcher:
+    """Reads the ranks' status files while a churn job runs: notes when all P first train
+    (``started``), and, with ``every`` set, every ``every`` seconds from then SIGKILLs a rank
+    drawn at random among those training (by the PID in its status file, checked to be a rank
+    of this job); no kill once a rank is finishing."""
+
+    def __init__(self, every: float | None, rng: random.Random) -> None:
+        self.every, self.rng = every, rng
+        self.next: float | None = None
+        self.started: float | None = None
+
+    def __call__(self, job: Job, out: Path) -> None:
+        states = {}
+        for f in out.glob("status-*"):
+            with contextlib.suppress(OSError, ValueError):
+                pid, state = f.read_text().split()
+                states[int(f.name.split("-")[1])] = (int(pid), state)
+        now = time.monotonic()
+        training = [r for r, (pid, s) in states.items() if s == "training" and _is_rank(pid)]
+        if self.started is None:
+            if len(training) == P:
+                self.started = now
+                self.next = None if self.every is None else now + self.every
+            return
+        if any(s == "finishing" for _, s in states.values()):
+            self.next = None
+        if self.next is None or now < self.next or not training:
+            return
+        assert self.every is not None
+        victim = self.rng.choice(sorted(training))
+        pid = states[victim][0]
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        job.kills.append({"t": now, "rank": victim, "pid": pid,
+                          "training": sorted(training)})
+        self.next = now + self.every
+
+
+def churn_once(churn: bool, cfg: dict[str, Any], every: float, rng: random.Random
+               ) -> dict[str, Any]:
+    job = Job("churn", cfg, 1000)
+    watch = Watcher(every if churn else None, rng)
+    job.run(timeout=cfg["steps"] * 0.6 + 120, tick=watch)
+    t0 = job.t0 if watch.started is None else watch.started  # training began
+    curves = [[(t - t0, s, v) for t, s, v in r["curve"]] for r in job.reports]
+    res: dict[str, Any] = {
+        "churn": churn, "kills": [{**k, "t": k["t"] - t0} for k in job.kills],
+        "joins": sorted(({**j, "t": j["t"] - t0} for j in job.joins), key=lambda j: j["t"]),
+        "processes": len(job.reports),
+        "startup_s": None if watch.started is None else watch.started - job.t0,
+        "curve": sorted(pt for c in curves for pt in c)}
+    finals = [r for r in job.reports if "final_val_mse" in r]
+    if job.failed or len({r["rank"] for r in finals}) != P:
+        res["failed"] = job.failure()
+        return res
+    last = {r["rank"]: r for r in sorted(finals, key=lambda r: r["restart"])}
+    res.update(final_val_mse=float(np.median([r["final_val_mse"] for r in last.values()])),
+               wall_s=max(r["t_end"] for r in last.values()) - t0,
+               equal=len({r["digest"] for r in last.values()}) == 1,
+               steps=max(r["step_count"] for r in last.values()))
+    return res
+
+
+def part_churn(runs: int, steps: int, every: float, rng: random.Random) -> list[dict[str, Any]]:
+    cfg = {"steps": steps, "dim": 128, "step_ms": 50.0, "delay_ratio": 0.5, "lr": 0.3,
+           "timeout": 120, "quiet_steps": min(100, steps // 3)}
+    rows = []
+    for churn in (False, True):
+        done = [churn_once(churn, cfg, every, rng) for _ in range(runs)]
+        ok = [d for d in done if "failed" not in d]
+        row: dict[str, Any] = {"case": "churn" if churn else "no churn", "impl": "asynccoll",
+                               "transport": "tcp", "P": P, "steps": steps,
+                               "kill_every_s": every if churn else None,
+                               "runs": len(done), "failed_runs": len(done) - len(ok),
+                               "task": {k: v for k, v in cfg.items() if k != "timeout"}}
+        if ok:
+            row.update(stats("final_val_mse", [d["final_val_mse"] for d in ok]))
+            row.update(stats("wall_s", [d["wall_s"] for d in ok]))
+            row["state_equal_every_run"] = all(d["equal"] for d in ok)
+        row.update(stats("kills", [len(d["kills"]) for d in done]))
+        row["per_run"] = done
+        rows.append(row)
+        mse = f"final val MSE {row['final_val_mse_median']:.4f} " \
+              f"[{row['final_val_mse_min']:.4f}, {row['final_val_mse_max']:.4f}], " \
+              f"{row['wall_s_median']:.1f} s" if ok else "no run finished"
+        print(f"{row['case']}: {mse}; kills per run {[len(d['kills']) for d in done]}; "
+              f"{row['failed_runs']} of {runs} failed", file=sys.stderr)
+    return rows
+
+
+# -- the plot ----------------------------------------------------------------------------------
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Three panels: transfer GB/s against size with the raw stream and the anchor; every
+    member's step time around the join, over its median; validation MSE under churn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    _plot_transfer(axes[0], rows)
+    _plot_steps(axes[1], rows)
+    _plot_churn(axes[2], rows)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_transfer(ax: Any, rows: list[dict[str, Any]]) -> None:
+    series = [("asynccoll, 3 donors (transfer)", "GBps", lambda r: r["impl"] == "asynccoll"
+               and r.get("transport") == "tcp", "o-"),
+              ("asynccoll, with the digest check", "effective_GBps",
+               lambda r: r["impl"] == "asynccoll" and r.get("transport") == "tcp", "o--"),
+              ("raw tcp stream, uvloop", "GBps", lambda r: r.get("loop") == "uvloop", "s-"),
+              ("raw tcp stream, asyncio", "GBps", lambda r: r.get("loop") == "asyncio", "s:")]
+    for label, key, pick, style in series:
+        sel = [r for r in rows if r.get("case") in ("state transfer", "one tcp stream")
+               and pick(r) and f"{key}_median" in r]
+        if not sel:
+            continue
+        x = [r["size"] / MiB for r in sel]
+        med = np.array([r[f"{key}_median"] for r in sel])
+        err = [med - [r[f"{key}_min"] for r in sel], [r[f"{key}_max"] for r in sel] - med]
+        ax.errorbar(x, med, yerr=err, fmt=style, capsize=3, label=label)
+    ax.axhline(ANCHOR_GBPS, color="grey", linestyle="--", label="goal: torchft's 2.4 GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("state (MiB)")
+    ax.set_ylabel("GB/s (median, min-max)")
+    ax.set_title("State to a joiner, P = 4, tcp on loopback", fontsize=10)
+    ax.legend(fontsize=7)
+
+
+def _plot_steps(ax: Any, rows: list[dict[str, Any]]) -> None:
+    colours = ["tab:blue", "tab:orange", "tab:green"]
+    sel = [r for r in rows if r.get("case") == "members' step during the join" and r.get("per_run")]
+    for colour, row in zip(colours, sel, strict=False):
+        first = True
+        for run in row["per_run"]:
+            for m in run["members"]:
+                d = np.asarray(m["steps_s"])
+                g = m["join_step"]
+                keep = list(range(2, len(d)))
+                med = float(np.median([d[i] for i in keep if i not in (g, m["loss_step"])]))
+                ax.plot([i - g for i in keep], d[keep] / med, color=colour, alpha=0.35, lw=1,
+                        label=f"state {_label(row['size'])}" if first else None)
+                first = False
+    ax.axhline(GOAL_STEP_RATIO, color="grey", linestyle="--", label="goal: 1.5x")
+    ax.axvline(0, color="black", lw=0.6)
+    ax.set_xlabel("member's step, relative to the step with the join")
+    ax.set_ylabel("step time / member's median")
+    ax.set_title("Members' steps around a join (EagerSGD solo, every member, every run)",
+                 fontsize=10)
+    ax.legend(fontsize=7)
+
+
+def _plot_churn(ax: Any, rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        if row.get("case") not in ("churn", "no churn"):
+            continue
+        colour = "tab:red" if row["case"] == "churn" else "tab:blue"
+        for i, run in enumerate(row["per_run"]):
+            if not run["curve"]:
+                continue
+            t, _, mse = zip(*run["curve"], strict=True)
+            failed = " (failed)" if "failed" in run else ""
+            ax.plot(t, mse, color=colour, alpha=0.6, lw=1,
+                    label=f"{row['case']}{failed}" if i == 0 or failed else None)
+            for k in run["kills"]:
+                ax.axvline(k["t"], color=colour, alpha=0.25, lw=0.8)
+    ax.set_ylim(0.9, 1.4)
+    ax.set_xlabel("seconds since every rank trained; vertical lines: kills")
+    ax.set_ylabel("validation MSE (zoomed: it starts near 5)")
+    ax.set_title("Hyperplane task under churn, P = 4 (a kill every ~10 s)", fontsize=10)
+    ax.legend(fontsize=7)
+
+
+# -- main --------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="one repeat, small sizes (~1 min)")
+    mode.add_argument("--full", action="store_true", help="5 repeats, 64M/256M/1G (docs)")
+    ap.add_argument("--out", default="bench/results/join.json")
+    ap.add_argument("--plot", default="bench/results/join.png")
+    ap.add_argument("--parts", default="transfer,restart,churn")
+    ap.add_argument("--sizes", default=None, help="transfer sizes, e.g. 64M,256M,1G")
+    ap.add_argument("--restart-sizes", default=None, help="e.g. 1M,256M (default: 1M and the "
+                    "largest that fits)")
+    ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--churn-runs", type=int, default=None)
+    ap.add_argument("--churn-steps", type=int, default=None)
+    ap.add_argument("--kill-every", type=float, default=None,
+                    help="seconds between kills in the churn part (10; --quick 5)")
+    ap.add_argument("--step-s", type=float, default=0.1,
+                    help="simulated compute per step in the restart part (s)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    parts = a.parts.split(",")
+    unknown = set(parts) - {"transfer", "restart", "churn"}
+    if unknown:
+        ap.error(f"--parts: unknown {sorted(unknown)}; known: transfer, restart, churn")
+    level = "quick" if a.quick else "full" if a.full else "default"
+    sizes = [_size(s) for s in a.sizes.split(",")] if a.sizes else \
+        {"quick": [64 * MiB], "default": [64 * MiB, 1 << 30],
+         "full": [64 * MiB, 256 * MiB, 1 << 30]}[level]
+    repeat = a.repeat or {"quick": 1, "default": 3, "full": 5}[level]
+    churn_runs = a.churn_runs or {"quick": 1, "default": 3, "full": 3}[level]
+    churn_steps = a.churn_steps or {"quick": 150, "default": 500, "full": 1200}[level]
+    kill_every = a.kill_every or (5.0 if a.quick else 10.0)
+    rng = random.Random(a.seed)
+    notes: list[str] = []
+    rows: list[dict[str, Any]] = []
+    t_all = time.monotonic()
+    if "transfer" in parts:
+        rows += part_transfer(sizes, repeat, rng, notes)
+    if "restart" in parts:
+        rsizes = [_size(s) for s in a.restart_sizes.split(",")] if a.restart_sizes else \
+            [MiB] if a.quick else \
+            [MiB, largest_restart_size(notes, (1 << 30) if a.full else 128 * MiB)]
+        rows += part_restart(rsizes, repeat, a.step_s, rng)
+    if "churn" in parts:
+        rows += part_churn(churn_runs, churn_steps, kill_every, rng)
+    ratios = {}
+    for r in rows:
+        if r.get("case") == "state transfer" and "GBps_median" in r:
+            for peer in rows:
+                if peer.get("impl") == "asyncio-raw" and peer["size"] == r["size"]:
+                    ratios[f"{_label(r['size'])} / raw {peer['loop']}"] = \
+                        r["GBps_median"] / peer["GBps_median"]
+    params = {"command": "python " + " ".join([os.path.relpath(__file__, ROOT),
+                                              *(sys.argv[1:] if argv is None else argv)]),
+              "level": level, "P": P, "parts": parts, "sizes": sizes, "repeat": repeat,
+              "churn_runs": churn_runs, "churn_steps": churn_steps,
+              "kill_every_s": kill_every, "restart_step_compute_s": a.step_s,
+              "seed": a.seed, "transport": "tcp (loopback)", "anchor_GBps": ANCHOR_GBPS,
+              "mem_available_gib": round(_mem_available() / 2**30, 1),
+              "load_average": os.getloadavg()}
+    write_json(a.out, "join", params, rows, packages=("asynccoll", "uvloop"),
+               extra={"ratios": ratios, "notes": notes,
+                      "not_measured": {"state transfer through shared memory": NO_SHM},
+                      "seconds": round(time.monotonic() - t_all, 1)})
+    plot(rows, a.plot)
+    for k, v in ratios.items():
+        print(f"ratio {k}: {v:.2f}", file=sys.stderr)
+    print(f"wrote {a.out} ({time.monotonic() - t_all:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
