@@ -54,7 +54,9 @@ asyncio.run(main())
 
 
 def _segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith(f"asynccoll-{os.getuid()}-")}
+    from asynccoll.comm.shm import SHM_DIR
+
+    return {f for f in os.listdir(SHM_DIR) if f.startswith(f"asynccoll-{os.getuid()}-")}
 
 
 def _transports() -> list[str]:
