@@ -437,7 +437,7 @@ async def nonmember(comm, kill):
 
 async def flushing(comm, kill):
     x = np.full(4, 1000.0 ** comm.rank)
-    h = comm.partial_allreduce("solo", like=x, accumulate=True)
+    h = comm.partial_allreduce("solo", like=x, accumulate="sum")
     acc, calls = np.zeros(4), 0
     for step in range(6):
         await asyncio.sleep(0.002 * (comm.rank + 1))
@@ -453,8 +453,9 @@ async def flushing(comm, kill):
 
 async def kinds(comm, kill, kind, op, accumulate):
     x = np.full(4, comm.rank + 1.0) if op == "max" else np.full(4, 1000.0 ** comm.rank)
-    h = comm.partial_allreduce(kind, like=x, op=op, accumulate=accumulate,
-                               deadline=0.05 if kind == "deadline" else None)
+    policy = asynccoll.Deadline(bounds=0.05) if kind == "deadline" else kind
+    h = comm.partial_allreduce(policy, like=x, op=op,
+                               accumulate="sum" if accumulate else "latest")
     acc, calls, lost, sizes, vals = np.zeros(4), 0, set(), set(), []
     for step in range(16):
         if comm.rank in kill and step == 5:

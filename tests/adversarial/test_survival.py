@@ -4,7 +4,7 @@ SIGKILL one (or two) of 4 ranks in the middle of partial allreduces: the survivo
 is lost, rebuild their schedules for the smaller world and go on, without an error.
 
 * **Exact accounting**: rank r contributes ``1000**r`` per call, so the sum of every result a
-  survivor received (``accumulate=True``) spells, digit group by digit group, how many
+  survivor received (``accumulate="sum"``) spells, digit group by digit group, how many
   contributions of each rank were counted: every survivor's own calls exactly once, the dead
   rank's no more than it made, and the same counts on every survivor.
 * **Training**: eager-SGD with solo, majority and quorum, and backup workers, keep training on
@@ -34,8 +34,8 @@ from _train_problem import Problem
 
 async def handle(comm, kind, kill, out):
     x = np.full(4, 1000.0 ** comm.rank)
-    h = comm.partial_allreduce(kind, like=x, accumulate=True,
-                               quorum=2 if kind == "quorum" else None)
+    h = comm.partial_allreduce(asynccoll.Quorum(2) if kind == "quorum" else kind, like=x,
+                               accumulate="sum")
     acc = np.zeros(4)
     calls, lost, sizes = 0, set(), set()
     for step in range(24):
@@ -58,8 +58,9 @@ async def train(comm, kind, kill, out):
     if kind == "backup":
         opt = asynccoll.train.BackupSGD(comm, prob.w0.copy(), 0.05, backups=1)
     else:
-        opt = asynccoll.train.EagerSGD(comm, prob.w0.copy(), 0.05, mode=kind,
-                                       accumulate=True, quorum=2 if kind == "quorum" else None)
+        opt = asynccoll.train.EagerSGD(comm, prob.w0.copy(), 0.05,
+                                       asynccoll.Quorum(2) if kind == "quorum" else kind,
+                                       accumulate=True)
     for step in range(40):
         if comm.rank in kill and step == 6:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -36,14 +36,14 @@ async def main():
     shm = what == "sparse-shm"
     if what.startswith("sparse"):
         like = asynccoll.SparseVector(np.empty(0, np.int32), np.empty(0, np.float64), N)
-        h = comm.partial_allreduce(kind, like, accumulate=True, shm=shm or None,
-                                   algorithm="ssar_split_allgather",
-                                   quorum=2 if kind == "quorum" else None)
+        h = comm.partial_allreduce(
+            asynccoll.Quorum(2) if kind == "quorum" else kind, like, accumulate="sum",
+            path=asynccoll.DataPath(algorithm="ssar_split_allgather", shm=shm or None))
         x = asynccoll.SparseVector(np.array([0], np.int32),
                                    np.array([1000.0 ** comm.rank]), N)
     else:
-        h = comm.partial_allreduce(kind, np.zeros(N), accumulate=True,
-                                   quorum=2 if kind == "quorum" else None)
+        h = comm.partial_allreduce(asynccoll.Quorum(2) if kind == "quorum" else kind,
+                                   np.zeros(N), accumulate="sum")
         x = np.zeros(N)
         x[0] = 1000.0 ** comm.rank
     acc, calls, lost, sizes = 0.0, 0, set(), set()
