@@ -90,10 +90,12 @@ async def main():
                 e[:] = 1
                 ops.append(lambda: comm.allreduce(e, out=e))
             if mode == "partial" or mix:
-                h = comm.partial_allreduce("solo", like=x, shm=True)
+                h = comm.partial_allreduce(asynccoll.Solo(), like=x,
+                                           path=asynccoll.DataPath(shm=True))
                 ops.append(lambda: h(x))
             if mode == "sparse" or mix:
-                hs = comm.partial_allreduce("solo", like=sv, algorithm="ssar_split_allgather")
+                hs = comm.partial_allreduce(asynccoll.Solo(), like=sv, path=asynccoll.DataPath(
+                    algorithm="ssar_split_allgather"))
                 ops.append(lambda: hs(sv))
             for i in range(steps):
                 await ops[i % len(ops)]()

@@ -1,5 +1,5 @@
 """Calls cancelled at any moment (short ``asyncio.wait_for`` timeouts) lose no contribution and
-hand out no result twice: with ``accumulate=True`` every rank ends with the sum of exactly
+hand out no result twice: with ``Accumulate.SUM`` every rank ends with the sum of exactly
 every deposit, whether a call was cancelled before its data went in, while it waited, or
 after its result was taken but before its caller resumed (issue: latency; the result goes
 back to the handle and the next call or the flush hands it out)."""

@@ -50,7 +50,7 @@ async def main():
     logging.basicConfig(filename=f"{OUT}/rank-{comm.rank}.log", level=logging.WARNING,
                         format="%(created).6f %(message)s")
     x = np.ones(8)
-    hs = {k: comm.partial_allreduce(k, like=x, name=k, quorum=3 if k == "quorum" else None)
+    hs = {k: comm.partial_allreduce("quorum:3" if k == "quorum" else k, like=x, name=k)
           for k in KINDS if k != "allreduce"}
     await comm.barrier()
     if comm.rank == 3:

@@ -26,7 +26,7 @@ import asynccoll
 async def main():
     out, victim, blocking = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "blocking"
     comm = await asynccoll.connect(timeout=30)
-    h = comm.partial_allreduce("solo", np.zeros(8), accumulate=True, algorithm="hier")
+    h = comm.hier_partial_allreduce(asynccoll.Solo(), np.zeros(8), accumulate="sum")
     results, error, t_err, calls_after = [], None, None, 0
     async with comm:
         for step in range(400):

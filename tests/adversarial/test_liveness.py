@@ -31,7 +31,7 @@ async def main(mode):
         await comm.barrier()
         x = np.full(4, 1.0)
         if mode == "stop":
-            h = comm.partial_allreduce("solo", like=x, accumulate=True)
+            h = comm.partial_allreduce(asynccoll.Solo(), like=x, accumulate="sum")
             for step in range(12):
                 if comm.rank == 1 and step == 3:
                     print("stopping", flush=True)

@@ -49,11 +49,11 @@ async def main():
     N = 1 << 18  # 1 MiB of float32
     if sparse:
         like = asynccoll.SparseVector(np.empty(0, np.int32), np.empty(0, np.float32), N)
-        h = comm.partial_allreduce("quorum", like, quorum=comm.size, accumulate=True,
-                                   algorithm="ssar_split_allgather")
+        h = comm.partial_allreduce(asynccoll.Quorum(comm.size), like, accumulate="sum",
+                                   path=asynccoll.DataPath(algorithm="ssar_split_allgather"))
     else:
-        h = comm.partial_allreduce("quorum", np.zeros(N, np.float32), quorum=comm.size,
-                                   accumulate=True)
+        h = comm.partial_allreduce(asynccoll.Quorum(comm.size), np.zeros(N, np.float32),
+                                   accumulate="sum")
     total = np.zeros(N)
     async with comm:
         for step in range(5):

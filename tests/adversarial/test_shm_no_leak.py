@@ -85,13 +85,15 @@ async def main():
     comm = await asynccoll.connect(timeout=30, collective_timeout=30)
     async with comm:
         x = np.full(1 << 18, comm.rank + 1, np.float32)
-        h = comm.partial_allreduce("solo", like=x, shm=True, name="first")
+        h = comm.partial_allreduce(asynccoll.Solo(), like=x, name="first",
+                                   path=asynccoll.DataPath(shm=True))
         await h(x)  # its segments exist (mapped at the first execution): visible now
         if comm.rank == 0:
             print("planted", squat(), flush=True)
         await comm.barrier()
         # New segments after the planting: another handle, arrays of comm.empty, allreduces.
-        h2 = comm.partial_allreduce("solo", like=x, shm=True, name="second")
+        h2 = comm.partial_allreduce(asynccoll.Solo(), like=x, name="second",
+                                    path=asynccoll.DataPath(shm=True))
         e = await comm.empty(1 << 18, np.float32)
         for _ in range(4):
             e[:] = comm.rank + 1

@@ -43,7 +43,8 @@ async def main():
     comm = await asynccoll.connect(timeout=60, collective_timeout=30)
     async with comm:
         x = np.ones(1 << 18, np.float32)
-        h = comm.partial_allreduce("solo", like=x, shm=True, name="victim")
+        h = comm.partial_allreduce(asynccoll.Solo(), like=x, name="victim",
+                                   path=asynccoll.DataPath(shm=True))
         got = {"rank": None, "msg": "every call completed"}
         try:
             for i in range(40):
@@ -119,8 +120,8 @@ async def main():
     comm = await asynccoll.connect(timeout=60, collective_timeout=30, survive=True)
     async with comm:
         x = np.full(4, 1000.0 ** comm.rank)
-        h = comm.partial_allreduce(kind, like=x, accumulate=True, shm=True,
-                                   quorum=2 if kind == "quorum" else None)
+        h = comm.partial_allreduce(asynccoll.Quorum(2) if kind == "quorum" else kind, like=x,
+                                   accumulate="sum", path=asynccoll.DataPath(shm=True))
         through = h._segments is not None
         acc, calls, lost = np.zeros(4), 0, set()
         for step in range(24):

@@ -77,21 +77,22 @@ async def badarg(comm, res):
                             {"shm": True, "algorithm": "ring"},
                             {"shm": True, "algorithm": "bogus"}]):
         try:
-            comm.partial_allreduce("solo", like=x, name=f"bad{i}", **kw)
+            comm.partial_allreduce("solo", like=x, name=f"bad{i}", path=asynccoll.DataPath(**kw))
             res[str(i)] = ["created"]
         except Exception as e:
             res[str(i)] = [type(e).__name__, str(e)]
     sv = asynccoll.SparseVector(np.array([0]), np.array([1.0], np.float32), 8)
     try:
         # shared memory asked for with the network-only algorithm: refused, the name free
-        comm.partial_allreduce("solo", like=sv, shm=True, algorithm="ssar_recursive_double",
-                               name="sparse")
+        comm.partial_allreduce("solo", like=sv, name="sparse", path=asynccoll.DataPath(
+            shm=True, algorithm="ssar_recursive_double"))
         res["sparse"] = ["created"]
     except Exception as e:
         res["sparse"] = [type(e).__name__, str(e)]
     # the communicator still works, the refused names are free, the automatic names unshifted
-    h = comm.partial_allreduce("solo", like=x, shm=np.bool_(True), name="bad0", accumulate=True)
-    g = comm.partial_allreduce("solo", like=x, accumulate=True)
+    h = comm.partial_allreduce("solo", like=x, name="bad0", accumulate="sum",
+                               path=asynccoll.DataPath(shm=np.bool_(True)))
+    g = comm.partial_allreduce("solo", like=x, accumulate="sum")
     res["through"] = [h._segments is not None, g._segments is not None]
     tot = (await h(np.full_like(x, R + 1))).value + (await h.flush()).value
     tot2 = (await g(np.full_like(x, R + 1))).value + (await g.flush()).value
@@ -112,12 +113,13 @@ async def many(comm, res):
     hs = {}
     for n in names:
         k, dt, shp = specs[n]
-        hs[n] = comm.partial_allreduce(k, like=np.zeros(shp, dt), accumulate=True, shm=True,
-                                       quorum=max(1, P // 2) if k in ("quorum", "deadline")
-                                       else None, deadline=0.05 if k == "deadline" else None,
-                                       name=n)
-    idle = comm.partial_allreduce("solo", like=np.zeros(1 << 16, np.float32), shm=True,
-                                  accumulate=True, name="idle")
+        policy = {"quorum": asynccoll.Quorum(max(1, P // 2)),
+                  "deadline": asynccoll.Deadline(quorum=max(1, P // 2), bounds=0.05)}.get(k, k)
+        hs[n] = comm.partial_allreduce(policy, like=np.zeros(shp, dt), accumulate="sum",
+                                       name=n, path=asynccoll.DataPath(shm=True))
+    idle = comm.partial_allreduce("solo", like=np.zeros(1 << 16, np.float32),
+                                  accumulate="sum", name="idle",
+                                  path=asynccoll.DataPath(shm=True))
     res["through"] = all(h._segments is not None for h in (*hs.values(), idle))
     tot = {n: np.zeros(specs[n][2], np.float64) for n in specs}
     order = sorted(specs)
@@ -160,8 +162,8 @@ async def sizes(comm, res):
              (np.float32, (edge - 1,), False), (np.uint8, (1 << 17,), True)]
     got = []
     for i, (dt, shp, flag) in enumerate(cases):
-        h = comm.partial_allreduce("solo", like=np.zeros(shp, dt), accumulate=True, shm=flag,
-                                   name=f"s{i}")
+        h = comm.partial_allreduce("solo", like=np.zeros(shp, dt), accumulate="sum",
+                                   name=f"s{i}", path=asynccoll.DataPath(shm=flag))
         acc = np.zeros(shp, np.int64)
         for t in range(3):
             acc += (await h(np.full(shp, R + t, dt))).value.astype(np.int64)
@@ -174,8 +176,9 @@ async def sizes(comm, res):
 async def env_off(comm, res):
     # ASYNCCOLL_SHM=0: nothing automatic, shm=True still goes through shared memory
     x = np.zeros(1 << 17, np.float32)
-    a = comm.partial_allreduce("solo", like=x, accumulate=True, name="auto")
-    b = comm.partial_allreduce("solo", like=x, accumulate=True, shm=True, name="asked")
+    a = comm.partial_allreduce("solo", like=x, accumulate="sum", name="auto")
+    b = comm.partial_allreduce("solo", like=x, accumulate="sum", name="asked",
+                               path=asynccoll.DataPath(shm=True))
     res["through"] = [a._segments is not None, b._segments is not None]
     s = 0.0
     for h in (a, b):
@@ -186,8 +189,8 @@ async def env_off(comm, res):
 async def group(comm, res):
     sub = await comm.split(R % 2)
     h = sub.partial_allreduce("majority", like=np.zeros((256, 300), np.float64),
-                              accumulate=True, name="same-name")
-    k = comm.partial_allreduce("solo", like=np.zeros(1 << 16, np.float32), accumulate=True,
+                              accumulate="sum", name="same-name")
+    k = comm.partial_allreduce("solo", like=np.zeros(1 << 16, np.float32), accumulate="sum",
                                name="same-name")
     res["through"] = [h._segments is not None, k._segments is not None]
     tot = 0.0
@@ -201,7 +204,8 @@ async def group(comm, res):
 
 async def close_one(comm, res):
     x = np.zeros(1 << 16, np.float32)
-    h = comm.partial_allreduce("solo", like=x, shm=True, accumulate=True, name="c")
+    h = comm.partial_allreduce("solo", like=x, accumulate="sum", name="c",
+                               path=asynccoll.DataPath(shm=True))
     await h(x)
     await h.flush()
     await comm.barrier()
@@ -216,7 +220,8 @@ async def close_one(comm, res):
         except asynccoll.CollectiveTimeoutError:
             res["call"] = "CollectiveTimeoutError"
     await comm.barrier()
-    g = comm.partial_allreduce("solo", like=x, shm=True, accumulate=True, name="d")
+    g = comm.partial_allreduce("solo", like=x, accumulate="sum", name="d",
+                               path=asynccoll.DataPath(shm=True))
     res["after"] = float((await g(x + 1)).value[0]) + float((await g.flush()).value[0])
     await comm.barrier()
 
@@ -224,8 +229,8 @@ async def close_one(comm, res):
 async def kill(comm, res):
     # the victim holds two handles: A (the one called) and B (never called by anyone)
     x = np.ones(1 << 16, np.float32)
-    a = comm.partial_allreduce("solo", like=x, shm=True, name="A")
-    comm.partial_allreduce("solo", like=x, shm=True, name="B")
+    a = comm.partial_allreduce("solo", like=x, name="A", path=asynccoll.DataPath(shm=True))
+    comm.partial_allreduce("solo", like=x, name="B", path=asynccoll.DataPath(shm=True))
     await comm.barrier()
     if VICTIM and scen == "kill_before_first":
         die()
@@ -256,8 +261,8 @@ async def main():
         # no ``async with``, no close: the process just ends (one execution at most)
         comm = await asynccoll.connect(timeout=60, collective_timeout=20)
         x = np.ones(1 << 16, np.float32)
-        a = comm.partial_allreduce("solo", like=x, shm=True, name="A")
-        comm.partial_allreduce("solo", like=x, shm=True, name="B")
+        a = comm.partial_allreduce("solo", like=x, name="A", path=asynccoll.DataPath(shm=True))
+        comm.partial_allreduce("solo", like=x, name="B", path=asynccoll.DataPath(shm=True))
         if R == 0:
             await a(x)
         # a rank that leaves the barrier first and ends closes at exit, serving this one

@@ -47,7 +47,7 @@ async def main():
         g = await comm.shrink()
         res["same_again"] = (await comm.shrink()) is g
         s = await g.allreduce(np.full(3, comm.rank + 1.0))
-        h = g.partial_allreduce("majority", like=s, accumulate=True)
+        h = g.partial_allreduce(asynccoll.Majority(), like=s, accumulate="sum")
         acc = (await h(s)).value + (await h.flush()).value
         res.update(size=g.size, rank=g.rank, sum=s.tolist(), members=list(g.members),
                    partial=acc.tolist())

@@ -44,7 +44,8 @@ async def main():
         got = {"rank": None, "msg": "every call completed"}
         h = None
         if when == "partial":  # a sparse partial handle: its data phase through shared memory
-            h = comm.partial_allreduce("solo", like=x, algorithm="ssar_split_allgather")
+            h = comm.partial_allreduce(asynccoll.Solo(), like=x,
+                                       path=asynccoll.DataPath(algorithm="ssar_split_allgather"))
             assert h._segments is not None
         elif when.startswith("handle"):  # a persistent sparse allreduce handle: the same
             h = comm.sparse_allreduce_handle(n, algorithm="ssar_split_allgather", name="g")
