@@ -72,6 +72,8 @@ class Members(Protocol):
     def membership(self) -> Membership: ...
     @property
     def transport(self) -> Transport: ...
+    #: whether it is the job communicator of a process that took a lost rank's place
+    joined: bool
     async def shrink(self, timeout: float | None = None) -> Members: ...
 
 
@@ -139,9 +141,13 @@ class Survival:
     def start(self) -> None:
         """Start the recovery now, on the runtime's loop, unless one is under way or the
         handle has nothing to recover from (also for a handle made after the loss was
-        learned: :meth:`PartialAllreduce.follow <.partial.PartialAllreduce.follow>`)."""
+        learned: :meth:`PartialAllreduce.follow <.partial.PartialAllreduce.follow>`).
+        Not while the handle waits to be taken back (it runs on the job communicator of a
+        restarted process, ``joined``): the admission decides its membership (:mod:`.joining`);
+        a recovery would wait forever for an agreement that no member makes, and the
+        handle's recovery from a loss after it joined would wait on that one."""
         h = self.handle
-        if self._task is None and h.survivable(h.failure):
+        if self._task is None and h.survivable(h.failure) and not self.comm.joined:
             self._task = asyncio.ensure_future(self._recover())
             self._task.add_done_callback(_retrieve)
 

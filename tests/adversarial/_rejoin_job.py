@@ -3,8 +3,11 @@ VICTIMS SIGKILL themselves at step KILL_AT of N on their first start; under ``as
 --max-restarts`` they come back (ASYNCCOLL_RESTART) and join. With KILL_JOINING=s a first
 restart SIGKILLs itself s seconds after it connected (while it joins). With CHURN=k, a rank
 drawn from the step number SIGKILLs itself every CHURN_EVERY steps, k times (a restarted
-process too, at steps after the one it joined at). Every rank prints one FINAL line
-with its global step and a digest of its parameters."""
+process too, at steps after the one it joined at; with CHURN_DIR, once per step number).
+With OVERLAP=1 (and VICTIMS=2), losses overlap an admission: rank 3 SIGKILLs itself once rank
+2's restart has connected, rank 2's restart learns that loss before it says it is ready, and
+rank 1 SIGKILLs itself once rank 2 is taken back (a loss in the world rank 2 joined).
+Every rank prints one FINAL line with its global step and a digest of its parameters."""
 import asyncio
 import hashlib
 import os
@@ -19,6 +22,20 @@ from asynccoll import EagerSGD
 N, KILL_AT = int(os.environ.get("N", 60)), int(os.environ.get("KILL_AT", 10))
 VICTIMS = [int(v) for v in os.environ.get("VICTIMS", "2").split(",")]
 POLICY = os.environ.get("POLICY", "solo")
+
+
+def _first_kill_at(step):
+    """Whether no process killed itself at ``step`` before (with CHURN_DIR: a restarted process
+    whose predecessor died at ``step`` may reach it again, having joined at an earlier global
+    step; one kill per step number keeps the count of kills, and so of restarts, exact)."""
+    d = os.environ.get("CHURN_DIR")
+    if not d:
+        return True
+    try:
+        os.close(os.open(os.path.join(d, f"kill-{step}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def optimizer(comm, w0):
@@ -48,12 +65,28 @@ async def main():
     churn = int(os.environ.get("CHURN", "0"))  # kills: one every CHURN_EVERY steps
     every = int(os.environ.get("CHURN_EVERY", "25"))
     first = None  # this process's first global step
+    overlap = os.environ.get("OVERLAP") == "1"
+    if overlap and restarted == 1 and rank == 2:
+        # connected, not yet ready: learn a loss (rank 3's) before the members take it back
+        learned, loop = asyncio.Event(), asyncio.get_running_loop()
+        comm.in_runtime(lambda: comm.membership.listeners.append(
+            lambda r: loop.call_soon_threadsafe(learned.set)))
+        if comm.membership.gone:
+            learned.set()
+        await asyncio.wait_for(learned.wait(), 30)
+        print(f"rank 2 learned {sorted(comm.membership.gone)} lost before it joined", flush=True)
     while opt.step_count < N:
+        if overlap and not restarted:
+            if rank == 3 and 2 in comm.membership.rejoined:  # rank 2's restart connected
+                os.kill(os.getpid(), signal.SIGKILL)
+            if rank == 1 and opt._comm_now().members == (0, 1, 2):  # 2 back, 3 not yet:
+                os.kill(os.getpid(), signal.SIGKILL)  # a loss in the world 2 joined
         if rank in VICTIMS and not restarted and opt.step_count == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         s = opt.step_count
         if churn and first is not None and s > first and s % every == 0 and s // every <= churn \
-                and int(hashlib.sha256(f"{s}".encode()).hexdigest(), 16) % 4 == rank:
+                and int(hashlib.sha256(f"{s}".encode()).hexdigest(), 16) % 4 == rank \
+                and _first_kill_at(s):
             print(f"CHURN kill rank {rank} at step {s}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         g = (opt.params - target) * 0.5

@@ -12,7 +12,9 @@ restarted; a restarted rank killed again while it joins (before and after the me
 back); and exact accounting through a join in a bare partial handle (rank r contributes
 1000**r: every member's calls counted exactly once, the restarted rank's new calls exactly once
 and its old process's at most as many as it made). And the torch ``DistributedOptimizer``
-around Adam: parameters and Adam's state equal to the bit on every rank at the end.
+around Adam: parameters and Adam's state equal to the bit on every rank at the end. Losses that
+overlap an admission (a restarted rank that learns of a loss before it is taken back, then a
+loss in the world it joined), and churn: a random rank killed every few seconds, ten times.
 """
 
 from __future__ import annotations
@@ -129,3 +131,21 @@ def test_torch_distributed_optimizer_around_adam_takes_a_restarted_rank_back() -
     finals = _all_equal_at(out, 200)  # the digest covers Adam's state too
     assert [r for r, _, _, k in finals if k == 1] == [2], finals
     assert "rank 2 joined at step" in out, out[-3000:]
+
+
+@pytest.mark.timeout(170)
+def test_a_loss_learned_before_the_admission_and_one_after_it() -> None:
+    # Rank 2 restarts; rank 3 dies once rank 2's new process connected, which learns that loss
+    # before it says it is ready; then rank 1 dies once rank 2 is back. The restarted rank
+    # must not recover its handle from the first loss itself (nobody else agrees on that
+    # membership): it waited on that recovery after the second loss, and so did the others
+    # on it, until the timeout.
+    code, out = _run("solo", "2", 3, OVERLAP="1", N="150", ASYNCCOLL_TIMEOUT="60")
+    assert code == 0, out[-4000:]
+    learned = out.index("rank 2 learned [3] lost before it joined")
+    assert learned < out.index("[2] rank 2: joined partial allreduce"), out[-4000:]
+    assert "restart 3 of at most 3" in out, out[-3000:]
+    finals = _all_equal_at(out, 150)
+    assert sorted(r for r, _, _, k in finals if k == 1) == [1, 2, 3], finals
+    assert "did not agree" not in out
+    assert "lost during the agreement" not in out
