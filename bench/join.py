@@ -36,11 +36,13 @@ running job. The rank programs are in ``bench/_join_job.py``. Parts:
   time, kills, joins; a failed run is recorded with the launcher's exit code, its summary
   lines and every traceback the ranks printed, not hidden.
 
-Defaults take about 10 minutes on the 2-core machine (sizes 64 MiB and 1 GiB, 3 repeats,
-churn runs of 500 steps); ``--full`` (what docs/benchmarks.md quotes) 64 MiB, 256 MiB and
-1 GiB, 5 repeats, churn runs of 1200 steps; ``--quick`` (under a minute or so) one repeat of
-64 MiB, 1 MiB and a short churn pair. Times are ``time.monotonic()``, one clock for every
-process of a Linux host. Every process started is stopped, by PID, whatever happens.
+The default is sized for about 10 minutes on the 2-core machine (64 MiB and 1 GiB, 3
+repeats, the restart at 1 MiB and at most 128 MiB, churn runs of 500 steps); ``--full`` (what
+docs/benchmarks.md quotes: 28 minutes under a load average of 12-20) 64 MiB, 256 MiB and 1 GiB,
+5 repeats, the largest restart state that fits, churn runs of 1200 steps; ``--quick`` (76 s
+under load) one repeat of 64 MiB, 1 MiB and a short churn pair. Times are
+``time.monotonic()``, one clock for every process of a Linux host. Every process started is
+stopped, by PID, whatever happens.
 """
 
 from __future__ import annotations
@@ -576,7 +578,9 @@ def _plot_transfer(ax: Any, rows: list[dict[str, Any]]) -> None:
         ax.errorbar(x, med, yerr=err, fmt=style, capsize=3, label=label)
     ax.axhline(ANCHOR_GBPS, color="grey", linestyle="--", label="goal: torchft's 2.4 GB/s")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("state (MiB)")
+    sizes = sorted({r["size"] for r in rows if r.get("case") == "one tcp stream"})
+    ax.set_xticks([n / MiB for n in sizes], [_label(n) for n in sizes])
+    ax.set_xlabel("state moved to the joiner")
     ax.set_ylabel("GB/s (median, min-max)")
     ax.set_title("State to a joiner, P = 4, tcp on loopback", fontsize=10)
     ax.legend(fontsize=7)

@@ -156,6 +156,7 @@ PICTURES: dict[str, Callable[[Path], None]] = {
     "bench-sim_seeds.png": _bench("sim_seeds"),
     "bench-sim_validate.png": _bench("sim_validate"),
     "bench-wake.png": _bench("wake"),
+    "bench-join.png": _bench("join"),
 }
 
 
