@@ -339,11 +339,15 @@ class DistributedOptimizer(SyncEvents):
                 self._h(g, self.timeout, combine=combine)).result()
             self._stale = 0 if res.included else self._stale + 1
             lr = self._apply_result(res)
-            synced = res.flushed or self._join_wanted()
+            # Sync events where the job takes restarted ranks back (.joining); elsewhere a
+            # flushed result is just a result, as before
+            synced = self._joiners is not None and (res.flushed or self._join_wanted())
+            drained = 0
             if synced:  # a sync event another rank started, or one to take a joiner back
-                self._sync(finished=False)
+                drained = self._sync(finished=False)[1]  # (applied in this step too)
                 self._pending.clear()
-            info = StepInfo(res.round, res.included, res.contributors, res.count, self._stale,
+            info = StepInfo(res.round, res.included, res.contributors, res.count + drained,
+                            self._stale,
                             lr, res.missed, synced, res.fresh, res.lateness,
                             res.latest_arrival, res.deadline, res.deadline_expired)
         self.last = info
@@ -394,9 +398,10 @@ class DistributedOptimizer(SyncEvents):
         was left), then, with ``average``, average the parameters over all ranks (one
         allreduce, whose result every rank receives alike), else give every rank rank 0's
         parameters (one broadcast): either way every replica ends equal to the bit. Over a
-        partial policy this is a repeated sync event (every rank joins those another rank's
-        finish starts, until all have called it: :mod:`.joining`), and the inner optimizer's
-        state ends equal too (rank 0's, one broadcast). Call it once on every rank after the
+        partial policy the inner optimizer's state ends equal too (rank 0's, one broadcast),
+        and in a job that takes restarted ranks back (``survive``) this is a repeated sync
+        event (every rank joins those another rank's finish starts, until all have called
+        it: :mod:`.joining`). Call it once on every rank after the
         last step. Returns how many local gradients (over all ranks) the drain applied.
         ``"odsgd"`` leaves the model at the global weights W."""
         held = 0
@@ -407,7 +412,7 @@ class DistributedOptimizer(SyncEvents):
                 self._weights = None
             self._apply(prev.result())
             held = self.comm.size
-        elif self._h is not None:
+        elif self._h is not None and self._joiners is not None:
             # sync events until every rank has called finish (ranks still stepping join the
             # events it starts: .joining), each averaging the parameters
             done = False
@@ -420,6 +425,12 @@ class DistributedOptimizer(SyncEvents):
             broadcast_optimizer_state(self.optimizer, 0, comm=self._now())
             if average:
                 return held
+        elif self._h is not None:
+            res = self._h.flush_blocking(self.timeout)
+            held = res.count
+            self._apply_result(res)
+            self._pending.clear()
+            broadcast_optimizer_state(self.optimizer, 0, comm=self.comm)  # (as above)
         flat = self._flat_params()
         self._load(self.comm.allreduce(flat, op="avg", timeout=self.timeout) if average
                    else self.comm.broadcast(flat, 0, timeout=self.timeout))
