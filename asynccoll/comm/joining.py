@@ -113,6 +113,7 @@ class Joiners:
         self.name = name
         self.sid = channel(name)
         self._ready: set[int] = set()
+        self._asked: set[int] = set()  # ready ranks this member flagged at a sync event
         job.in_runtime(self._listen_all)
 
     def _listen_all(self) -> None:  # on the runtime's loop
@@ -130,9 +131,11 @@ class Joiners:
 
     def _on_lost(self, rank: int) -> None:  # on the runtime's loop
         self._ready.discard(rank)  # lost again before it was taken back
+        self._asked.clear()  # the members changed: ask again for the ranks still ready
 
     def _on_join(self, rank: int) -> None:  # on the runtime's loop
         self._ready.discard(rank)  # an earlier process in its place said so, not this one
+        self._asked.discard(rank)
         self._listen(rank)  # (the loss failed the receive posted for the earlier one)
 
     def _on_ready(self, rank: int, fut: asyncio.Future[Any]) -> None:
@@ -140,17 +143,28 @@ class Joiners:
             self._ready.add(rank)
             self._listen(rank)  # a joiner says it again to each rank that joins after it
 
+    def _candidates(self, members: Sequence[int]) -> list[int]:
+        # Not a rank this member knows lost: a loss notice can reach a member after the
+        # rank's new process connected to it (and said it is ready); admitted by the members
+        # that do not know it lost, it would be lost to the grown world here only, and they
+        # would wait on it. So every member must see it live and ready.
+        gone = self.job.membership.gone
+        return [r for r in set(self._ready) if r not in members and r not in gone]
+
     def waiting(self, members: Sequence[int]) -> bool:
-        """Whether a rank outside ``members`` (the job's ranks training now) is ready."""
-        return any(r not in members for r in set(self._ready))
+        """Whether a rank outside ``members`` (the job's ranks training now) is ready and
+        this member has not yet flagged it at a sync event (:meth:`flags`): one event per
+        rank ready, not one per step while another member has yet to hear it is ready (that
+        member triggers the next); asked again after a loss."""
+        return any(r not in self._asked for r in self._candidates(members))
 
     def flags(self, members: Sequence[int]) -> Any:
         """A float vector of the job's size: 1 for each rank outside ``members`` ready here
-        (summed over the members by the caller's collective)."""
+        and not known lost (summed over the members by the caller's collective)."""
         out = np.zeros(self.job.size, np.float64)
-        for r in set(self._ready):
-            if r not in members:
-                out[r] = 1.0
+        for r in self._candidates(members):
+            out[r] = 1.0
+            self._asked.add(r)
         return out
 
     def agreed(self, summed: Any, members: Sequence[int]) -> list[int]:
@@ -160,6 +174,7 @@ class Joiners:
         got = [r for r in range(self.job.size) if r not in members and summed[r] >= n]
         for r in got:
             self._ready.discard(r)
+            self._asked.discard(r)
         return got
 
 

@@ -3,7 +3,8 @@ VICTIMS SIGKILL themselves at step KILL_AT of N on their first start; under ``as
 --max-restarts`` they come back (ASYNCCOLL_RESTART) and join. With KILL_JOINING=s a first
 restart SIGKILLs itself s seconds after it connected (while it joins). With CHURN=k, a rank
 drawn from the step number SIGKILLs itself every CHURN_EVERY steps, k times (a restarted
-process too, at steps after the one it joined at; with CHURN_DIR, once per step number).
+process too, at steps after the one it joined at; with CHURN_DIR, once per step number; never
+the last member, which the restarted ranks need to be taken back).
 With OVERLAP=1 (and VICTIMS=2), losses overlap an admission: rank 3 SIGKILLs itself once rank
 2's restart has connected, rank 2's restart learns that loss before it says it is ready, and
 rank 1 SIGKILLs itself once rank 2 is taken back (a loss in the world rank 2 joined).
@@ -86,7 +87,7 @@ async def main():
         s = opt.step_count
         if churn and first is not None and s > first and s % every == 0 and s // every <= churn \
                 and int(hashlib.sha256(f"{s}".encode()).hexdigest(), 16) % 4 == rank \
-                and _first_kill_at(s):
+                and opt.world_size > 1 and _first_kill_at(s):
             print(f"CHURN kill rank {rank} at step {s}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         g = (opt.params - target) * 0.5

@@ -149,3 +149,22 @@ def test_a_loss_learned_before_the_admission_and_one_after_it() -> None:
     assert sorted(r for r, _, _, k in finals if k == 1) == [1, 2, 3], finals
     assert "did not agree" not in out
     assert "lost during the agreement" not in out
+
+
+@pytest.mark.timeout(170)
+def test_churn_a_random_rank_killed_and_restarted_ten_times(tmp_path: Path) -> None:
+    # every 80 steps a rank drawn from the step number kills itself (once per step number,
+    # never the last member); each comes back and joins, often while another is lost or
+    # joining; 200 steps after the last kill for its restart to join. About 50 s on two
+    # loaded cores.
+    code, out = _run("solo", "9", 20, CHURN="10", CHURN_EVERY="80", N="1000",
+                     STEP_S="0.02", CHURN_DIR=str(tmp_path), ASYNCCOLL_TIMEOUT="60")
+    assert code == 0, out[-4000:]
+    kills = out.count("CHURN kill")
+    assert kills >= 8, out[-4000:]
+    assert out.count("was killed by SIGKILL; restarting it") == kills, out[-4000:]
+    # every process restarted after a kill joined (one whose join failed was restarted too)
+    restarts = out.count("; restarting it (restart")
+    assert kills <= len(re.findall(r"rank \d joined at step", out)) <= restarts, out[-4000:]
+    _all_equal_at(out, 1000)  # and every rank's parameters equal to the bit
+    assert "did not close within" not in out
