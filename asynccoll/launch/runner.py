@@ -17,7 +17,10 @@ prefixes each line they print with ``[rank]``, and watches them:
   ``ASYNCCOLL_MAX_FAILURES`` and :func:`~asynccoll.connect` sets ``Communicator.survive``
   from it). The job then exits 0 when every other rank exits 0. Failures are counted per
   node: each node's launcher allows N of its own ranks;
-* with ``max_restarts`` = N > 0 (``asynccoll run --max-restarts N``), a rank that fails is
+* with ``max_restarts`` = N > 0 (``asynccoll run --max-restarts N``), a rank that fails after
+  another rank of the node exited 0 (the job is finishing: its training's collective finish
+  is done) is neither restarted nor counted as a failure; one line says so. Before that, a
+  rank that fails is
   started again, in a new process with the environment of the first plus ``ASYNCCOLL_RESTART=k``
   (its k-th restart), while the node has made fewer than N restarts; the other ranks go on
   meanwhile (they see ``ASYNCCOLL_MAX_FAILURES`` >= 1 so that their collectives survive the
@@ -523,6 +526,7 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
     waits = {asyncio.ensure_future(p.wait()): r for r, p in ranks.procs.items()}
     extra: set[asyncio.Future[Any]] = {stop_sig}
     failed = 0
+    finished: list[int] = []  # ranks whose latest process exited 0
     if abort_task is not None:
         extra.add(abort_task)
     try:
@@ -556,6 +560,15 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
                 rc = ranks.procs[rank].returncode or 0
                 code = _code(rc)
                 how = f"was killed by {_signame(-rc)}" if rc < 0 else f"exited with code {code}"
+                if not code:
+                    finished.append(rank)
+                elif cfg.max_restarts and finished:
+                    # A rank exits 0 after its training's collective finish: the job is done,
+                    # and a restart would find nobody to take it back. Its result stands.
+                    _say(err, f"rank {rank} {how} after rank(s) {sorted(finished)} finished; "
+                              "not restarted: the job is done without it")
+                    _traceback(ranks.errors, rank, err)
+                    continue
                 if code and (again := await _restart(ranks, rank, how)) is not None:
                     waits[asyncio.ensure_future(again.wait())] = rank
                     continue

@@ -179,7 +179,8 @@ class TcpTransport(Transport):
         got = await asyncio.gather(*jobs)
         reached = [r for r, ok in zip(peers, got, strict=True) if ok]
         if peers and not reached:
-            raise lost(min(peers), f"no rank of the job answered within {timeout} s")
+            raise lost(min(peers), f"no rank of the job admitted this one (nobody listens, or "
+                                   f"none took it back within {timeout:g} s)")
         return sorted(reached)
 
     async def _dial_rejoin(self, rank: int, addr: str, deadline: float) -> bool:
@@ -191,10 +192,13 @@ class TcpTransport(Transport):
                 raise TransportClosedError("transport closed")
             conn = TcpConnection(self, rank, self._secret)
             try:
-                await asyncio.wait_for(loop.create_connection(_factory(conn), host, port),
-                                       max(deadline - loop.time(), 0.001))
+                # each try bounded by the handshake time: a process that is exiting may still
+                # accept a connection and never answer it
+                step = min(max(deadline - loop.time(), 0.001), self.handshake_timeout)
+                await asyncio.wait_for(loop.create_connection(_factory(conn), host, port), step)
                 await asyncio.wait_for(asyncio.shield(conn.ready),
-                                       max(deadline - loop.time(), 0.001))
+                                       min(max(deadline - loop.time(), 0.001),
+                                           self.handshake_timeout))
                 return True
             except ConnectionRefusedError as exc:
                 if rank in self._conns:  # it dialed us meanwhile

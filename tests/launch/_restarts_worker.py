@@ -10,6 +10,8 @@ once     a victim's first start waits until every rank of the node started, then
          while the victims restart.
 always   the victims SIGKILL themselves on every start; the others sleep up to 30 s, or, with
          a third argument N, until every victim has started N times.
+late     the others exit 0 at once (touching ``TEST_SHARED/done-RANK``); a victim waits for
+         them, then exits 3 (the job was done without it).
 node     a first start sleeps up to 30 s (the test kills node 1's launcher); a restart exits 0;
          node 0's ranks exit 0 once ``TEST_SHARED/go`` exists (at most 30 s).
 """
@@ -55,7 +57,18 @@ if mode == "always":
         os.kill(os.getpid(), signal.SIGKILL)
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     wait_for(lambda: n and all((shared / f"started-{v}-{n - 1}").exists() for v in victims), 30)
+    # the victim's last start kills itself at once: let the launcher see that before this rank
+    # exits 0 (a failure after a rank finished is not restarted, nor counted: the job is done)
+    time.sleep(1.0)
     sys.exit(0)
+if mode == "late":
+    if rank not in victims:
+        (shared / f"done-{rank}").touch()
+        sys.exit(0)
+    local = int(os.environ["ASYNCCOLL_LOCAL_WORLD_SIZE"])
+    wait_for(lambda: len(list(shared.glob("done-*"))) >= local - len(victims), 20)
+    time.sleep(0.5)  # (the launcher has seen them exit)
+    sys.exit(3)
 if mode == "node":
     if restart:
         sys.exit(0)

@@ -83,6 +83,20 @@ def test_a_killed_rank_restarts_and_the_job_ends_0(
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_failing_after_the_others_finished_is_not_restarted(
+        launchers: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    # the others' training finished (they exited 0): a restart would find nobody to take it
+    # back, so the launcher neither restarts it nor fails the job
+    code, out, err = _run(launchers, tmp_path, ["-n", "3", "--max-restarts", "2",
+                                                WORKER, "late", "1"])
+    assert code == 0, out + err
+    assert "rank 1 exited with code 3 after rank(s) [0, 2] finished; not restarted: the job " \
+           "is done without it" in err
+    assert [k for k, _, _ in _starts(out, 1)] == [0]
+    assert "restarting it" not in err
+
+
+@pytest.mark.timeout(60)
 def test_rank_0_restarts(launchers: list[subprocess.Popen[str]], tmp_path: Path) -> None:
     code, out, err = _run(launchers, tmp_path, ["-n", "2", "--max-restarts", "1",
                                                 WORKER, "once", "0"])

@@ -93,7 +93,7 @@ async def test_a_lost_rank_stays_lost_unless_rejoins_are_admitted() -> None:
         await _lose(ts, 1)
         new = TcpTransport(1, 3, secret=SECRET)
         await new.listen("tcp://127.0.0.1:0")
-        with pytest.raises(PeerLostError, match="no rank of the job answered"):
+        with pytest.raises(PeerLostError, match="no rank of the job admitted this one"):
             await new.rejoin({r: a for r, a in addrs.items() if r != 1}, timeout=1.5)
         await new.close()
         assert ts[0].stats.reasons
