@@ -23,8 +23,11 @@ $(VENV)/.plot: $(VENV)/.base
 run: $(VENV)/.plot
 	$(PY) -m asynccoll.cli demo
 
+# PYTEST_ARGS: extra pytest options, e.g. `make test PYTEST_ARGS="-n 2 --dist loadgroup"` (the
+# suite under pytest-xdist; tests/conftest.py gives each worker its own segment directory)
+PYTEST_ARGS ?=
 test: $(VENV)/.test
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
