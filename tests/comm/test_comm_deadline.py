@@ -97,7 +97,7 @@ async def test_adapts_down_when_arrivals_tighten_and_up_when_they_spread(progres
     """Steps aligned by a barrier; rank 2 is 0.25 s late in the middle phase. The deadline
     falls from hi to lo while arrivals are tight, grows to about the spread once rank 2 is
     late (its late calls are reported), and falls again; every rank reports the same
-    deadline and start for every round, and with ``accumulate=True`` every rank applies the
+    deadline and start for every round, and with ``Accumulate.SUM`` every rank applies the
     same total, which equals the NumPy sum of every contribution."""
     P, lo, hi, gap = 3, 0.04, 0.6, 0.25
     phases = [0.0] * 5 + [gap] * 7 + [0.0] * 6

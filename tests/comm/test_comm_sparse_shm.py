@@ -269,6 +269,6 @@ def test_partial_handles_conserve_through_shared_memory(kind: str, algorithm: st
     for g in got:
         assert g["shm"]
         assert g["name"] == f"sparse_partial_allreduce.{kind}.shm"
-        # accumulate=True and a flush: every contribution reached every rank exactly once
+        # Accumulate.SUM and a flush: every contribution reached every rank exactly once
         assert np.allclose(np.array(g["sum"], np.float32), contributed, atol=1e-4)
     assert _ours() <= before, "segments left in /dev/shm"

@@ -1,7 +1,7 @@
-"""The hierarchical partial allreduce (``algorithm="hier"``): a host activates as a unit.
+"""The hierarchical partial allreduce (``comm.hier_partial_allreduce``): a host activates as a unit.
 
 Real processes over tcp, "hosts" made with ``ASYNCCOLL_HOST_ID`` (uneven: 1 + 2 + 3 ranks, and
-2 + 2). Every partial kind, with ``accumulate=True`` and random per-rank delays: every rank of a
+2 + 2). Every partial kind, with ``Accumulate.SUM`` and random per-rank delays: every rank of a
 host gets the same result as its leader, bit for bit; contributors are whole hosts; nothing is
 lost or counted twice (the sum of everything a rank was given, flush included, equals the sum
 of every rank's contributions); the host step goes through shared memory.

@@ -1,6 +1,6 @@
 """The partial collectives with their data phase through shared memory (asynccoll.comm.shm,
 ``PartialSegments``): every kind equals the NumPy reference, counts every contribution once
-(``accumulate=True``) and leaves the replicas equal; nothing is left in /dev/shm.
+(``Accumulate.SUM``) and leaves the replicas equal; nothing is left in /dev/shm.
 
 Real processes over tcp for P = 2..8; in-process worlds (one process mapping every rank's
 segments) for the schedule's corner cases.

@@ -2,8 +2,8 @@
 unchanged ``init_process_group("gloo")`` script runs under it; under torchrun asynccoll's store
 takes no port of its own guessing (``MASTER_PORT + 1`` busy does not matter); two DDP hooks on one
 communicator get distinct names; ``finish()`` refuses without the optimizer and leaves replicas
-equal to the bit with it; DistributedOptimizer refuses a DDP model's parameters; its
-``mode="quorum"`` defaults to a quorum of P."""
+equal to the bit with it; DistributedOptimizer refuses a DDP model's parameters, and with
+``Quorum(P)`` leaves the replicas equal to the bit."""
 
 from __future__ import annotations
 

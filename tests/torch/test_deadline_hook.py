@@ -1,4 +1,4 @@
-"""The DDP communication hook with ``kind="deadline"``, driven with stand-in buckets (the
+"""The DDP communication hook with ``Deadline(...)``, driven with stand-in buckets (the
 hook only calls ``index()``, ``buffer()`` and ``parameters()``) on an in-process world."""
 
 from __future__ import annotations

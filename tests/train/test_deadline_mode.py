@@ -1,4 +1,4 @@
-"""``EagerSGD(mode="deadline")``: k arrivals or an adaptive deadline start each round."""
+"""``EagerSGD(policy=Deadline(...))``: k arrivals or an adaptive deadline start each round."""
 
 from __future__ import annotations
 
