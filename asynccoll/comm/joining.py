@@ -81,19 +81,18 @@ def digest(arrays: Sequence[Any]) -> int:
     a flipped bit anywhere changes it. Vectorised (the wrapping sum and the xor of the 8-byte
     words, the tail and the lengths); a check against replicas that drifted apart, not
     against an adversary. Costs two passes over the state at memory speed."""
-    acc = np.uint64(0x9E3779B97F4A7C15)
-    with np.errstate(over="ignore"):
-        for a in arrays:
-            b = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-            n8 = b.size // 8
-            words = b[:n8 * 8].view(np.uint64)
-            s = np.add.reduce(words, dtype=np.uint64) if n8 else np.uint64(0)
-            x = np.bitwise_xor.reduce(words) if n8 else np.uint64(0)
-            tail = int.from_bytes(bytes(b[n8 * 8:]), "little")
-            acc = np.uint64((int(acc) * 0x100000001B3 + int(s)) & (2 ** 64 - 1))
-            acc = np.uint64((int(acc) ^ ((int(x) << 1 | tail) & (2 ** 64 - 1)))
-                            + b.size & (2 ** 64 - 1))
-    return int(acc) >> 1
+    mask = (1 << 64) - 1
+    acc = 0x9E3779B97F4A7C15
+    for a in arrays:
+        b = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        n8 = b.size // 8
+        words = b[:n8 * 8].view(np.uint64)
+        s = int(np.add.reduce(words, dtype=np.uint64))  # (uint64 sums wrap)
+        x = int(np.bitwise_xor.reduce(words)) if n8 else 0
+        tail = int.from_bytes(bytes(b[n8 * 8:]), "little")
+        acc = (acc * 0x100000001B3 + s) & mask
+        acc = ((acc ^ ((x << 1 | tail) & mask)) + b.size) & mask
+    return acc >> 1
 
 
 def _bytes(a: Any) -> Any:

@@ -135,14 +135,7 @@ class Transport(abc.ABC):
         Raises :class:`~asynccoll.TransportError` for a transport that cannot rejoin,
         :class:`PeerLostError` when no peer is reached.
         """
-        if self._closed:
-            raise TransportClosedError("transport closed")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {timeout}")
-        for rank in peers:
-            if not 0 <= rank < self.world_size:
-                raise ValueError(f"peers: rank {rank} outside 0..{self.world_size - 1}")
-        return await self._rejoin({r: a for r, a in peers.items() if r != self.rank}, timeout)
+        return await self._rejoin(self._checked_peers(peers, timeout), timeout)
 
     async def _rejoin(self, peers: Mapping[int, str], timeout: float) -> list[int]:
         """The backend's rejoin (:meth:`rejoin`); only tcp has one so far."""
@@ -210,6 +203,11 @@ class Transport(abc.ABC):
         ``0..P-1`` or a ``timeout`` <= 0, :class:`PeerLostError` naming a rank not reached in
         time, :class:`TransportClosedError` after :meth:`close`.
         """
+        await self._connect(self._checked_peers(peers, timeout), timeout)
+
+    def _checked_peers(self, peers: Mapping[int, str], timeout: float) -> dict[int, str]:
+        """``peers`` without this rank, once the transport is open, ``timeout`` > 0 and every
+        rank is in ``0..P-1`` (:meth:`connect`, :meth:`rejoin`)."""
         if self._closed:
             raise TransportClosedError("transport closed")
         if timeout <= 0:
@@ -217,7 +215,7 @@ class Transport(abc.ABC):
         for rank in peers:
             if not 0 <= rank < self.world_size:
                 raise ValueError(f"peers: rank {rank} outside 0..{self.world_size - 1}")
-        await self._connect({r: a for r, a in peers.items() if r != self.rank}, timeout)
+        return {r: a for r, a in peers.items() if r != self.rank}
 
     def post_frame(self, dst: int, kind: int, sched: int, execution: int, tag: int,
                    payload: Any, dtype: str = "", shape: tuple[int, ...] = (),

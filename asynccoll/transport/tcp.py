@@ -201,23 +201,25 @@ class TcpTransport(Transport):
                                            self.handshake_timeout))
                 return True
             except ConnectionRefusedError as exc:
-                if rank in self._conns:  # it dialed us meanwhile
-                    return True
-                self._lost[rank] = lost(rank, f"nobody listens at {addr}", exc)
-                self.matcher.fail_peer(rank, self._lost[rank])
-                return False
+                return self._rejoin_gave_up(rank, f"nobody listens at {addr}", exc)
             except (OSError, asyncio.TimeoutError, AuthenticationError, PeerLostError) as exc:
                 conn.abort(AuthenticationError("rejoin dial abandoned"))
                 if loop.time() + delay >= deadline:
-                    if rank in self._conns:
-                        return True
-                    self._lost[rank] = lost(rank, f"did not admit this rank within the "
-                                                  f"rejoin timeout ({exc})", exc)
-                    self.matcher.fail_peer(rank, self._lost[rank])
-                    return False
+                    return self._rejoin_gave_up(
+                        rank, f"did not admit this rank within the rejoin timeout ({exc})", exc)
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(2 * delay, 0.5)
         return True
+
+    def _rejoin_gave_up(self, rank: int, reason: str, exc: BaseException) -> bool:
+        """A rejoin dial to ``rank`` failed: True if ``rank`` dialed this one meanwhile, else
+        ``rank`` is lost here (its receives fail; the communicator, not made yet, learns who
+        is a member from the admission) and False."""
+        if rank in self._conns:
+            return True
+        self._lost[rank] = lost(rank, reason, exc)
+        self.matcher.fail_peer(rank, self._lost[rank])
+        return False
 
     async def _await_inbound(self, rank: int, deadline: float, timeout: float) -> None:
         if rank in self._conns:
