@@ -30,25 +30,23 @@ import torch
 from ..comm import joining
 from ..results import PartialResult
 from ..train.info import StepInfo
+from ..train.joining import JoinSide
 from ._comm import blocking
 from .broadcast import broadcast_optimizer_state
 
 __all__ = ["SyncEvents"]
 
 
-class SyncEvents:
+class SyncEvents(JoinSide):
     """The sync events and joining side of :class:`~.optimizer.DistributedOptimizer`
     (module doc); the optimizer provides what is declared here."""
 
     comm: Any  # the blocking communicator (asynccoll.torch._comm.blocking)
     optimizer: torch.optim.Optimizer
     params: list[torch.Tensor]
-    steps: int
     timeout: float | None
     _h: Any
     _dtype: torch.dtype
-    _joiners: joining.Joiners | None = None
-    _joining: bool = False
 
     def _flat_params(self) -> torch.Tensor:
         raise NotImplementedError
@@ -59,27 +57,15 @@ class SyncEvents:
     def _apply_result(self, res: PartialResult) -> float:
         raise NotImplementedError
 
-    # -- set-up ------------------------------------------------------------------------------
-    def _join_init(self) -> None:
-        c = self.comm.comm
-        if self._h is None or not c.survive:
-            return
-        self._joiners = joining.Joiners(c.job, self._h.name)
-        self._joining = bool(c.joined)
+    def _job_comm(self) -> Any:
+        return self.comm.comm
 
-    @property
-    def step_count(self) -> int:
-        """The global step: this rank's steps, or, on a rank that joined, the members' count
-        when it joined plus its own since. Loop on it (``while opt.step_count < N``)."""
-        return self.steps
+    def _handle(self) -> Any:
+        return self._h
 
-    def _now(self) -> Any:
-        """The communicator of the ranks training now (the survivors', the grown one)."""
+    def _comm_now(self) -> Any:
         c = self._h.communicator
         return self.comm.comm if c is None else c
-
-    def _join_wanted(self) -> bool:
-        return self._joiners is not None and self._joiners.waiting(self._now().members)
 
     # -- sync events -------------------------------------------------------------------------
     def _sync(self, *, finished: bool, average: bool = True) -> tuple[bool, int]:
@@ -87,7 +73,7 @@ class SyncEvents:
         local gradients the flush applied)."""
         res = self._h.flush_blocking(self.timeout)
         self._apply_result(res)
-        now = self._now()
+        now = self._comm_now()
         P = self.comm.comm.size
         flat = self._flat_params().to(torch.float64).numpy()
         n = flat.size

@@ -422,7 +422,7 @@ class DistributedOptimizer(SyncEvents):
             self._pending.clear()
             # Partial steps leave an adaptive optimizer's state a little different per rank:
             # rank 0's for all, so that every rank's checkpoint is the same to the bit.
-            broadcast_optimizer_state(self.optimizer, 0, comm=self._now())
+            broadcast_optimizer_state(self.optimizer, 0, comm=self._comm_now())
             if average:
                 return held
         elif self._h is not None:

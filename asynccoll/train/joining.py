@@ -34,33 +34,39 @@ if TYPE_CHECKING:
     from ..comm.communicator import Communicator
     from ..comm.partial import PartialAllreduce
 
-__all__ = ["TakesJoinersBack"]
+__all__ = ["JoinSide", "TakesJoinersBack"]
 
 
-class TakesJoinersBack:
-    """The joining side of a training class (module doc). The class provides ``comm``,
-    ``params``, ``updater``, ``steps``, ``syncs``, ``timeout``, ``_h`` and ``_comm_now()``."""
+class JoinSide:
+    """What every training class shares of taking restarted ranks back (this module's
+    :class:`TakesJoinersBack`, the torch optimizer's :class:`~asynccoll.torch.joining.
+    SyncEvents`): watching for ready ranks, the global step. The class provides ``steps``,
+    ``_h``, :meth:`_job_comm` and :meth:`_comm_now`."""
 
-    comm: Communicator
-    params: Any
-    updater: Any
     steps: int
-    syncs: int
-    timeout: float | None
-    _h: PartialAllreduce | None
     _joiners: joining.Joiners | None = None
     _joining: bool = False
 
-    def _comm_now(self) -> Communicator:
+    def _job_comm(self) -> Any:
+        """The (async) communicator the class was made with."""
+        raise NotImplementedError
+
+    def _comm_now(self) -> Any:
+        """The communicator of the ranks training now (the survivors', the grown one)."""
+        raise NotImplementedError
+
+    def _handle(self) -> Any:
+        """The class's partial allreduce handle (None: it runs none)."""
         raise NotImplementedError
 
     def _join_init(self) -> None:
         """After the handle is made: members of a surviving job watch for restarted ranks; a
         restarted process joins at its first step."""
-        if self._h is None or not self.comm.survive:
+        h, c = self._handle(), self._job_comm()
+        if h is None or not c.survive:
             return
-        self._joiners = joining.Joiners(self.comm.job, self._h.name)
-        self._joining = bool(self.comm.joined)
+        self._joiners = joining.Joiners(c.job, h.name)
+        self._joining = bool(c.joined)
 
     @property
     def step_count(self) -> int:
@@ -69,13 +75,35 @@ class TakesJoinersBack:
         a restarted rank goes on where the job is."""
         return self.steps
 
-    def _join_slots(self) -> int:
-        """How many entries the sync event's allreduce carries for joining (0 or P)."""
-        return 0 if self._joiners is None else self.comm.job.size
-
     def _join_wanted(self) -> bool:
         """Whether a restarted rank is ready here and not yet admitted (trigger a sync)."""
         return self._joiners is not None and self._joiners.waiting(self._comm_now().members)
+
+
+class TakesJoinersBack(JoinSide):
+    """The joining side of a training class over NumPy parameters (module doc). The class
+    provides ``comm``, ``params``, ``updater``, ``steps``, ``syncs``, ``timeout``, ``_h`` and
+    ``_comm_now()``."""
+
+    comm: Communicator
+    params: Any
+    updater: Any
+    syncs: int
+    timeout: float | None
+    _h: PartialAllreduce | None
+
+    def _job_comm(self) -> Communicator:
+        return self.comm
+
+    def _handle(self) -> PartialAllreduce | None:
+        return self._h
+
+    def _comm_now(self) -> Communicator:
+        raise NotImplementedError
+
+    def _join_slots(self) -> int:
+        """How many entries the sync event's allreduce carries for joining (0 or P)."""
+        return 0 if self._joiners is None else self.comm.job.size
 
     def _join_flags(self, out: Any) -> None:
         """Write this member's ready flags into ``out`` (the sync buffer's joining slots)."""
