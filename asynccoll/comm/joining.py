@@ -270,8 +270,8 @@ async def join(comm: Any, name: str, state: Sequence[Any],
         await job.on_runtime(done)
         raise PeerLostError(job.rank, f"no member of the job is reachable to join {name!r}")
     try:
-        got = await _wait_box(job, loop_box[0], timeout,
-                              f"be taken back by the members for {name!r}")
+        got = await _bounded(job, lambda: loop_box[0], timeout,
+                             f"be taken back by the members for {name!r}")
     finally:
         await job.on_runtime(done)
     head = msgpack.unpackb(bytes(got.payload))
@@ -343,14 +343,7 @@ async def check(comm: Any, state: Sequence[Any], timeout: float | None) -> None:
 
 async def _settled(job: Any, futs: list[asyncio.Future[Any]], timeout: float | None,
                    what: str) -> None:
-    async def wait() -> None:
-        await asyncio.gather(*futs)
-
-    try:
-        await job.run_on_runtime(wait, timeout)
-    except asyncio.TimeoutError:
-        raise CollectiveTimeoutError(f"rank {job.rank}: did not {what} within {timeout} s"
-                                     ) from None
+    await _bounded(job, lambda: asyncio.gather(*futs), timeout, what)
 
 
 def _deliver(box: asyncio.Future[Any], fut: asyncio.Future[Any]) -> None:
@@ -358,13 +351,15 @@ def _deliver(box: asyncio.Future[Any], fut: asyncio.Future[Any]) -> None:
         box.set_result(fut.result())
 
 
-async def _wait_box(job: Any, box: asyncio.Future[Any], timeout: float | None,
-                    what: str) -> Any:
-    async def wait() -> Any:
-        return await box
+async def _bounded(job: Any, wait: Any, timeout: float | None, what: str) -> Any:
+    """Await ``wait()`` (futures of the runtime's loop) there, at most ``timeout`` seconds:
+    :class:`~asynccoll.CollectiveTimeoutError` saying what this rank did not do."""
+
+    async def run() -> Any:
+        return await wait()
 
     try:
-        return await job.run_on_runtime(wait, timeout)
+        return await job.run_on_runtime(run, timeout)
     except asyncio.TimeoutError:
         raise CollectiveTimeoutError(f"rank {job.rank}: did not {what} within {timeout} s"
                                      ) from None
