@@ -75,6 +75,49 @@ async def connect(cfg: dict[str, Any]) -> tuple[asynccoll.Communicator, dict[str
 
 
 # -- transfer ----------------------------------------------------------------------------------
+class Sampler:
+    """Where this process's threads are while it transfers (``"sample": true`` in the
+    transfer's config): every 2 ms the innermost three Python frames of every thread other
+    than this one's, counted; a frame in C code (a copy, a hash, a system call) is counted at
+    the Python line that called it. No profiler hooks, so what it measures runs at full
+    speed."""
+
+    def __init__(self) -> None:
+        import threading
+        from collections import Counter
+
+        self.counts: Counter[str] = Counter()
+        self.n = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        while not self._stop.wait(0.002):
+            self.n += 1
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                if ident not in names:
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                where, f = [], frame
+                while f is not None and len(where) < 3:
+                    where.append(f"{Path(f.f_code.co_filename).name}:{f.f_lineno}"
+                                 f"({f.f_code.co_name})")
+                    f = f.f_back
+                self.counts[f"{names.get(ident, '?')[:14]} " + " < ".join(where)] += 1
+
+    def stop(self) -> list[tuple[str, float]]:
+        """The 25 most frequent stacks, with the share of samples they were seen in."""
+        self._stop.set()
+        self._thread.join()
+        return [(k, round(v / max(1, self.n), 3)) for k, v in self.counts.most_common(25)]
+
+
 def _timed(name: str, times: dict[str, float], key: str) -> None:
     """Wrap ``joining.NAME`` (``check``: what ``admit`` and ``join`` end with once the stripes
     are through; ``admit``: what a training class's member calls at the join) so that its
@@ -106,9 +149,12 @@ async def transfer(cfg: dict[str, Any]) -> None:
     times["fill_s"] = time.monotonic() - t
     if RESTART:
         status(rank, "joining")
+        sampler = Sampler() if cfg.get("sample") else None
         times["t_join0"] = time.monotonic()
         grown, first, _ = await joining.join(comm, h.name, state, cfg["timeout"])
         times["t_join1"] = time.monotonic()
+        if sampler is not None:
+            times["profile"] = sampler.stop()
         members = list(grown.members)
         ranks = [members.index(m) if m in members else -1 for m in range(comm.size)]
         await comm.on_runtime(lambda: h.grow(grown, first, ranks))
@@ -130,9 +176,12 @@ async def transfer(cfg: dict[str, Any]) -> None:
             tot = await now.allreduce(joiners.flags(now.members))
             admitted = joiners.agreed(tot, now.members)
             if admitted:
+                sampler = Sampler() if cfg.get("sample") and rank == 0 else None
                 times["t_admit0"] = time.monotonic()
                 await joining.admit(h, now, admitted, state)
                 times["t_admit1"] = time.monotonic()
+                if sampler is not None:
+                    times["profile"] = sampler.stop()
                 times["admitted"] = admitted
                 break
             if time.monotonic() > deadline:

@@ -3,7 +3,7 @@ process's time to its first contribution, the members' step during the join, tra
 churn.
 
     python bench/join.py [--quick | --full] [--out F.json] [--plot F.png] [--parts LIST]
-                         [--sizes 64M,1G] [--repeat N] [--churn-runs N]
+                         [--path shm,tcp] [--sizes 64M,1G] [--repeat N] [--churn-runs N]
 
 P = 4 real rank processes under ``asynccoll run -n 4 --max-restarts N`` over loopback tcp;
 a rank dies by SIGKILL, the launcher restarts it (``ASYNCCOLL_RESTART``), it joins the
@@ -12,14 +12,21 @@ running job. The rank programs are in ``bench/_join_job.py``. Parts:
 * ``transfer``: the state (two uint32 arrays, as parameters and momentum, of ``size`` bytes
   together) striped by the three members to the joiner through
   :func:`asynccoll.comm.joining.admit` / :func:`~asynccoll.comm.joining.join` (a tiny solo
-  handle beside it, so the handle's rebuild costs nothing). Transfer time: from the first
-  member entering ``admit`` to the joiner having every stripe (its digest ``check`` starting);
-  ``effective``: to the last rank through the digest comparison that ends the join. The peer,
-  measured in the same run: raw loopback TCP, one stream of ``size`` bytes from one process to
-  another (``sock_sendall`` / ``sock_recv_into`` into a touched buffer, timed from the first
-  byte sent to a 1-byte acknowledgement), on uvloop (the loop of asynccoll's progress
-  thread) and on plain asyncio.
-  No shared-memory path for the state exists yet: the JSON says so; nothing is measured.
+  handle beside it, so the handle's rebuild costs nothing), by each ``--path``: ``shm`` (the
+  members hand their stripes over through rings in shared memory: every rank is on this host;
+  the job's segments in a private directory, counted after the job: ``segments_left``) and
+  ``tcp`` (``ASYNCCOLL_SHM=0``), in turn. Transfer time: from the first member entering
+  ``admit`` to the joiner having every stripe and its digest (its ``check`` starting);
+  ``effective``: to the last rank through the digest comparison that ends the join (the
+  members hash their whole state meanwhile). The peers, measured in the same run right after
+  each repeat: raw loopback TCP, one stream of ``size`` bytes from one process to another
+  (``sock_sendall`` / ``sock_recv_into`` into a touched buffer, timed from the first byte sent
+  to a 1-byte acknowledgement), on uvloop (the loop of asynccoll's progress thread) and on
+  plain asyncio; and one copy of ``size`` bytes in one process (``np.copyto`` between touched
+  arrays: the ceiling of a path that copies each byte once on one core).
+  With ``--sample``, the joiner and rank 0 also sample where their threads are every 2 ms
+  (``_join_job.Sampler``; the shares are in the JSON's ``profiles``: the account of the costs
+  in docs/benchmarks.md).
 * ``restart``: :class:`asynccoll.EagerSGD` (solo, momentum 0.5, ``step_s`` of simulated
   compute per step) with a state of 1 MiB and of the largest size that fits this machine's
   memory (every rank holds about 9.5 times its state: measured; by default at most 128 MiB,
@@ -75,21 +82,24 @@ JOB = Path(__file__).with_name("_join_job.py")
 P = 4
 MiB = 1 << 20
 ANCHOR_GBPS = 2.4  # torchft's process-group transfer: 12 GB in about 5 s (issue 32)
+SHM_GOAL_GBPS = 5.0  # the goal through shared memory (issue 32)
 GOAL_STEP_RATIO = 1.5
 #: resident bytes per rank of the EagerSGD job: about 9.5 x the state plus 150 MiB (measured:
 #: 559 MiB at a 64 MiB state, 2484 MiB at 256 MiB: parameters, momentum, the sync buffer, the
 #: result buffer, the gradient, the handle's buffers and survival's copies)
 EAGER_RSS = (9.5, 150 * MiB)
-NO_SHM = ("not measured: the state goes to a joiner over the network only; a shared-memory "
-          "path for it does not exist yet (docs/groups.md, Joining)")
+#: what a donor logs when it cannot make its segment (the run is then marked as fallen back)
+FELL_BACK = "goes over the network: no shared-memory segment"
 
 
 # -- running a job -----------------------------------------------------------------------------
 class Job:
     """One ``asynccoll run`` of a ``_join_job.py`` program; its reports, log and kills."""
 
-    def __init__(self, program: str, cfg: dict[str, Any], restarts: int) -> None:
+    def __init__(self, program: str, cfg: dict[str, Any], restarts: int,
+                 env: dict[str, str] | None = None) -> None:
         self.program, self.cfg, self.restarts = program, cfg, restarts
+        self.env = env or {}
         self.rc: int | None = None
         self.log = ""
         self.reports: list[dict[str, Any]] = []
@@ -103,7 +113,7 @@ class Job:
             cmd = [sys.executable, "-m", "asynccoll.cli", "run", "-n", str(P),
                    "--max-restarts", str(self.restarts), str(JOB), self.program, tmp,
                    json.dumps(self.cfg)]
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **self.env}
             self.t0 = time.monotonic()
             with open(out / "launcher.log", "wb") as log:
                 proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log,
@@ -204,10 +214,16 @@ def _label(n: int) -> str:
 
 
 # -- part 1: state transfer --------------------------------------------------------------------
-def transfer_once(size: int, victim: int) -> dict[str, Any]:
+def transfer_once(size: int, victim: int, path: str, sample: bool = False) -> dict[str, Any]:
+    """One job: the victim killed, restarted, its state received through ``path`` (``shm``:
+    the members on its host hand it over in shared memory; ``tcp``: ``ASYNCCOLL_SHM=0``).
+    The job's segments go to a private directory, counted when the job has ended."""
     cfg = {"bytes": size, "timeout": 300, "victim": victim, "kill_at": 3, "step_s": 0.02,
-           "max_s": 120}
-    job = Job("transfer", cfg, 1).run(timeout=300)
+           "max_s": 120, "sample": sample}
+    with tempfile.TemporaryDirectory(prefix="join-shm-", dir="/dev/shm") as shm_dir:
+        env = {"ASYNCCOLL_SHM_DIR": shm_dir, "ASYNCCOLL_SHM": "1" if path == "shm" else "0"}
+        job = Job("transfer", cfg, 1, env).run(timeout=300)
+        left = os.listdir(shm_dir)
     joiner, members = job.by(True), job.by(False)
     if job.failed or len(joiner) != 1 or len(members) != P - 1:
         return {"failed": job.failure()}
@@ -219,7 +235,23 @@ def transfer_once(size: int, victim: int) -> dict[str, Any]:
             "check_s": max(r["t_check1"] - r["t_check0"] for r in job.reports),
             "joiner_rss_mib": j["maxrss_mib"],
             "member_rss_mib": max(m["maxrss_mib"] for m in members),
-            "equal": len(digests) == 1}
+            "equal": len(digests) == 1, "segments_left": len(left),
+            "fell_back": FELL_BACK in job.log,
+            "profiles": {f"rank {r['rank']}{' (joiner)' if r['restart'] else ''}": r["profile"]
+                         for r in job.reports if "profile" in r}}
+
+
+def memcpy(size: int, reps: int) -> list[float]:
+    """GB/s of ``reps`` copies of ``size`` bytes between two touched arrays of this process
+    (``np.copyto``, one core): the ceiling of a path that copies each byte once."""
+    a, b = np.ones(size, np.uint8), np.zeros(size, np.uint8)
+    b[:] = 2
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        rates.append(size / (time.perf_counter() - t0) / 1e9)
+    return rates
 
 
 def _raw_peer(rank: int, world: int, port: int, size: int, reps: int, uv: bool,
@@ -289,55 +321,73 @@ def raw_tcp(size: int, reps: int, uv: bool) -> list[float]:
     return rates
 
 
-def part_transfer(sizes: list[int], repeat: int, rng: random.Random,
-                  notes: list[str]) -> list[dict[str, Any]]:
+def part_transfer(sizes: list[int], repeat: int, paths: list[str], rng: random.Random,
+                  notes: list[str], sample: bool = False) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     avail = _mem_available()
     loops = [("uvloop", True), ("asyncio", False)]
     for size in sizes:
-        need = P * size + size * 2 // 3 + P * 150 * MiB  # joiner: early stripes held once
+        need = P * size + P * 150 * MiB
         if need > 0.7 * avail:
             notes.append(f"transfer {_label(size)} skipped: needs about {need / 2**30:.1f} GiB, "
                          f"{avail / 2**30:.1f} GiB available")
             print(notes[-1], file=sys.stderr)
             continue
-        runs, fails = [], []
+        runs: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
+        fails: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
         raw: dict[str, list[float]] = {name: [] for name, _ in loops}
-        for _ in range(repeat):  # the peer right after each run: the same load on both
-            res = transfer_once(size, rng.randrange(P))
-            (fails if "failed" in res else runs).append(res)
+        copies: list[float] = []
+        for _ in range(repeat):  # the paths and the peers in turn: the same load on each
+            for path in paths:
+                res = transfer_once(size, rng.randrange(P), path, sample)
+                (fails[path] if "failed" in res else runs[path]).append(res)
             for name, uv in loops:
                 raw[name] += raw_tcp(size, 3, uv)
-        row: dict[str, Any] = {"case": "state transfer", "impl": "asynccoll",
-                               "transport": "tcp", "P": P, "donors": P - 1, "size": size,
-                               "runs": len(runs), "failures": [f["failed"] for f in fails]}
-        if runs:
-            row.update(stats("GBps", [size / r["transfer_s"] / 1e9 for r in runs]))
-            row.update(stats("effective_GBps", [size / r["effective_s"] / 1e9 for r in runs]))
-            for key in ("transfer_s", "effective_s", "check_s", "joiner_rss_mib",
-                        "member_rss_mib"):
-                row.update(stats(key, [r[key] for r in runs]))
-            row["state_equal_every_run"] = all(r["equal"] for r in runs)
-        rows.append(row)
+            copies += memcpy(size, 3)
+        here = []
+        for path in paths:
+            row: dict[str, Any] = {"case": "state transfer", "impl": "asynccoll",
+                                   "transport": path, "P": P, "donors": P - 1, "size": size,
+                                   "runs": len(runs[path]),
+                                   "failures": [f["failed"] for f in fails[path]]}
+            ok = runs[path]
+            if ok:
+                row.update(stats("GBps", [size / r["transfer_s"] / 1e9 for r in ok]))
+                row.update(stats("effective_GBps", [size / r["effective_s"] / 1e9 for r in ok]))
+                for key in ("transfer_s", "effective_s", "check_s", "joiner_rss_mib",
+                            "member_rss_mib"):
+                    row.update(stats(key, [r[key] for r in ok]))
+                row["state_equal_every_run"] = all(r["equal"] for r in ok)
+                row["segments_left"] = [r["segments_left"] for r in ok]
+                row["fell_back_to_tcp"] = sum(r["fell_back"] for r in ok)
+                if sample:
+                    row["profiles"] = [r["profiles"] for r in ok]
+            here.append(row)
         for name, _ in loops:
-            rows.append({"case": "one tcp stream", "impl": "asyncio-raw", "loop": name,
+            here.append({"case": "one tcp stream", "impl": "asyncio-raw", "loop": name,
                          "size": size, "runs": len(raw[name]), **stats("GBps", raw[name])})
-        rows.append({"case": "state transfer", "impl": "asynccoll", "transport": "shm",
-                     "P": P, "size": size, "measured": False, "why": NO_SHM})
-        _say_transfer(rows[-4:])
+        here.append({"case": "one copy", "impl": "numpy-copyto", "size": size,
+                     "runs": len(copies), **stats("GBps", copies)})
+        _say_transfer(here)
+        rows += here
     return rows
 
 
 def _say_transfer(rows: list[dict[str, Any]]) -> None:
-    a = rows[0]
-    if "GBps_median" not in a:
-        print(f"transfer {_label(a['size'])}: every run failed", file=sys.stderr)
-        return
-    raw = {r["loop"]: r["GBps_median"] for r in rows[1:3]}
-    print(f"transfer {_label(a['size'])}: {a['GBps_median']:.2f} GB/s "
-          f"[{a['GBps_min']:.2f}, {a['GBps_max']:.2f}] (with the digest check "
-          f"{a['effective_GBps_median']:.2f}); one raw stream: uvloop {raw['uvloop']:.2f}, "
-          f"asyncio {raw['asyncio']:.2f} GB/s; {len(a['failures'])} failed", file=sys.stderr)
+    peers = {r.get("loop", r["case"]): r["GBps_median"] for r in rows
+             if r["case"] != "state transfer"}
+    for a in (r for r in rows if r["case"] == "state transfer"):
+        if "GBps_median" not in a:
+            print(f"transfer {_label(a['size'])} {a['transport']}: every run failed",
+                  file=sys.stderr)
+            continue
+        print(f"transfer {_label(a['size'])} {a['transport']}: {a['GBps_median']:.2f} GB/s "
+              f"[{a['GBps_min']:.2f}, {a['GBps_max']:.2f}] (with the digest check "
+              f"{a['effective_GBps_median']:.2f}); {len(a['failures'])} failed; segments left "
+              f"{sum(a['segments_left'])}", file=sys.stderr)
+    print(f"  peers: one raw tcp stream uvloop {peers['uvloop']:.2f}, asyncio "
+          f"{peers['asyncio']:.2f} GB/s; one copy {peers['one copy']:.2f} GB/s",
+          file=sys.stderr)
 
 
 # -- parts 2 and 3: restart to first contribution, the members' step during the join -----------
@@ -396,7 +446,8 @@ def part_restart(sizes: list[int], repeat: int, step_s: float, rng: random.Rando
         for _ in range(repeat):
             res = restart_once(size, rng.randrange(P), step_s)
             (fails if "failed" in res else runs).append(res)
-        base = {"impl": "asynccoll", "transport": "tcp", "P": P, "size": size,
+        base = {"impl": "asynccoll", "transport": "tcp", "state_path": "shm", "P": P,
+                "size": size,
                 "step_compute_s": step_s, "runs": len(runs),
                 "failures": [f["failed"] for f in fails]}
         row: dict[str, Any] = {"case": "restart to first contribution", **base}
@@ -561,14 +612,19 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def _plot_transfer(ax: Any, rows: list[dict[str, Any]]) -> None:
-    series = [("asynccoll, 3 donors (transfer)", "GBps", lambda r: r["impl"] == "asynccoll"
-               and r.get("transport") == "tcp", "o-"),
-              ("asynccoll, with the digest check", "effective_GBps",
-               lambda r: r["impl"] == "asynccoll" and r.get("transport") == "tcp", "o--"),
+    def ours(path: str) -> Callable[[dict[str, Any]], bool]:
+        return lambda r: r["impl"] == "asynccoll" and r.get("transport") == path
+
+    series = [("asynccoll shm, 3 donors (transfer)", "GBps", ours("shm"), "o-"),
+              ("asynccoll shm, with the digest check", "effective_GBps", ours("shm"), "o--"),
+              ("asynccoll tcp, 3 donors (transfer)", "GBps", ours("tcp"), "D-"),
+              ("asynccoll tcp, with the digest check", "effective_GBps", ours("tcp"), "D--"),
               ("raw tcp stream, uvloop", "GBps", lambda r: r.get("loop") == "uvloop", "s-"),
-              ("raw tcp stream, asyncio", "GBps", lambda r: r.get("loop") == "asyncio", "s:")]
+              ("raw tcp stream, asyncio", "GBps", lambda r: r.get("loop") == "asyncio", "s:"),
+              ("one copy in one process", "GBps", lambda r: r.get("case") == "one copy", "^:")]
     for label, key, pick, style in series:
-        sel = [r for r in rows if r.get("case") in ("state transfer", "one tcp stream")
+        sel = [r for r in rows if r.get("case") in ("state transfer", "one tcp stream",
+                                                    "one copy")
                and pick(r) and f"{key}_median" in r]
         if not sel:
             continue
@@ -582,7 +638,7 @@ def _plot_transfer(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.set_xticks([n / MiB for n in sizes], [_label(n) for n in sizes])
     ax.set_xlabel("state moved to the joiner")
     ax.set_ylabel("GB/s (median, min-max)")
-    ax.set_title("State to a joiner, P = 4, tcp on loopback", fontsize=10)
+    ax.set_title("State to a joiner, P = 4, one host (shm; tcp on loopback)", fontsize=10)
     ax.legend(fontsize=7)
 
 
@@ -639,6 +695,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/join.json")
     ap.add_argument("--plot", default="bench/results/join.png")
     ap.add_argument("--parts", default="transfer,restart,churn")
+    ap.add_argument("--sample", action="store_true", help="sample the transfer's threads "
+                    "(the joiner's and rank 0's) every 2 ms; in the JSON")
+    ap.add_argument("--path", default="shm,tcp", help="the transfer's state paths: shm, tcp "
+                    "or both (shm,tcp)")
     ap.add_argument("--sizes", default=None, help="transfer sizes, e.g. 64M,256M,1G")
     ap.add_argument("--restart-sizes", default=None, help="e.g. 1M,256M (default: 1M and the "
                     "largest that fits)")
@@ -655,6 +715,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(parts) - {"transfer", "restart", "churn"}
     if unknown:
         ap.error(f"--parts: unknown {sorted(unknown)}; known: transfer, restart, churn")
+    paths = a.path.split(",")
+    if not paths or set(paths) - {"shm", "tcp"}:
+        ap.error(f"--path: {a.path!r}; known: shm, tcp, shm,tcp")
     level = "quick" if a.quick else "full" if a.full else "default"
     sizes = [_size(s) for s in a.sizes.split(",")] if a.sizes else \
         {"quick": [64 * MiB], "default": [64 * MiB, 1 << 30],
@@ -668,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     t_all = time.monotonic()
     if "transfer" in parts:
-        rows += part_transfer(sizes, repeat, rng, notes)
+        rows += part_transfer(sizes, repeat, paths, rng, notes, a.sample)
     if "restart" in parts:
         rsizes = [_size(s) for s in a.restart_sizes.split(",")] if a.restart_sizes else \
             [MiB] if a.quick else \
@@ -680,20 +743,22 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r.get("case") == "state transfer" and "GBps_median" in r:
             for peer in rows:
-                if peer.get("impl") == "asyncio-raw" and peer["size"] == r["size"]:
-                    ratios[f"{_label(r['size'])} / raw {peer['loop']}"] = \
+                if peer.get("impl") in ("asyncio-raw", "numpy-copyto") \
+                        and peer["size"] == r["size"]:
+                    what = f"raw {peer['loop']}" if "loop" in peer else "one copy"
+                    ratios[f"{_label(r['size'])} {r['transport']} / {what}"] = \
                         r["GBps_median"] / peer["GBps_median"]
     params = {"command": "python " + " ".join([os.path.relpath(__file__, ROOT),
                                               *(sys.argv[1:] if argv is None else argv)]),
               "level": level, "P": P, "parts": parts, "sizes": sizes, "repeat": repeat,
               "churn_runs": churn_runs, "churn_steps": churn_steps,
               "kill_every_s": kill_every, "restart_step_compute_s": a.step_s,
-              "seed": a.seed, "transport": "tcp (loopback)", "anchor_GBps": ANCHOR_GBPS,
+              "seed": a.seed, "paths": paths, "transport": "tcp (loopback)",
+              "anchor_GBps": ANCHOR_GBPS, "shm_goal_GBps": SHM_GOAL_GBPS,
               "mem_available_gib": round(_mem_available() / 2**30, 1),
               "load_average": os.getloadavg()}
     write_json(a.out, "join", params, rows, packages=("asynccoll", "uvloop"),
                extra={"ratios": ratios, "notes": notes,
-                      "not_measured": {"state transfer through shared memory": NO_SHM},
                       "seconds": round(time.monotonic() - t_all, 1)})
     plot(rows, a.plot)
     for k, v in ratios.items():

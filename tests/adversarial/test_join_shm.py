@@ -1,0 +1,85 @@
+"""A joiner's state through shared memory (asynccoll.comm.state_ring), with real processes.
+
+Four ranks under ``asynccoll run --max-failures 1 --max-restarts N`` with a private segment
+directory (``ASYNCCOLL_SHM_DIR``: a fresh directory on the same tmpfs as ``/dev/shm``, so that
+what is left can be counted exactly). Rank 2 SIGKILLs itself, the launcher restarts it and it
+joins a bare partial handle with 48 MiB of state (``_join_shm_job.py``): every donor is on its
+host, so each hands its stripe over through a ring in shared memory. Asserted: the launcher
+exits 0, the joiner says its state came from all three members through shared memory, every
+rank ends with the same world size and the same state bytes, and nothing is left in the
+segment directory, each donor's ring gone when it closed it (not only once the launcher
+unlinked the job's files at its end). Then the restarted process SIGKILLs itself mid-transfer
+(before it maps the first ring, with the donors' segments made; or after copying the first
+chunk out), the members go on without it (they say so), its next restart joins, and still
+nothing is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).with_name("_join_shm_job.py")
+ROOT = str(Path(__file__).parents[2])
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _run(restarts: int, **extra: str) -> tuple[int, str, list[str]]:
+    with tempfile.TemporaryDirectory(prefix="join-shm-test-", dir="/dev/shm") as shm_dir:
+        env = dict(os.environ, PYTHONPATH=ROOT, ASYNCCOLL_SHM_DIR=shm_dir, VICTIM="2",
+                   ASYNCCOLL_SHM="1", **extra)
+        p = subprocess.run([sys.executable, "-m", "asynccoll.cli", "run", "-n", "4",
+                            "--max-failures", "1", "--max-restarts", str(restarts), str(JOB)],
+                           capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+        return p.returncode, p.stdout + p.stderr, os.listdir(shm_dir)
+
+
+def _finals(out: str) -> dict[int, dict[str, int | str]]:
+    rows = [json.loads(ln.split("FINAL ", 1)[1]) for ln in out.splitlines() if "FINAL {" in ln]
+    return {r["rank"]: r for r in rows}
+
+
+def _joined_through_shm(out: str) -> list[str]:
+    return re.findall(r"rank 2: joined partial allreduce 'state'.*from ranks \[0, 1, 3\] "
+                      r"through shared memory, from \[\] over the network", out)
+
+
+@pytest.mark.timeout(170)
+def test_a_restarted_rank_receives_its_state_through_shared_memory_and_leaves_nothing() -> None:
+    code, out, left = _run(1)
+    assert code == 0, out[-4000:]
+    assert _joined_through_shm(out), out[-4000:]
+    assert re.findall(r"RING rank=\d gone=(\w+)", out) == ["True"] * 3, out[-4000:]
+    finals = _finals(out)
+    assert sorted(finals) == [0, 1, 2, 3], out[-3000:]
+    assert finals[2]["restarted"] == 1, finals
+    assert {r["size"] for r in finals.values()} == {4}, finals
+    assert len({r["digest"] for r in finals.values()}) == 1, finals  # equal to the bit
+    assert left == [], left
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("where", ["attach", "chunk"])
+def test_a_joiner_killed_mid_transfer_leaves_nothing_and_the_members_go_on(where: str) -> None:
+    code, out, left = _run(2, DIE_IN="1", DIE_AT=where)
+    assert code == 0, out[-4000:]
+    assert re.search(r"rank\(s\) \[2\] lost while joining partial allreduce 'state'", out), \
+        out[-4000:]
+    assert _joined_through_shm(out), out[-4000:]  # the second restart joined
+    closes = re.findall(r"RING rank=\d gone=(\w+)", out)
+    assert len(closes) >= 4, out[-4000:]  # at least one ring at the failed admission, 3 after
+    assert set(closes) == {"True"}, closes  # unlinked by the donor, not by the job's end
+    finals = _finals(out)
+    assert sorted(finals) == [0, 1, 2, 3], out[-3000:]
+    assert finals[2]["restarted"] == 2, finals
+    assert {r["size"] for r in finals.values()} == {4}, finals
+    assert len({r["digest"] for r in finals.values()}) == 1, finals
+    assert left == [], left
