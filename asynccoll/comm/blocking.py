@@ -48,7 +48,7 @@ class _Collectives(Protocol):
                           path: DataPath | None) -> Any: ...
     def hier_partial_allreduce(self, policy: Policy | str, like: Any, op: str,
                                accumulate: Accumulate | str, *, name: str | None,
-                               timeout: float | None) -> Any: ...
+                               timeout: float | None, survive: bool | None) -> Any: ...
     @property
     def rank(self) -> int: ...
     @property
@@ -152,13 +152,13 @@ class BlockingCollectives:
     @moved_arguments(**MOVED)
     def hier_partial_allreduce(self, policy: Policy | str, like: Any, op: str = "sum",
                                accumulate: Accumulate | str = Accumulate.LATEST, *,
-                               name: str | None = None,
-                               timeout: float | None = None) -> BlockingPartial:
+                               name: str | None = None, timeout: float | None = None,
+                               survive: bool | None = None) -> BlockingPartial:
         """:meth:`Communicator.hier_partial_allreduce
         <asynccoll.Communicator.hier_partial_allreduce>` (same arguments), whose calls
         block."""
         return BlockingPartial(self._comm.hier_partial_allreduce(
-            policy, like, op, accumulate, name=name, timeout=timeout))
+            policy, like, op, accumulate, name=name, timeout=timeout, survive=survive))
 
     def __enter__(self) -> BlockingCollectives:
         return self

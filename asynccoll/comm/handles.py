@@ -336,13 +336,16 @@ class PartialCollectives(Grouping):
     @moved_arguments(**MOVED)
     def hier_partial_allreduce(self, policy: Policy | str, like: Any, op: str = "sum",
                                accumulate: Accumulate | str = Accumulate.LATEST, *,
-                               name: str | None = None,
-                               timeout: float | None = None) -> HierPartialAllreduce:
+                               name: str | None = None, timeout: float | None = None,
+                               survive: bool | None = None) -> HierPartialAllreduce:
         """A hierarchical partial allreduce: within each host synchronous, through shared
         memory; among the hosts a partial allreduce of ``policy`` among their leaders, so a
         host activates as a unit (:mod:`asynccoll.comm.hier_partial`, docs/partial.md).
         ``policy``, ``op``, ``name``, ``timeout``: as :meth:`partial_allreduce`'s, a quorum
         counting hosts; ``accumulate``: ``LATEST`` or ``SUM``. NumPy arrays only.
+        ``survive`` (default: :attr:`survive`): the handle goes on without a lost rank (a
+        host without it, a new leader, a host without ranks dropped;
+        :mod:`asynccoll.comm.hier_survival`); with ``op="sum"`` only.
 
         Raises ``TypeError`` naming ``like`` (not a NumPy array), ``ValueError`` naming
         ``policy``, ``op``, ``accumulate`` (``op="avg"``, ``MEAN`` and ``WORLD``: their
@@ -360,12 +363,16 @@ class PartialCollectives(Grouping):
                              f"Accumulate.{accumulate.name}: averaging divisors would count "
                              "host sums, not ranks (use op='sum' and divide)")
         check_op(op)
+        survives = self.survive if survive is None else bool(survive)
+        if survives and op != "sum":
+            raise ValueError(f"hier_partial_allreduce: survive with op={op!r}: a lost "
+                             "leader's host sums are counted again as sums (use op='sum')")
         if self.hosts:  # known (connect() learns them): quorum counts hosts
             policy.activation(len(self.hosts))
         name = self._partial_name(name)
         options: dict[str, Any] = {"op": op, "accumulate": accumulate, "timeout": timeout,
-                                   "survive": False}
-        h = HierPartialAllreduce(cast("HierComm", self), policy, like, name, options)
+                                   "survive": survives}
+        h = HierPartialAllreduce(cast("HierComm", self), policy, like, name, options, survives)
         self._hier_handles[name] = h
         return h
 

@@ -66,6 +66,7 @@ from ..collectives.policy import Policy
 from ..collectives.shm import host_groups
 from ..errors import BusyError, ExecutionError, PeerLostError, TransportClosedError
 from ..results import PartialResult
+from .hier_survival import Regrouping
 from .membership import Membership
 from .shm import host_hash
 
@@ -89,7 +90,10 @@ class Communicator(Protocol):
     @property
     def membership(self) -> Membership: ...
     @property
+    def members(self) -> tuple[int, ...]: ...
+    @property
     def blocking(self) -> _Submit: ...
+    async def shrink(self, timeout: float | None = None) -> Communicator: ...
     async def allgather(self, x: Any, timeout: float | None = None) -> Any: ...
     async def allreduce(self, x: Any, op: str = "sum", algorithm: str | None = None,
                         timeout: float | None = None, *, out: Any = None) -> Any: ...
@@ -102,11 +106,13 @@ class Communicator(Protocol):
 __all__ = ["HierPartialAllreduce"]
 
 # the header the leader hands to its host: these fields, then per leader its contributor
-# flag, its fresh flag and its arrival (NaN: none); _FAILED: the leader's call raised
-_ROUND, _INCLUDED, _COUNT, _MISSED, _FLUSHED, _EXPIRED, _DEADLINE, _FAILED, _FIELDS = range(9)
+# flag, its fresh flag and its arrival (NaN: none); _FAILED: the leader's call raised;
+# _PENDING: the leader knows of a loss (regroup next); _MINE: the host's count in the value
+(_ROUND, _INCLUDED, _COUNT, _MISSED, _FLUSHED, _EXPIRED, _DEADLINE, _FAILED, _PENDING, _MINE,
+ _FIELDS) = range(11)
 
 
-class HierPartialAllreduce:
+class HierPartialAllreduce(Regrouping):
     """A partial allreduce of ``policy`` among hosts, synchronous within each (module doc).
 
     Made by :meth:`Communicator.hier_partial_allreduce
@@ -116,7 +122,7 @@ class HierPartialAllreduce:
     """
 
     def __init__(self, comm: Communicator, policy: Policy, like: np.ndarray[Any, Any],
-                 name: str, options: dict[str, Any]) -> None:
+                 name: str, options: dict[str, Any], survive: bool = False) -> None:
         #: the straggler policy among the hosts (:mod:`asynccoll.collectives.policy`)
         self.policy = policy
         self.kind = policy.name
@@ -136,7 +142,11 @@ class HierPartialAllreduce:
         self._lost: PeerLostError | None = comm.membership.lost
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         self._guard = threading.Lock()
-        comm.membership.listeners.append(self._on_loss)
+        self._init_survival(survive)
+        if survive:  # the regroup follows the losses (.hier_survival)
+            self._lost = None
+        else:
+            comm.membership.listeners.append(self._on_loss)
 
     @property
     def hosts(self) -> list[list[int]]:
@@ -161,8 +171,8 @@ class HierPartialAllreduce:
                 if lead is not None:
                     try:
                         self._handle = lead.partial_allreduce(
-                            self.policy, self._like, name=f"{self.name}/leaders",
-                            **self._options)
+                            self.policy, self.leaders_like(len(hosts)),
+                            name=f"{self.name}/leaders", **self._options)
                     except (ValueError, TypeError) as exc:
                         err = exc
                 # a leader that could not make its handle says so to its host (every leader
@@ -189,12 +199,15 @@ class HierPartialAllreduce:
             raise ValueError(f"x must have like's shape {self._like.shape} and dtype "
                              f"{self._like.dtype}, got {x.shape} {x.dtype}")
         async with self._one_at_a_time():
+            if self._survive:
+                return await self.surviving(lambda: self._call(x, timeout), self._steps + 1,
+                                            timeout)
             return await self._unless_lost(self._call(x, timeout))
 
     async def _call(self, x: Any, timeout: float | None) -> PartialResult:
         host = await self._setup(timeout)
-        op = self._options.get("op", "sum")
-        summed = await host.allreduce(x, op=op, timeout=timeout)
+        summed = await self.host_step(host, x, timeout)
+        self.lead_flushed = False
         return await self._lead_and_hand_out(
             host, None if self._handle is None else self._handle(summed, timeout), timeout)
 
@@ -203,10 +216,14 @@ class HierPartialAllreduce:
         leaders flush their handle (:meth:`PartialAllreduce.flush
         <asynccoll.comm.partial.PartialAllreduce.flush>`) and hand its result out."""
         async with self._one_at_a_time():
+            if self._survive:
+                return await self.surviving(lambda: self._flush(timeout), self._steps + 1,
+                                            timeout, flush=True)
             return await self._unless_lost(self._flush(timeout))
 
     async def _flush(self, timeout: float | None) -> PartialResult:
         host = await self._setup(timeout)
+        self.lead_flushed = True
         return await self._lead_and_hand_out(
             host, None if self._handle is None else self._handle.flush(timeout), timeout)
 
@@ -322,16 +339,25 @@ class HierPartialAllreduce:
         # x bit for bit, -0.0 included, so every rank of the host holds the same bits
         fill = -0.0 if self._like.dtype.kind in "fc" else 0
         value = np.full_like(self._like, fill)
+        head[_PENDING] = self._survive and self.loss_known()
+        head[_MINE] = 0
         if res is not None:
             expired = res.deadline_expired
-            head[:_FAILED] = (res.round, res.included, res.count, res.missed, res.flushed,
+            data, head[_MINE] = self.took(res)
+            head[:_FAILED] = (self._offset + res.round, res.included, res.count, res.missed,
+                              res.flushed,
                               -1 if expired is None else expired,
                               np.nan if res.deadline is None else res.deadline)
-            head[_FIELDS:_FIELDS + n] = [i in res.contributors for i in range(n)]
-            head[_FIELDS + n:_FIELDS + 2 * n] = [i in res.fresh for i in range(n)]
+            # the leaders' ranks now (fewer after a lost leader) -> their hosts
+            at = [i for i in range(n) if i not in res.lost]
+            head[_FIELDS:_FIELDS + 2 * n] = 0
+            for i in res.contributors:
+                head[_FIELDS + at[i]] = 1
+            for i in res.fresh:
+                head[_FIELDS + n + at[i]] = 1
             for i, t in res.arrivals.items():
-                head[_FIELDS + 2 * n + i] = t
-            value[...] = res.value
+                head[_FIELDS + 2 * n + at[i]] = t
+            value[...] = data
         head = await host.broadcast(head, 0, timeout)
         if head[_FAILED]:
             if err is not None:
@@ -339,6 +365,7 @@ class HierPartialAllreduce:
             raise ExecutionError(f"hierarchical partial allreduce {self.name!r}: the call of "
                                  "this host's leader failed (see its error)")
         value = await host.allreduce(value, timeout=timeout)
+        self.handed(bool(head[_PENDING]), int(head[_MINE]), int(head[_ROUND]))
         return self._result(value, head)
 
     def _result(self, value: Any, head: np.ndarray[Any, Any]) -> PartialResult:

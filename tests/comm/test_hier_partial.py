@@ -154,10 +154,12 @@ async def test_options_it_does_not_offer_are_refused_by_name() -> None:
         for kw, said in (({"op": "avg"}, "op='avg'"), ({"accumulate": "mean"}, "accumulate")):
             with pytest.raises(ValueError, match=said):
                 comm.hier_partial_allreduce("solo", like, **kw)
-        # (no survive= or path= on the hierarchical handle: Python's TypeError names them)
-        for kw, said in (({"survive": True}, "survive"), ({"path": DataPath(shm=True)}, "path")):
-            with pytest.raises(TypeError, match=said):
-                comm.hier_partial_allreduce("solo", like, **kw)
+        # survive counts a lost leader's host sums again as sums: op="sum" only
+        with pytest.raises(ValueError, match="survive with op='min'"):
+            comm.hier_partial_allreduce("solo", like, op="min", survive=True)
+        # (no path= on the hierarchical handle: Python's TypeError names it)
+        with pytest.raises(TypeError, match="path"):
+            comm.hier_partial_allreduce("solo", like, path=DataPath(shm=True))
         comm.hier_partial_allreduce(Solo(), like, name="a")
         with pytest.raises(ValueError, match="already used"):
             comm.partial_allreduce(Solo(), like, name="a")
