@@ -188,7 +188,8 @@ class PartialHookState:
         """Collective: flush every bucket's handle; write what was still in flight into the
         parameters' ``.grad`` (zeros where nothing was), apply it with one ``optimizer.step()``
         and give every rank rank 0's parameters (one broadcast per dtype), so that every
-        replica ends equal to the bit whatever rounds each rank applied on its way. Call it on
+        replica ends equal to the bit whatever rounds each rank applied on its way (after a
+        survived loss: over the survivors, from the lowest of them). Call it on
         every rank after the last backward pass, with the optimizer that steps the DDP model.
 
         ``optimizer=None``: only write the drained gradients into ``.grad`` (your own step
@@ -230,9 +231,12 @@ class PartialHookState:
         if held:
             optimizer.step()
         # one rank computes, the others receive: ranks that applied the same rounds grouped
-        # differently hold the same model up to rounding, and rounding must not split them
+        # differently hold the same model up to rounding, and rounding must not split them;
+        # over the ranks training now (the survivors' after a lost rank: the lowest sends)
+        now = [h.communicator for h in self._handles.values() if h.communicator is not None]
         params = [p for index in sorted(self._params) for p in self._params[index]]
-        broadcast_parameters({str(i): p.data for i, p in enumerate(params)}, 0, comm=self.comm)
+        broadcast_parameters({str(i): p.data for i, p in enumerate(params)}, 0,
+                             comm=now[0] if now else self.comm)
         return held
 
 

@@ -397,7 +397,8 @@ class DistributedOptimizer(SyncEvents):
         """Collective: drain every gradient in flight and apply it (one inner step, if any
         was left), then, with ``average``, average the parameters over all ranks (one
         allreduce, whose result every rank receives alike), else give every rank rank 0's
-        parameters (one broadcast): either way every replica ends equal to the bit. Over a
+        parameters (one broadcast): either way every replica ends equal to the bit, after a
+        survived loss too (both over the survivors, rank 0 the lowest of them). Over a
         partial policy the inner optimizer's state ends equal too (rank 0's, one broadcast),
         and in a job that takes restarted ranks back (``survive``) this is a repeated sync
         event (every rank joins those another rank's finish starts, until all have called
@@ -431,9 +432,11 @@ class DistributedOptimizer(SyncEvents):
             self._apply_result(res)
             self._pending.clear()
             broadcast_optimizer_state(self.optimizer, 0, comm=self.comm)  # (as above)
+        # over the ranks training now: the survivors' after a lost rank (rank 0 the lowest)
+        now = blocking(self._comm_now()) if self._h is not None else self.comm
         flat = self._flat_params()
-        self._load(self.comm.allreduce(flat, op="avg", timeout=self.timeout) if average
-                   else self.comm.broadcast(flat, 0, timeout=self.timeout))
+        self._load(now.allreduce(flat, op="avg", timeout=self.timeout) if average
+                   else now.broadcast(flat, 0, timeout=self.timeout))
         return held
 
 
