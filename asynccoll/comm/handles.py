@@ -345,7 +345,8 @@ class PartialCollectives(Grouping):
         counting hosts; ``accumulate``: ``LATEST`` or ``SUM``. NumPy arrays only.
         ``survive`` (default: :attr:`survive`): the handle goes on without a lost rank (a
         host without it, a new leader, a host without ranks dropped;
-        :mod:`asynccoll.comm.hier_survival`); with ``op="sum"`` only.
+        :mod:`asynccoll.comm.hier_survival`); with ``op="sum"`` only (the default does not
+        apply to another ``op``: such a handle raises on a loss).
 
         Raises ``TypeError`` naming ``like`` (not a NumPy array), ``ValueError`` naming
         ``policy``, ``op``, ``accumulate`` (``op="avg"``, ``MEAN`` and ``WORLD``: their
@@ -363,7 +364,9 @@ class PartialCollectives(Grouping):
                              f"Accumulate.{accumulate.name}: averaging divisors would count "
                              "host sums, not ranks (use op='sum' and divide)")
         check_op(op)
-        survives = self.survive if survive is None else bool(survive)
+        # the communicator's default gives way to another op (the handle then raises on a
+        # loss); asked for by name, it is refused
+        survives = self.survive and op == "sum" if survive is None else bool(survive)
         if survives and op != "sum":
             raise ValueError(f"hier_partial_allreduce: survive with op={op!r}: a lost "
                              "leader's host sums are counted again as sums (use op='sum')")

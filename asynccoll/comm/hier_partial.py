@@ -26,20 +26,27 @@ hosts whose leader was one, ``arrivals`` gives every rank of a host its leader's
 leaders' contributions (host sums), and ``world_size`` is the world's size. A policy's quorum
 (``Quorum(k)``, ``Backup(b)``, ``Deadline(quorum=k)``) counts hosts. Not offered here, each
 refused by name: ``op="avg"`` and ``Accumulate.MEAN``/``WORLD`` (their divisors count host
-sums, not ranks), surviving a loss (see **A lost rank** below), a data path (the host step
-always takes shared memory), sparse and tensor data (NumPy arrays only). Its calls are
+sums, not ranks), ``survive`` with an ``op`` other than ``"sum"`` (see **A lost rank**
+below), a data path (the host step always takes shared memory), sparse and tensor data (NumPy
+arrays only). Its calls are
 awaited, or blocking (:meth:`HierPartialAllreduce.blocking`,
 ``comm.blocking.hier_partial_allreduce(...)``); no ``out=``, no ``combine``.
 
 **A lost rank.** A result of this handle is complete only with every host's leader in the
 leaders' handle and every rank of a host in its host's sum; a lost rank breaks one of them
-while the other hosts could go on among themselves and return sums that lack it. So the handle
-follows the communicator's membership (:mod:`.membership`): from the moment this rank learns
-of a loss (within a round trip of it, DESIGN §10), the call under way and every later one raise
-:class:`~asynccoll.PeerLostError` naming the lost rank in the communicator's numbering, on
-every rank of every host, and no result is returned after it. A handle that goes on without
-the lost rank (``survive``) needs a new leader to take the place of a lost one in the leaders'
-partial handle, which is a join; it is refused by name until joins exist (docs/groups.md).
+while the other hosts could go on among themselves and return sums that lack it.
+
+* Without ``survive`` the handle follows the communicator's membership (:mod:`.membership`):
+  from the moment this rank learns of a loss (within a round trip of it, DESIGN §10), the
+  call under way and every later one raise :class:`~asynccoll.PeerLostError` naming the lost
+  rank in the communicator's numbering, on every rank of every host, and no result is
+  returned after it.
+* With ``survive`` (``survive=True``, or the communicator's default, as ``asynccoll run
+  --max-failures`` sets it; ``op="sum"`` only) the handle goes on: every survivor regroups
+  once per agreed loss, a host that lost a member goes on with the rest (its lowest rank the
+  leader, a new one if the leader died), a host that lost every rank drops out, the
+  contributions stay exactly accounted (with ``Accumulate.SUM``), and every result from then
+  on reports the loss in ``lost`` and ``world_size`` (:mod:`.hier_survival`).
 
 **Setup.** The first call (or flush) of the handle on each rank makes the host groups and the
 leaders' group (``comm.split("host")``, ``comm.group(leaders)``: collective over the whole

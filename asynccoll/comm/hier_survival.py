@@ -9,9 +9,12 @@ every survivor **regroups** once, and every rank of a host does so at the same c
 * **When.** A rank of a host that lost a member regroups when its host collective fails (every
   later one fails too, so the whole host does). A host that lost nobody regroups at the call
   after its leader learned of the loss: the leader says so in the header it hands to its
-  ranks, so its ranks regroup at the same call; a flush asks the host first (one small
-  allreduce). The calls under way complete meanwhile: a host that waits on another host's
-  leader is released by that leader's flush (step 1), which bypasses the quorum.
+  ranks, so its ranks regroup at the same call; a flush asks the host afterwards (one small
+  allreduce: its leaders' flush may have gone on without a lost leader) and then regroups
+  and flushes again. The calls under way complete meanwhile: a host that waits on another
+  host's leader is released by that leader's flush (step 1), which bypasses the quorum; a
+  leader whose last use of the leaders' handle was a flush does not flush it again (the
+  flushes pair up, one per leader).
 * **How** (every survivor, in this order):
 
   1. the leaders of the epoch flush its leaders' handle: afterwards none of them holds a
@@ -54,10 +57,11 @@ every survivor **regroups** once, and every rank of a host does so at the same c
 
 Costs while nobody is lost: with ``survive`` one copy of the host sum per call on every rank,
 one add of each result, and as many more elements per contribution as there are hosts.
-Every wait is bounded by the handle's timeout. Known limits: a loss learned only after every
-rank of a host has entered the final flush is not regrouped (the host's flush completes
-without the lost host; its results say so in ``contributors``); the regroup's collectives run
-over the survivors' communicator, among its other collectives in the same order.
+Every wait is bounded by the handle's timeout. Known limits: a loss a host learns only after
+its final flush returned is not regrouped there (its ranks have finished); the regroup's
+collectives run over the survivors' communicator, among its other collectives in the same
+order; a loss during the regroup's host broadcast (a host of three or more ranks losing a
+second one then) is not resolved.
 """
 
 from __future__ import annotations

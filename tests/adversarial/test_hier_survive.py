@@ -35,10 +35,11 @@ async def main():
     out, kill, mode = sys.argv[1], [int(k) for k in sys.argv[2].split(",")], sys.argv[3]
     comm = await asynccoll.connect(timeout=60, collective_timeout=20, survive=True)
     x = np.full(4, 1000.0 ** comm.rank)
+    acc_kind = "latest" if mode == "latest" else "sum"
     if mode == "blocking":
-        h = comm.blocking.hier_partial_allreduce(asynccoll.Solo(), x, accumulate="sum")
+        h = comm.blocking.hier_partial_allreduce(asynccoll.Solo(), x, accumulate=acc_kind)
     else:
-        h = comm.hier_partial_allreduce(asynccoll.Solo(), x, accumulate="sum")
+        h = comm.hier_partial_allreduce(asynccoll.Solo(), x, accumulate=acc_kind)
     acc, calls, seen = np.zeros(4), 0, []
     async with comm:
         for step in range(60):
@@ -69,13 +70,8 @@ def _counted(acc: list[float]) -> list[int]:
     return [int(acc[0]) // 1000 ** q % 1000 for q in range(4)]
 
 
-def _check(got: dict[int, dict], killed: set[int]) -> None:
-    first = _counted(next(iter(got.values()))["acc"])
-    calls = {q: o["calls"] for q, o in got.items()}
-    assert {q: first[q] for q in got} == calls, (first, calls)  # each survivor's, once
-    assert all(first[q] <= 20 for q in killed), first  # the dead: at most what it made
-    for r, o in got.items():
-        assert _counted(o["acc"]) == first, f"rank {r} disagrees on what was counted"
+def _check_reports(got: dict[int, dict], killed: set[int]) -> None:
+    for o in got.values():
         lost, world, _ = o["seen"][-1]
         assert lost == sorted(killed), o["seen"][-1]
         assert world == 4 - len(killed)
@@ -83,6 +79,16 @@ def _check(got: dict[int, dict], killed: set[int]) -> None:
             assert world == 4 - len(lost)
             assert not set(lost) & set(contributors), (lost, contributors)
             assert set(lost) <= killed
+
+
+def _check(got: dict[int, dict], killed: set[int]) -> None:
+    _check_reports(got, killed)
+    first = _counted(next(iter(got.values()))["acc"])
+    calls = {q: o["calls"] for q, o in got.items()}
+    assert {q: first[q] for q in got} == calls, (first, calls)  # each survivor's, once
+    assert all(first[q] <= 20 for q in killed), first  # the dead: at most what it made
+    for r, o in got.items():
+        assert _counted(o["acc"]) == first, f"rank {r} disagrees on what was counted"
 
 
 @pytest.mark.timeout(60)
@@ -93,3 +99,11 @@ def test_the_survivors_go_on_with_exact_accounting(tmp_path: Path, kill: str,
                                                    mode: str) -> None:
     got = run_killed_job(tmp_path, RANK, 4, [str(tmp_path), kill, mode], kill, timeout=50)
     _check(got, {int(k) for k in kill.split(",")})
+
+
+@pytest.mark.timeout(60)
+def test_latest_goes_on_and_reports_the_loss(tmp_path: Path) -> None:
+    # Accumulate.LATEST (the default): superseded results are dropped, so no accounting to
+    # check; the survivors finish and every result reports the loss alike
+    got = run_killed_job(tmp_path, RANK, 4, [str(tmp_path), "2", "latest"], "2", timeout=50)
+    _check_reports(got, {2})
