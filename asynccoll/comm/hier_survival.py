@@ -226,7 +226,7 @@ class Regrouping:
         first = -1
         if old is not None:
             if not self.lead_flushed:  # (its last use a flush: nothing held, no second one)
-                self.took_flush(await old.flush(timeout))
+                self.took(await old.flush(timeout))
             first = self._offset + old.completed + 1
         s = await self._survivors(timeout)
         me = self.host_index()
@@ -292,14 +292,11 @@ class Regrouping:
         if max(steps, counted) < at:
             return None
         value = payload[:n].reshape(self._like.shape) if self._sums else payload
-        contributors = frozenset(r for r in alive if not self._sums or payload[n + next(
-            i for i, h in enumerate(hosts) if r in h)] > 0)
+        # the surviving ranks of the hosts with a host sum in the epoch that ended
+        contributors = frozenset(r for i, h in enumerate(hosts) for r in h
+                                 if not self._sums or payload[n + i] > 0)
         return PartialResult(value, first - 1, counted >= at, contributors, 0,
                              flushed=True, world_size=s.size, lost=self.lost)
-
-    def took_flush(self, res: PartialResult) -> None:
-        """Step 1: the epoch's last leaders' result, kept for the regroup."""
-        self.took(res)
 
     async def surviving(self, attempt: Any, at: int, timeout: float | None,
                         flush: bool = False) -> PartialResult:
