@@ -130,9 +130,7 @@ def _want(n: int, P: int, dtype: Any, op: str, step: int) -> np.ndarray[Any, Any
     return acc
 
 
-async def _mixed_main(rank: int, P: int, port: int) -> dict[str, Any]:
-    import torch
-
+async def _mixed_main(rank: int, P: int, port: int, with_torch: bool) -> dict[str, Any]:
     comm = await _connect(rank, P, port)
     bad: list[str] = []
 
@@ -182,11 +180,13 @@ async def _mixed_main(rank: int, P: int, port: int) -> dict[str, Any]:
         res = await comm.allreduce(x, op="max", out=out, timeout=TIMEOUT)
         check("out=", res, _want(rows * 64, P, np.int64, "max", 21).reshape(rows, 64))
         check("out= input kept", x, _data(rows * 64, rank, np.int64, 21).reshape(rows, 64))
-        # torch tensors, in place
-        t = torch.from_numpy(_data(n, rank, np.float32, 22))
-        tr = await comm.allreduce(t, out=t, timeout=TIMEOUT)
-        check("torch", tr.numpy(), _want(n, P, np.float32, "sum", 22))
-        check("torch in place", t.numpy(), _want(n, P, np.float32, "sum", 22))
+        if with_torch:  # torch tensors, in place (importing torch costs each rank 2 CPU-s)
+            import torch
+
+            t = torch.from_numpy(_data(n, rank, np.float32, 22))
+            tr = await comm.allreduce(t, out=t, timeout=TIMEOUT)
+            check("torch", tr.numpy(), _want(n, P, np.float32, "sum", 22))
+            check("torch in place", t.numpy(), _want(n, P, np.float32, "sum", 22))
         # two sizes at once, three times (executors reused, calls interleaved)
         na, nb = _two_shot_count(P, np.float32, 1), _two_shot_count(P, np.float32, 4099)
         for step in range(3):
@@ -201,11 +201,12 @@ async def _mixed_main(rank: int, P: int, port: int) -> dict[str, Any]:
 
 
 @needs_cma
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("P", [3, 6])
 def test_dtypes_odd_sizes_slices_out_torch_and_concurrent_calls(P: int) -> None:
+    # torch tensors at P = 3 only; the spawn's limit leaves the test's timeout room to report
     before = _ours()
-    out = spawn_world(async_child, P, (_mixed_main, free_port()), 80)
+    out = spawn_world(async_child, P, (_mixed_main, free_port(), P == 3), 100)
     assert all(r["bad"] == [] for r in out), out
     # every key above took the single-copy path (8 dtype/op pairs, slice, out=, torch's shares
     # the slice's key, the two concurrent sizes)
