@@ -62,6 +62,12 @@ def report(rank: int, doc: dict[str, Any]) -> None:
     (OUT / f"rank-{rank}-{RESTART}.json").write_text(json.dumps(doc))
 
 
+def cpu_s() -> float:
+    """CPU seconds this process used so far (every thread, user and system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -150,9 +156,9 @@ async def transfer(cfg: dict[str, Any]) -> None:
     if RESTART:
         status(rank, "joining")
         sampler = Sampler() if cfg.get("sample") else None
-        times["t_join0"] = time.monotonic()
+        times["t_join0"], c0 = time.monotonic(), cpu_s()
         grown, first, _ = await joining.join(comm, h.name, state, cfg["timeout"])
-        times["t_join1"] = time.monotonic()
+        times["t_join1"], times["cpu_s"] = time.monotonic(), cpu_s() - c0
         if sampler is not None:
             times["profile"] = sampler.stop()
         members = list(grown.members)
@@ -177,9 +183,9 @@ async def transfer(cfg: dict[str, Any]) -> None:
             admitted = joiners.agreed(tot, now.members)
             if admitted:
                 sampler = Sampler() if cfg.get("sample") and rank == 0 else None
-                times["t_admit0"] = time.monotonic()
+                times["t_admit0"], c0 = time.monotonic(), cpu_s()
                 await joining.admit(h, now, admitted, state)
-                times["t_admit1"] = time.monotonic()
+                times["t_admit1"], times["cpu_s"] = time.monotonic(), cpu_s() - c0
                 if sampler is not None:
                     times["profile"] = sampler.stop()
                 times["admitted"] = admitted

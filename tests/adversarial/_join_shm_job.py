@@ -6,7 +6,8 @@ at call 8 on its first start; restarted, it joins (:func:`~asynccoll.comm.joinin
 receiving the state into arrays of zeros) and goes on at the members' call index. The restart
 numbered ``DIE_IN`` (0: none) SIGKILLs itself mid-transfer: at ``DIE_AT=attach``, before it maps
 the first donor's ring (the donors' segments exist, unmapped), or ``DIE_AT=chunk``, once it
-copied the first chunk out of a ring. A member prints whether each ring it closed is gone from
+copied the first chunk out of a ring. With ``NO_ROOM`` set, no member can make a ring's segment
+(as in a full tmpfs). A member prints whether each ring it closed is gone from
 the directory when it did. The members call until the restarts they expect were
 admitted (at least 40 calls). Each rank prints its world size and a hash of its state
 at the end."""
@@ -64,6 +65,16 @@ def report_ring_closes(rank: int) -> None:
     state_ring.Ring.close = closing
 
 
+def no_room_for_rings() -> None:
+    """Every ring's segment fails as in a full tmpfs (the members' fallback to the network)."""
+    class Full(state_ring.Segment):
+        @classmethod
+        def create(cls, path, nbytes):
+            raise OSError(28, f"not enough shared memory for a {nbytes}-byte segment")
+
+    state_ring.Segment = Full
+
+
 async def main():
     comm = await asynccoll.connect(collective_timeout=60)
     rank = comm.rank
@@ -80,6 +91,8 @@ async def main():
     i = 0
     if not RESTART:
         report_ring_closes(rank)
+        if os.environ.get("NO_ROOM"):
+            no_room_for_rings()
     if RESTART:
         if RESTART == DIE_IN:
             die_mid_transfer(os.environ["DIE_AT"])

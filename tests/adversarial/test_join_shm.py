@@ -11,7 +11,8 @@ segment directory, each donor's ring gone when it closed it (not only once the l
 unlinked the job's files at its end). Then the restarted process SIGKILLs itself mid-transfer
 (before it maps the first ring, with the donors' segments made; or after copying the first
 chunk out), the members go on without it (they say so), its next restart joins, and still
-nothing is left.
+nothing is left. And members that cannot make a segment (a full tmpfs) send over the network,
+each saying so in one warning.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def _finals(out: str) -> dict[int, dict[str, int | str]]:
     return {r["rank"]: r for r in rows}
 
 
-def _joined_through_shm(out: str) -> list[str]:
-    return re.findall(r"rank 2: joined partial allreduce 'state'.*from ranks \[0, 1, 3\] "
-                      r"through shared memory, from \[\] over the network", out)
+def _joined_through_shm(out: str, shm: str = "0, 1, 3", tcp: str = "") -> list[str]:
+    return re.findall(rf"rank 2: joined partial allreduce 'state'.*from ranks \[{shm}\] "
+                      rf"through shared memory, from \[{tcp}\] over the network", out)
 
 
 @pytest.mark.timeout(170)
@@ -81,5 +82,18 @@ def test_a_joiner_killed_mid_transfer_leaves_nothing_and_the_members_go_on(where
     assert sorted(finals) == [0, 1, 2, 3], out[-3000:]
     assert finals[2]["restarted"] == 2, finals
     assert {r["size"] for r in finals.values()} == {4}, finals
+    assert len({r["digest"] for r in finals.values()}) == 1, finals
+    assert left == [], left
+
+
+@pytest.mark.timeout(170)
+def test_members_that_cannot_make_a_segment_send_over_the_network_and_say_so_once() -> None:
+    code, out, left = _run(1, NO_ROOM="1")
+    assert code == 0, out[-4000:]
+    assert _joined_through_shm(out, shm="", tcp="0, 1, 3"), out[-4000:]
+    warned = re.findall(r"\[(\d)\].*goes over the network: no shared-memory segment", out)
+    assert sorted(warned) == ["0", "1", "3"], out[-4000:]  # one line per member process
+    finals = _finals(out)
+    assert sorted(finals) == [0, 1, 2, 3], out[-3000:]
     assert len({r["digest"] for r in finals.values()}) == 1, finals
     assert left == [], left
