@@ -55,9 +55,10 @@ import threading
 import weakref
 from collections.abc import Iterable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["JOB_TAG_ENV", "SHM_DIR", "PartialSegments", "Segment", "check_tag", "host_hash",
            "host_id", "install_cleanup", "job_prefix", "job_tag", "new_job_tag", "new_token",
@@ -296,6 +297,8 @@ class Segment:
     def array(self, dtype: Any, count: int) -> np.ndarray[Any, Any]:
         """The segment as ``count`` elements of ``dtype`` (read-only when attached so)."""
         assert self._mm is not None
+        import numpy as np  # not at the top: the launcher and its reaper need no NumPy
+
         return np.frombuffer(self._mm, dtype, count)
 
     def unlink(self) -> None:
@@ -358,6 +361,8 @@ class PartialSegments:
         #: how many sets alternate (1: a schedule whose own rounds make reuse safe)
         self.parts = parts
         self.count = count
+        import numpy as np
+
         self.dtype = np.dtype(dtype)
         self._nbytes = count * self.dtype.itemsize
         self._own: list[Segment] = []

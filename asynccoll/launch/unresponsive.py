@@ -17,7 +17,6 @@ import logging
 from collections.abc import Callable, Iterable
 
 from ..errors import PeerLostError, StoreError
-from ..transport.liveness import SilentPeerError
 from .store_client import StoreClient
 
 __all__ = ["KEY", "Reporter", "watch"]
@@ -38,6 +37,9 @@ class Reporter:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def __call__(self, rank: int, exc: PeerLostError) -> None:
+        from ..transport.liveness import SilentPeerError  # not at the top: the launcher
+        # imports this module and needs no transport (nor NumPy)
+
         if not isinstance(exc, SilentPeerError):
             return
         task = asyncio.get_running_loop().create_task(self._report(rank, exc.reason))
