@@ -1,5 +1,5 @@
-"""What the PyTorch helpers share: the synchronous communicator they run on, and flat
-buffers cut back into tensors."""
+"""What the PyTorch helpers share: the synchronous communicator they run on, flat buffers cut
+back into tensors, and averaging by the world."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
+from ..collectives.policy import Accumulate
 from ..comm.blocking import BlockingCollectives
 from ..comm.communicator import Communicator
+from ..results import PartialResult
 
-__all__ = ["blocking", "pieces"]
+__all__ = ["blocking", "by_world", "pieces", "world_accumulate"]
 
 
 def pieces(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
@@ -34,3 +36,22 @@ def blocking(comm: Any) -> BlockingCollectives:
         return comm.blocking
     raise TypeError(f"comm must be a Communicator or asynccoll.init()'s communicator, got "
                     f"{type(comm).__name__}")
+
+
+def world_accumulate(accumulate: bool) -> Accumulate:
+    """The handle's ``accumulate`` for ``average="world"``: missed rounds summed each divided by
+    the size of the world it spanned as it completes (``WORLD``, as
+    :class:`~asynccoll.train.EagerSGD`'s), or the latest round only (``LATEST``)."""
+    return Accumulate.WORLD if accumulate else Accumulate.LATEST
+
+
+def by_world(res: PartialResult, handle: Any) -> torch.Tensor:
+    """``res.value`` averaged by the world: each round's sum divided by the number of ranks its
+    execution spanned (``res.world_size``: P, or the survivors' number after a lost rank), the
+    divisor :class:`~asynccoll.train.EagerSGD` uses. A ``WORLD`` handle divided each round as
+    it completed; otherwise (``LATEST``: one round) it is divided here, in place. Every rank
+    divides the same round by the same number, so the bits agree."""
+    value: torch.Tensor = res.value
+    if handle.accumulate is Accumulate.WORLD:
+        return value
+    return value.div_(res.world_size or handle.world_size)

@@ -9,8 +9,10 @@ equal on every rank. The hook starts the bucket's call on the progress thread an
 * **Averaging by the world** (``average="world"``, the default; eager-SGD's choice): the
   future resolves to the bucket's gradients summed over the local gradients the round holds and
   divided by P: every gradient enters the model exactly once with weight 1/P, as under
-  synchronous SGD, however the rounds split the steps. This is the default because it keeps
-  the final accuracy of synchronous DDP (docs/torch.md, *Accuracy*).
+  synchronous SGD, however the rounds split the steps. After a survived loss each round is
+  divided by the ranks it spanned (``PartialResult.world_size``), as
+  :class:`asynccoll.train.EagerSGD` does. This is the default because it keeps the final
+  accuracy of synchronous DDP (docs/torch.md, *Accuracy*).
 * ``average="contributions"`` divides each round's sum by its own ``count`` instead: a round
   that only three of four ranks made is the mean of those three. Under solo and majority,
   where ranks out of phase start several small rounds per step (and the final ``finish()``
@@ -20,7 +22,8 @@ equal on every rank. The hook starts the bucket's call on the progress thread an
   gets that round's result at once and its gradient stays in the handle's send buffer for the
   next round: never dropped, never counted twice.
 * **accumulate** (default True): a rank that missed rounds gets the sum of their per-round
-  averages (every rank applies the same total, so plain-SGD replicas stay equal after
+  averages (each round divided as it completes: the handle's ``Accumulate.WORLD`` or its
+  ``op="avg"``) (every rank applies the same total, so plain-SGD replicas stay equal after
   :meth:`PartialHookState.finish`); False: only the latest round's average (the paper).
 * ``Sync()``: a plain averaging allreduce per bucket, DDP's default hook over asynccoll.
 * ``Deadline(quorum=, bounds=, mad_factor=, window=)``: a bucket's round starts once its
@@ -55,7 +58,6 @@ import torch
 
 from ..collectives.policy import (
     POLICY_MOVED,
-    Accumulate,
     Majority,
     Policy,
     as_policy,
@@ -63,7 +65,7 @@ from ..collectives.policy import (
 )
 from ..comm.blocking import BlockingCollectives
 from ..results import PartialResult
-from ._comm import blocking, pieces
+from ._comm import blocking, by_world, pieces, world_accumulate
 from .broadcast import broadcast_parameters
 
 __all__ = ["BucketStep", "PartialHookState", "partial_hook"]
@@ -133,7 +135,8 @@ class PartialHookState:
         if h is None:
             h = self.comm.comm.partial_allreduce(
                 self.policy, like=buf, op="avg" if self.average == "contributions" else "sum",
-                accumulate=Accumulate.SUM if self.accumulate else Accumulate.LATEST,
+                # (op="avg" turns accumulating into its per-round MEAN itself)
+                accumulate=world_accumulate(self.accumulate),
                 name=f"{self.name}/bucket{index}/{buf.numel()}/{buf.dtype}")
             h.flush_hint = "'state.finish(opt)' of the DDP hook's state"
             self._handles[key] = h
@@ -163,22 +166,23 @@ class PartialHookState:
             return fut
         # the result into the bucket itself (out=, read after the call took buf's data), as
         # the default hook's in-place allreduce: no fresh tensor per bucket and step
-        cf = self.comm.submit(self._handle(index, buf)(buf, out=buf))
+        h = self._handle(index, buf)
+        cf = self.comm.submit(h(buf, out=buf))
 
         def done(f: concurrent.futures.Future[Any]) -> None:
-            _complete(fut, f, lambda r: self._result(index, step, r))
+            _complete(fut, f, lambda r: self._result(index, step, r, h))
 
         cf.add_done_callback(done)
         return fut
 
-    def _result(self, index: int, step: int, res: PartialResult) -> torch.Tensor:
+    def _result(self, index: int, step: int, res: PartialResult, h: Any) -> torch.Tensor:
         prev = self.buckets.get(index)
         stale = 0 if res.included else (prev.staleness + 1 if prev is not None else 1)
         self._record(index, BucketStep(step, res.round, res.included, res.contributors,
                                        res.count, stale, res.missed, res.deadline,
                                        res.deadline_expired))
         value: torch.Tensor = res.value
-        return value if self.average == "contributions" else value.div_(self.comm.size)
+        return value if self.average == "contributions" else by_world(res, h)
 
     def _record(self, index: int, info: BucketStep) -> None:
         with self._lock:
@@ -212,12 +216,12 @@ class PartialHookState:
         for key, fut in zip(keys, futs, strict=True):
             res = fut.result()
             held += res.count
-            if self.average == "world":
-                res.value.div_(self.comm.size)
+            value = res.value if self.average == "contributions" else \
+                by_world(res, self._handles[key])
             if key[0] in flushed:
-                flushed[key[0]] = flushed[key[0]] + res.value
+                flushed[key[0]] = flushed[key[0]] + value
             else:
-                flushed[key[0]] = res.value
+                flushed[key[0]] = value
         for index, params in self._params.items():
             flat = flushed.get(index)
             if flat is None:

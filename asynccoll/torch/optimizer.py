@@ -22,8 +22,10 @@ the new spelling.
 * ``Sync()`` (the default): an averaging allreduce, the synchronous baseline.
 * ``Solo()``, ``Majority()``, ``TwoChoice()``, ``Quorum(k)``: eager-SGD's partial allreduce
   with stale gradients carried to the next round, **averaged by the world** (each round's sum
-  divided by P, so every gradient enters once with weight 1/P as under synchronous SGD; the
-  default because it keeps synchronous SGD's accuracy, docs/torch.md *Accuracy*;
+  divided by P, so every gradient enters once with weight 1/P as under synchronous SGD; after
+  a survived loss by the ranks the round spanned, ``PartialResult.world_size``, as
+  :class:`asynccoll.train.EagerSGD`; the default because it keeps synchronous SGD's accuracy,
+  docs/torch.md *Accuracy*;
   ``average="contributions"``: by the round's own count, larger steps when rounds are small),
   rounds missed by this rank summed (``accumulate=True``) or superseded by the latest (False).
   ``Majority()`` here ended 7.3 points below synchronous DDP's final accuracy on
@@ -44,8 +46,9 @@ the new spelling.
   linearly more; older than ``staleness_bound`` steps: dropped), so it counts once per round;
   the round's sum is **divided by its contributors** and, with ``scale_lr=True`` (RNA's
   linear scaling rule), each param group's learning rate is multiplied by contributors / P for
-  that step. Around SGD a step is then ``lr * sum / P``, and with every rank in every round it
-  is synchronous SGD exactly.
+  that step (P: the ranks the round spanned, fewer after a survived loss). Around SGD a
+  step is then ``lr * sum / P``, and with every rank in every round it is synchronous SGD
+  exactly.
 * ``algorithm="odsgd"`` (``warmup``, ``local``, ``local_lr``, ``lam``; the policy
   ``Sync()``): OD-SGD (Algorithm 2). After ``warmup`` synchronous steps, step t starts the
   allreduce of g_t and, without waiting for it, applies the average of g_{t-1} with the inner
@@ -94,7 +97,7 @@ from ..train._staleness import check_staleness_bound, staleness_combine
 from ..train.backup import drop_late
 from ..train.info import StepInfo
 from ..train.updaters import DCASGD, SGD, make_updater
-from ._comm import blocking, pieces
+from ._comm import blocking, by_world, pieces, world_accumulate
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .joining import SyncEvents
 
@@ -155,8 +158,9 @@ class DistributedOptimizer(SyncEvents):
 
     * ``accumulate`` (partial policies, default True): missed rounds summed, else superseded.
     * ``average`` (partial policies but ``algorithm="rna"``): ``"world"`` (by P: every gradient
-      enters once with weight 1/P, as in synchronous SGD, however rounds split the steps; the
-      default but for ``Backup(b)``) or ``"contributions"`` (each round's sum divided by its
+      enters once with weight 1/P, as in synchronous SGD, however rounds split the steps;
+      after a survived loss each round by the ranks it spanned; the default but for
+      ``Backup(b)``) or ``"contributions"`` (each round's sum divided by its
       count; the default for ``Backup(b)``, whose rounds drop the late gradients). See
       docs/torch.md.
     * ``staleness_bound`` (``"rna"``, steps, default 4; None: unbounded) and ``scale_lr``
@@ -253,10 +257,11 @@ class DistributedOptimizer(SyncEvents):
         if policy.partial:
             # RNA divides by contributors itself (its combine makes a rank count once).
             op = "avg" if average == "contributions" and algorithm != "rna" else "sum"
+            acc = world_accumulate(accumulate) if algorithm != "rna" and op == "sum" else \
+                Accumulate.SUM if accumulate else Accumulate.LATEST
             self._h = self.comm.comm.partial_allreduce(
-                policy, like=torch.zeros(n, dtype=self._dtype), op=op,
-                accumulate=Accumulate.SUM if accumulate else Accumulate.LATEST, name=name,
-                timeout=timeout)
+                policy, like=torch.zeros(n, dtype=self._dtype), op=op, accumulate=acc,
+                name=name, timeout=timeout)
             self._h.flush_hint = "'opt.finish()' of the DistributedOptimizer"
             self._join_init()  # restarted ranks taken back at sync events (.joining)
 
@@ -383,10 +388,11 @@ class DistributedOptimizer(SyncEvents):
         value: torch.Tensor = res.value
         if self.algorithm == "rna":
             c = len(res.contributors)
-            scale = c / self.comm.size if self.scale_lr else 1.0
+            # the world the round spanned (fewer after a survived loss), as by_world's divisor
+            scale = c / (res.world_size or self._h.world_size) if self.scale_lr else 1.0
             self._apply(value.div_(c), scale)
             return lr * scale
-        self._apply(value if self.average == "contributions" else value.div_(self.comm.size))
+        self._apply(value if self.average == "contributions" else by_world(res, self._h))
         return lr
 
     def _lr(self) -> float:

@@ -8,8 +8,11 @@ of every case at once: at step ``KILL_AT``, after half the cases took it. The su
 partial handle's ``communicator``). Prints, per surviving rank:
 
 * ``SURVIVED DIFFER <case>`` for a case whose bytes differ between survivors,
-  ``SURVIVED WORLD <case> <size>`` for one that did not go on among the 3 survivors, and
-  ``SURVIVED OK <rank> <cases>`` when neither happened (``SURVIVED BAD <rank>`` otherwise);
+  ``SURVIVED WORLD <case> <size>`` for one that did not go on among the 3 survivors,
+  ``SURVIVED DIVISOR <case> <values>`` (torch) for a quorum:4 case whose probe step after the
+  loss (every survivor's gradient ``rank + 1``, all of them in the round) did not hand the
+  optimizer their sum divided by the 3 survivors, and ``SURVIVED OK <rank> <cases>`` when
+  none happened (``SURVIVED BAD <rank>`` otherwise);
 * for a case documented to end on a loss: ``ENDED <case> <error type> rank=<r> after=<s>``,
   ``<r>`` the rank the error names and ``<s>`` the seconds from this rank's last step of it
   that returned to the error; ``STILL <case>`` if it never raised.
@@ -159,9 +162,40 @@ OPTIMIZER_CASES = [
     for j, d in enumerate(("float32", "float64"))]
 #: the optimizer's synchronous ones (an allreduce over the job's communicator): a loss ends them
 OPTIMIZER_ENDS = [("sync", None, "float32"), (None, "odsgd", "float64")]
-#: (policy, dtype) of the DDP hook; its finish() is one broadcast whatever the policy
-HOOK_CASES = [("majority", "float32"), ("majority", "float64"), ("solo", "float32"),
-              ("solo", "float64"), ("deadline", "float64"), ("backup:1", "float32")]
+#: (policy, dtype, accumulate) of the DDP hook; its finish() is one broadcast whatever the policy
+HOOK_CASES = [("majority", "float32", True), ("majority", "float64", True),
+              ("solo", "float32", True), ("solo", "float64", True),
+              ("deadline", "float64", True), ("backup:1", "float32", True),
+              ("quorum:4", "float64", True), ("quorum:4", "float32", False)]
+#: what the probe step's averaged gradient must be after the loss: the survivors' gradients
+#: (rank + 1) summed and divided by the world the round spanned, 3 (by the job's 4 it would be
+#: 1.5 with rank 3 lost: the divisor before averaging by the round's world)
+PROBE = sum(r + 1 for r in range(4) if r != VICTIM) / SURVIVORS
+
+
+def probe(label: str, model: Any, opt: Any, rank: int, ddp: bool) -> str | None:
+    """One lockstep step of a quorum:4 case (every survivor in its round) with the gradient
+    ``rank + 1`` everywhere; returns what differs from :data:`PROBE`, or None. The averaged
+    gradient is read from ``.grad`` after the step (the optimizer wrapper hands it there to
+    the inner optimizer) or after the backward pass (DDP writes the hook's result there)."""
+    import torch
+
+    dtype = next(model.parameters()).dtype
+    opt.zero_grad()
+    if ddp:  # DDP's forward must run for its hook to reduce the backward's buckets
+        out = model(torch.zeros(1, 13, dtype=dtype)).sum() * 0
+        (out + (rank + 1) * sum(p.sum() for p in model.parameters())).backward()
+    else:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float(rank + 1))
+    if not ddp:
+        opt.step()
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    if ddp:
+        opt.step()
+    if bool((got == PROBE).all()):
+        return None
+    return f"DIVISOR {label} {sorted(set(got.tolist()))[:4]} want {PROBE}"
 
 
 def torch_part() -> None:
@@ -178,26 +212,30 @@ def torch_part() -> None:
         cases: list[Case] = []
         models: dict[str, Any] = {}
 
-        def optimizer(label: str, policy: str | None, algorithm: str | None, d: str) -> Any:
+        def optimizer(label: str, policy: str | None, algorithm: str | None, d: str,
+                      accumulate: bool = True) -> Any:
             torch.manual_seed(rank)  # replicas start apart: the wrapper broadcasts
             models[label] = torch.nn.Linear(13, 3).to(getattr(torch, d))
             return DistributedOptimizer(torch.optim.SGD(models[label].parameters(), lr=0.05),
-                                        comm, policy, algorithm=algorithm, name=label)
+                                        comm, policy, algorithm=algorithm, name=label,
+                                        accumulate=accumulate)
 
         for policy, algorithm, d, average in OPTIMIZER_CASES:
             label = f"DistributedOptimizer {algorithm or policy} {d} average={average}"
             cases.append(Case(label, optimizer(label, policy, algorithm, d), average))
+        label = "DistributedOptimizer quorum:4 float64 latest average=True"
+        cases.append(Case(label, optimizer(label, "quorum:4", None, "float64", False)))
         for policy, algorithm, d in OPTIMIZER_ENDS:
             label = f"DistributedOptimizer {algorithm or policy} {d}"
             cases.append(Case(label, optimizer(label, policy, algorithm, d), ends=True))
         dist.init_process_group("gloo")
-        for policy, d in HOOK_CASES:
-            label = f"partial_hook {policy} {d}"
+        for policy, d, accumulate in HOOK_CASES:
+            label = f"partial_hook {policy} {d}" + ("" if accumulate else " latest")
             torch.manual_seed(0)
             models[label] = ddp = DDP(torch.nn.Sequential(
                 torch.nn.Linear(13, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(
                     getattr(torch, d)))
-            state, hook = partial_hook(comm, policy, name=label)
+            state, hook = partial_hook(comm, policy, accumulate=accumulate, name=label)
             ddp.register_comm_hook(state, hook)
             cases.append(Case(label, (state, torch.optim.SGD(ddp.parameters(), lr=0.05))))
         rng = np.random.default_rng(rank)
@@ -221,6 +259,12 @@ def torch_part() -> None:
                     ended(c, exc)
                 c.last_ok = time.monotonic()
         bad: list[str] = []
+        for c in cases:  # after the loss: the averaged gradient divided by the 3 survivors
+            if "quorum:4" in c.label and c.ended is None:
+                opt = c.opt[1] if isinstance(c.opt, tuple) else c.opt
+                wrong = probe(c.label, models[c.label], opt, rank, isinstance(c.opt, tuple))
+                if wrong is not None:
+                    bad.append(wrong)
         survivors: Any = None
         for c in cases:
             if c.ended is not None:

@@ -15,6 +15,12 @@ and compare raw bytes over the survivors' communicator.
   (majority, solo, deadline, backup:1) after ``state.finish(opt)``. Both used to hand rank 0's
   parameters around over the job's communicator, which after a loss raises ``PeerLostError``
   (``finish(average=False)`` and the hook's ``finish``); they now use the survivors'.
+* **The divisor after the loss** (torch, ``average="world"``): before ``finish()``, one more
+  lockstep step of each ``quorum:4`` case (every survivor in the round: the optimizer
+  accumulated and latest, the hook accumulated and latest) with the gradient ``rank + 1`` on
+  every survivor must hand the inner optimizer exactly (1 + 2 + 3) / 3 = 2.0, the survivors'
+  average as ``EagerSGD`` divides it (the round's ``world_size``); dividing by the job's 4, as
+  the wrappers once did, gives 1.5.
 * **What a loss ends.** ODSGD and TopKSGD (and the optimizer's ``Sync()`` and
   ``algorithm="odsgd"``) reduce by synchronous collectives over the job's communicator, which
   docs/groups.md says raise on a loss (only persistent partial handles go on; its *Training*
