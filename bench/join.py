@@ -24,6 +24,8 @@ running job. The rank programs are in ``bench/_join_job.py``. Parts:
   to a 1-byte acknowledgement), on uvloop (the loop of asynccoll's progress thread) and on
   plain asyncio; and one copy of ``size`` bytes in one process (``np.copyto`` between touched
   arrays: the ceiling of a path that copies each byte once on one core).
+  Each rank's CPU seconds (every thread) in ``admit`` / ``join`` are recorded: the cost,
+  which the load of a shared machine does not change as it does the wall time.
   With ``--sample``, the joiner and rank 0 also sample where their threads are every 2 ms
   (``_join_job.Sampler``; the shares are in the JSON's ``profiles``: the account of the costs
   in docs/benchmarks.md).
@@ -235,6 +237,7 @@ def transfer_once(size: int, victim: int, path: str, sample: bool = False) -> di
             "check_s": max(r["t_check1"] - r["t_check0"] for r in job.reports),
             "joiner_rss_mib": j["maxrss_mib"],
             "member_rss_mib": max(m["maxrss_mib"] for m in members),
+            "joiner_cpu_s": j["cpu_s"], "members_cpu_s": sum(m["cpu_s"] for m in members),
             "equal": len(digests) == 1, "segments_left": len(left),
             "fell_back": FELL_BACK in job.log,
             "profiles": {f"rank {r['rank']}{' (joiner)' if r['restart'] else ''}": r["profile"]
@@ -355,8 +358,10 @@ def part_transfer(sizes: list[int], repeat: int, paths: list[str], rng: random.R
                 row.update(stats("GBps", [size / r["transfer_s"] / 1e9 for r in ok]))
                 row.update(stats("effective_GBps", [size / r["effective_s"] / 1e9 for r in ok]))
                 for key in ("transfer_s", "effective_s", "check_s", "joiner_rss_mib",
-                            "member_rss_mib"):
+                            "member_rss_mib", "joiner_cpu_s", "members_cpu_s"):
                     row.update(stats(key, [r[key] for r in ok]))
+                row.update(stats("cpu_s_per_GiB", [(r["joiner_cpu_s"] + r["members_cpu_s"])
+                                                   / (size / 2**30) for r in ok]))
                 row["state_equal_every_run"] = all(r["equal"] for r in ok)
                 row["segments_left"] = [r["segments_left"] for r in ok]
                 row["fell_back_to_tcp"] = sum(r["fell_back"] for r in ok)
@@ -383,7 +388,8 @@ def _say_transfer(rows: list[dict[str, Any]]) -> None:
             continue
         print(f"transfer {_label(a['size'])} {a['transport']}: {a['GBps_median']:.2f} GB/s "
               f"[{a['GBps_min']:.2f}, {a['GBps_max']:.2f}] (with the digest check "
-              f"{a['effective_GBps_median']:.2f}); {len(a['failures'])} failed; segments left "
+              f"{a['effective_GBps_median']:.2f}); CPU {a['cpu_s_per_GiB_median']:.2f} s/GiB "
+              f"over the 4 ranks; {len(a['failures'])} failed; segments left "
               f"{sum(a['segments_left'])}", file=sys.stderr)
     print(f"  peers: one raw tcp stream uvloop {peers['uvloop']:.2f}, asyncio "
           f"{peers['asyncio']:.2f} GB/s; one copy {peers['one copy']:.2f} GB/s",
@@ -686,6 +692,22 @@ def _plot_churn(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=7)
 
 
+PART_CASES = {"transfer": ("state transfer", "one tcp stream", "one copy"),
+              "restart": ("restart to first contribution", "members' step during the join"),
+              "churn": ("churn", "no churn")}
+
+
+def kept_rows(path: str, parts: list[str]) -> list[dict[str, Any]]:
+    """The rows of ``path`` (an earlier run's JSON) of the parts not in ``parts``, each marked
+    ``kept_from``: that run's date and command."""
+    old = json.loads(Path(path).read_text())
+    keep = {c for part, cases in PART_CASES.items() if part not in parts for c in cases}
+    mark = {"date": old["env"].get("date"), "command": old["params"].get("command"),
+            "load_average": old["params"].get("load_average")}
+    return [{**r, "kept_from": r.get("kept_from", mark)} for r in old["rows"]
+            if r.get("case") in keep]
+
+
 # -- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -710,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-s", type=float, default=0.1,
                     help="simulated compute per step in the restart part (s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-other-parts", action="store_true",
+                    help="keep the rows of the parts not run now from the --out file already "
+                    "there (each marked with that run's date and command)")
     a = ap.parse_args(argv)
     parts = a.parts.split(",")
     unknown = set(parts) - {"transfer", "restart", "churn"}
@@ -739,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += part_restart(rsizes, repeat, a.step_s, rng)
     if "churn" in parts:
         rows += part_churn(churn_runs, churn_steps, kill_every, rng)
+    if a.keep_other_parts and os.path.exists(a.out):
+        rows += kept_rows(a.out, parts)
     ratios = {}
     for r in rows:
         if r.get("case") == "state transfer" and "GBps_median" in r:

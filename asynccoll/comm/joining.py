@@ -81,6 +81,7 @@ log = logging.getLogger("asynccoll.comm")
 _READY, _HEADER, _STRIPE, _GO, _PLAN, _FILLED, _FREED = range(7)
 _NOTHING = memoryview(b"")
 HASH_CHUNK = 8 << 20  #: bytes per CRC of :func:`digest`
+INLINE_BYTES = 1 << 20  #: a state (or a unit) this small is hashed where it is, not on a thread
 _hashers: list[ThreadPoolExecutor] = []  # the digest's threads (made at first use)
 _warned: list[str] = []  # the one warning per process of a state that took the network
 
@@ -141,9 +142,13 @@ class _Digest:
         self._crcs[(j, lo)] = zlib.crc32(self.views[j][lo:hi])
 
     def all(self) -> None:
-        """Hash every unit, on the digest's threads."""
-        list(_pool().map(self.take, [u for i in range(self.parts)
-                                     for u in units(self._sizes, i, self.parts)]))
+        """Hash every unit, on the digest's threads (here, for a small state)."""
+        work = [u for i in range(self.parts) for u in units(self._sizes, i, self.parts)]
+        if sum(self._sizes) <= INLINE_BYTES:
+            for u in work:
+                self.take(u)
+        else:
+            list(_pool().map(self.take, work))
 
     def value(self) -> int:
         """The digest (every unit hashed)."""
@@ -268,8 +273,13 @@ async def admit(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
     sid = channel(h.name)
     views = [_bytes(a) for a in state]
     d, i = len(old), old.index(job.rank)
-    # this member's digest, on an executor thread while the stripes go out (module doc)
-    mine = asyncio.get_running_loop().run_in_executor(None, digest, state, d)
+    # this member's digest, on an executor thread while the stripes go out (module doc);
+    # a small state's here: a thread's hand-off would cost more than the hash
+    if sum(int(v.size) for v in views) <= INLINE_BYTES:
+        mine: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        mine.set_result(digest(state, d))
+    else:
+        mine = asyncio.get_running_loop().run_in_executor(None, digest, state, d)
     mine_units = units([int(v.size) for v in views], i, d)
 
     def start() -> list[asyncio.Future[Any]]:  # on the runtime's loop
@@ -434,7 +444,10 @@ async def _take_all(t: Any, sid: int, donors: list[int], first: int, views: list
 
     async def hashed(f: asyncio.Future[Any], u: Unit) -> None:
         await f
-        await loop.run_in_executor(_pool(), sums.take, u)
+        if u[2] - u[1] <= INLINE_BYTES:
+            sums.take(u)  # (on the loop: a thread's hand-off would cost more)
+        else:
+            await loop.run_in_executor(_pool(), sums.take, u)
 
     async def take(i: int, src: int) -> None:
         plan = msgpack.unpackb(bytes((await plans[i]).payload))

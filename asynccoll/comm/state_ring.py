@@ -2,18 +2,22 @@
 joiner's host hands its stripe over through a small ring of slots in a segment it creates,
 instead of through its tcp connection.
 
-**The ring.** A donor's stripe is a byte stream (the ``i``-th ``1/D`` of every array, in
-order: :func:`pieces`). It is cut into chunks of :data:`SLOT` bytes, and chunk ``k`` goes
-through slot ``k % slots`` of the donor's segment (at most :data:`SLOTS` slots; a smaller
-stream takes fewer and smaller ones). The donor copies chunk ``k`` in and sends ``FILLED``
-(frame ``k``, no payload, over the job's connection); the joiner copies it out into its own
-arrays and sends ``FREED``; the donor writes slot ``k % slots`` again only after ``FREED`` of
-chunk ``k - slots``. Donor and joiner thus copy at once (the stripe costs the slower of the two
-copies, not their sum), the segment is a few tens of MiB however large the state, and its pages
+**The ring.** A donor's stripe is a list of units (the ``i``-th ``1/D`` of every array, cut
+into pieces of at most 8 MiB: :func:`.joining.units`), packed whole into chunks of at most
+:data:`SLOT` bytes (:func:`chunks`: a state of many small arrays takes few chunks), and chunk
+``k`` goes through slot ``k % slots`` of the donor's segment (at most :data:`SLOTS` slots; a
+smaller stripe takes fewer and smaller ones). The donor copies chunk ``k`` in and sends
+``FILLED`` (frame ``k``, no payload, over the job's connection); the joiner copies it out into
+its own arrays, sends ``FREED``, and hashes its units for the digest (while they are still in
+the caches); the donor writes slot ``k % slots`` again only after ``FREED`` of chunk
+``k - slots``. Donor and joiner thus copy at once (the stripe costs the slower of the two
+copies, not their sum), the segment is at most 32 MiB however large the state, and its pages
 are touched once. The copies run on the runtime loop's executor threads (NumPy copies release
 the GIL), so the loop keeps serving the connections and several donors' chunks are copied out
-in parallel. A chunk costs two empty frames; at 16 MiB that is a few hundred microseconds in
-several milliseconds of copying.
+in parallel. A chunk costs two empty frames, a fraction of a millisecond against the
+milliseconds its copies take; on a machine with fewer free cores than processes each handoff
+also waits for the scheduler, which is why this path is no faster than tcp on the 2-core
+machine of docs/benchmarks.md.
 
 **The segment's life.** Its name is :func:`~.shm.segment_path` of a random token the joiner
 drew for this transfer and sent only over the authenticated connection (in its ``GO``), the
@@ -149,17 +153,21 @@ class Ring:
     async def receive(self, views: Sequence[Any], units: Sequence[Unit],
                       filled: list[asyncio.Future[Any]], freed: Any, then: Any) -> None:
         """The joiner's side, on the runtime loop: for each chunk, wait for its ``FILLED``
-        (``filled[k]``, posted), copy it out into ``views`` (this rank's state) and call
-        ``then(unit)`` for each of its units on the same executor thread (the digest, while
-        the bytes are in the caches), then ``freed(k)``."""
+        (``filled[k]``, posted), copy it out into ``views`` (this rank's state), ``freed(k)``
+        at once (the donor may refill the slot), then ``then(unit)`` for each of its units on
+        another executor thread (the digest, while the bytes are still in the caches)."""
         loop = asyncio.get_running_loop()
+        after: list[asyncio.Future[Any]] = []
 
-        def out(k: int, chunk: list[Unit]) -> None:
-            _copy(views, chunk, self.chunk(k), False)
+        def each(chunk: list[Unit]) -> None:
             for u in chunk:
                 then(u)
 
-        for k, chunk in enumerate(chunks(units, self.slot)):
-            await filled[k]
-            await loop.run_in_executor(None, out, k, chunk)
-            freed(k)
+        try:
+            for k, chunk in enumerate(chunks(units, self.slot)):
+                await filled[k]
+                await loop.run_in_executor(None, _copy, views, chunk, self.chunk(k), False)
+                freed(k)
+                after.append(loop.run_in_executor(None, each, chunk))
+        finally:
+            await asyncio.gather(*after)
