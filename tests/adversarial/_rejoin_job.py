@@ -8,6 +8,8 @@ the last member, which the restarted ranks need to be taken back).
 With OVERLAP=1 (and VICTIMS=2), losses overlap an admission: rank 3 SIGKILLs itself once rank
 2's restart has connected, rank 2's restart learns that loss before it says it is ready, and
 rank 1 SIGKILLs itself once rank 2 is taken back (a loss in the world rank 2 joined).
+With MARK_DIR, a victim does not kill itself at KILL_AT: it touches MARK_DIR/at-RANK and waits
+there for the test to SIGKILL its node (launcher and ranks; tests/launch/test_replacement_node.py).
 Every rank prints one FINAL line with its global step and a digest of its parameters."""
 import asyncio
 import hashlib
@@ -83,6 +85,10 @@ async def main():
             if rank == 1 and opt._comm_now().members == (0, 1, 2):  # 2 back, 3 not yet:
                 os.kill(os.getpid(), signal.SIGKILL)  # a loss in the world 2 joined
         if rank in VICTIMS and not restarted and opt.step_count == KILL_AT:
+            if os.environ.get("MARK_DIR"):  # the test kills this rank's whole node
+                mark = os.path.join(os.environ["MARK_DIR"], f"at-{rank}")
+                os.close(os.open(mark, os.O_CREAT | os.O_WRONLY))
+                await asyncio.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
         s = opt.step_count
         if churn and first is not None and s > first and s % every == 0 and s // every <= churn \

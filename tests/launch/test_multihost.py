@@ -4,81 +4,27 @@ Node 0 (namespace A, 10.231.0.1) hosts the store; node 1 (namespace B, 10.231.0.
 2 ranks on each run the exchange of ``_exchange.py`` through ``asynccoll run --nnodes 2``, so
 every transport address crosses the veth link. The addresses exist only inside the namespaces
 this test creates; it removes them (and whatever runs in them) whatever happens. Needs root and
-``ip netns``; skips with the reason otherwise.
+``ip netns``; skips with the reason otherwise (the fixture ``namespaces``, ``conftest.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from ._netns import ADDR, kill_all_in
+
 HERE = Path(__file__).parent
 ROOT = str(HERE.parents[1])
-ADDR = ("10.231.0.1", "10.231.0.2")
 PORT = 29431
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20,
-                          check=check)
-
-
-def _why_not() -> str | None:
-    if shutil.which("ip") is None:
-        return "the ip command (iproute2) is not installed"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    probe = f"acp{os.getpid() % 100000}"
-    r = _ip("netns", "add", probe, check=False)
-    if r.returncode != 0:
-        return f"ip netns add failed: {r.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
-
-
-@pytest.fixture(scope="module")
-def namespaces() -> Iterator[tuple[str, str]]:
-    reason = _why_not()
-    if reason:
-        pytest.skip(reason)
-    tag = f"{os.getpid() % 100000}"
-    ns = (f"acolA{tag}", f"acolB{tag}")
-    veth = (f"acva{tag}", f"acvb{tag}")
-    try:
-        for n in ns:
-            _ip("netns", "add", n)
-        _ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
-        for n, v, a in zip(ns, veth, ADDR, strict=True):
-            _ip("link", "set", v, "netns", n)
-            _ip("-n", n, "addr", "add", f"{a}/24", "dev", v)
-            _ip("-n", n, "link", "set", v, "up")
-            _ip("-n", n, "link", "set", "lo", "up")
-        yield ns
-    finally:
-        for n in ns:
-            _kill_all_in(n)
-            _ip("netns", "del", n, check=False)
-        _ip("link", "del", veth[0], check=False)  # gone with its namespace unless moved yet
-
-
-def _kill_all_in(ns: str) -> None:
-    """SIGKILL what still runs in ``ns``: only this test starts processes there."""
-    r = _ip("netns", "pids", ns, check=False)
-    for pid in r.stdout.split():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
 
 
 def _launch(ns: str, node: int, transport: str) -> subprocess.Popen[str]:
@@ -118,4 +64,4 @@ def test_four_ranks_on_two_namespaces(namespaces: tuple[str, str], transport: st
                 p.kill()
                 p.communicate()
         for n in namespaces:
-            _kill_all_in(n)
+            kill_all_in(n)
