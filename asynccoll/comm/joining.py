@@ -70,7 +70,7 @@ from ..transport.matching import ignore_outcome
 from .partial_member import stable_id
 from .route import Switches
 from .shm import host_hash, new_token
-from .state_ring import Ring, Unit, chunks
+from .state_ring import SLOT, Ring, Unit, chunks
 
 __all__ = ["Joiners", "StateMismatchError", "admit", "admit_ready", "digest", "join",
            "join_handle", "stripe"]
@@ -82,6 +82,10 @@ _READY, _HEADER, _STRIPE, _GO, _PLAN, _FILLED, _FREED = range(7)
 _NOTHING = memoryview(b"")
 HASH_CHUNK = 8 << 20  #: bytes per CRC of :func:`digest`
 INLINE_BYTES = 1 << 20  #: a state (or a unit) this small is hashed where it is, not on a thread
+#: a smaller stripe goes over the connection even on the joiner's host: it would fill one slot
+#: at most (nothing to overlap), and the ring's set-up (a segment made and mapped on both
+#: sides) and its extra round trip cost more than the copies save
+RING_MIN = SLOT
 _hashers: list[ThreadPoolExecutor] = []  # the digest's threads (made at first use)
 _warned: list[str] = []  # the one warning per process of a state that took the network
 
@@ -325,10 +329,12 @@ async def _give(t: Any, sid: int, r: int, first: int, views: list[Any], mine: li
                 go: dict[str, Any]) -> None:
     """A member's units ``mine`` of ``views`` (:func:`units`) to joiner ``r`` once it said
     ``go`` (on the runtime's loop): through a ring in shared memory when the joiner is on this
-    host and asked for it and the segment can be made (:mod:`.state_ring`), else one frame
-    per unit over the connection, into the receives the joiner posted before its ``GO``."""
+    host and asked for it, the stripe fills a slot at least (:data:`RING_MIN`) and the segment
+    can be made (:mod:`.state_ring`), else one frame per unit over the connection, into the
+    receives the joiner posted before its ``GO``."""
     ring = None
-    if mine and go.get("shm") and go.get("host") == host_hash() and Switches.from_env().shm:
+    if sum(hi - lo for _, lo, hi in mine) >= RING_MIN and go.get("shm") \
+            and go.get("host") == host_hash() and Switches.from_env().shm:
         try:
             ring = Ring.create(Ring.path(int(go["token"]), sid, t.rank, first), mine)
         except (OSError, ValueError) as exc:

@@ -36,8 +36,11 @@ Before that:
   which removes the one of a donor killed after creating it and before the joiner mapped it.
 
 A donor that cannot make its segment (no room in the tmpfs, a name taken, no shared memory)
-says so in one warning per process and sends its stripe over tcp; the joiner reads which from
-the donor's ``PLAN`` frame.
+says so in one warning per process and sends its stripe over tcp; so does, silently, a donor
+whose stripe would not fill one slot (:data:`.joining.RING_MIN`: nothing to overlap, and the
+set-up costs more than it saves: making and mapping a 32 MiB ring took 0.2-0.3 s under the
+load of docs/benchmarks.md) or whose joiner asked for none (``ASYNCCOLL_SHM=0``). The joiner
+reads which from the donor's ``PLAN`` frame.
 """
 
 from __future__ import annotations
