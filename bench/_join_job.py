@@ -141,6 +141,8 @@ def _timed(name: str, times: dict[str, float], key: str) -> None:
 
 
 async def transfer(cfg: dict[str, Any]) -> None:
+    if "ring_min" in cfg:  # the shared-memory path measured at every size (bench/join.py)
+        joining.RING_MIN = cfg["ring_min"]
     comm, times = await connect(cfg)
     _timed("check", times, "t_check")
     rank = comm.rank

@@ -13,7 +13,9 @@ running job. The rank programs are in ``bench/_join_job.py``. Parts:
   together) striped by the three members to the joiner through
   :func:`asynccoll.comm.joining.admit` / :func:`~asynccoll.comm.joining.join` (a tiny solo
   handle beside it, so the handle's rebuild costs nothing), by each ``--path``: ``shm`` (the
-  members hand their stripes over through rings in shared memory: every rank is on this host;
+  members hand their stripes over through rings in shared memory at every size, though by
+  default only stripes of ``joining.RING_MIN`` (128 MiB) or more take it: every rank is on
+  this host;
   the job's segments in a private directory, counted after the job: ``segments_left``) and
   ``tcp`` (``ASYNCCOLL_SHM=0``), in turn. Transfer time: from the first member entering
   ``admit`` to the joiner having every stripe and its digest (its ``check`` starting);
@@ -220,8 +222,10 @@ def transfer_once(size: int, victim: int, path: str, sample: bool = False) -> di
     """One job: the victim killed, restarted, its state received through ``path`` (``shm``:
     the members on its host hand it over in shared memory; ``tcp``: ``ASYNCCOLL_SHM=0``).
     The job's segments go to a private directory, counted when the job has ended."""
-    cfg = {"bytes": size, "timeout": 300, "victim": victim, "kill_at": 3, "step_s": 0.02,
-           "max_s": 120, "sample": sample}
+    cfg: dict[str, Any] = {"bytes": size, "timeout": 300, "victim": victim, "kill_at": 3,
+                           "step_s": 0.02, "max_s": 120, "sample": sample}
+    if path == "shm":
+        cfg["ring_min"] = 0  # the ring at every size (by default from 128 MiB per stripe)
     with tempfile.TemporaryDirectory(prefix="join-shm-", dir="/dev/shm") as shm_dir:
         env = {"ASYNCCOLL_SHM_DIR": shm_dir, "ASYNCCOLL_SHM": "1" if path == "shm" else "0"}
         job = Job("transfer", cfg, 1, env).run(timeout=300)
@@ -638,8 +642,10 @@ def _plot_transfer(ax: Any, rows: list[dict[str, Any]]) -> None:
         med = np.array([r[f"{key}_median"] for r in sel])
         err = [med - [r[f"{key}_min"] for r in sel], [r[f"{key}_max"] for r in sel] - med]
         ax.errorbar(x, med, yerr=err, fmt=style, capsize=3, label=label)
-    ax.axhline(ANCHOR_GBPS, color="grey", linestyle="--", label="goal: torchft's 2.4 GB/s")
+    ax.axhline(ANCHOR_GBPS, color="grey", linestyle="--", label="goal over tcp: torchft's 2.4 GB/s")
+    ax.axhline(SHM_GOAL_GBPS, color="grey", linestyle=":", label="goal through shm: 5 GB/s")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     sizes = sorted({r["size"] for r in rows if r.get("case") == "one tcp stream"})
     ax.set_xticks([n / MiB for n in sizes], [_label(n) for n in sizes])
     ax.set_xlabel("state moved to the joiner")

@@ -70,7 +70,7 @@ from ..transport.matching import ignore_outcome
 from .partial_member import stable_id
 from .route import Switches
 from .shm import host_hash, new_token
-from .state_ring import SLOT, Ring, Unit, chunks
+from .state_ring import Ring, Unit, chunks
 
 __all__ = ["Joiners", "StateMismatchError", "admit", "admit_ready", "digest", "join",
            "join_handle", "stripe"]
@@ -82,10 +82,13 @@ _READY, _HEADER, _STRIPE, _GO, _PLAN, _FILLED, _FREED = range(7)
 _NOTHING = memoryview(b"")
 HASH_CHUNK = 8 << 20  #: bytes per CRC of :func:`digest`
 INLINE_BYTES = 1 << 20  #: a state (or a unit) this small is hashed where it is, not on a thread
-#: a smaller stripe goes over the connection even on the joiner's host: it would fill one slot
-#: at most (nothing to overlap), and the ring's set-up (a segment made and mapped on both
-#: sides) and its extra round trip cost more than the copies save
-RING_MIN = SLOT
+#: a smaller stripe goes over the connection even on the joiner's host. Measured on the 2-core
+#: machine of docs/benchmarks.md ("join"): the ring copies a byte for what tcp costs, but its
+#: set-up (a segment made, then mapped and faulted in on both sides: 0.2-0.3 s per 32 MiB
+#: ring under load) made it 2.3x slower than tcp at 64 MiB of state (21 MiB stripes) and 1.5x
+#: at 256 MiB (85 MiB), and as fast at 1 GiB (341 MiB); on a host with cores to spare it
+#: should pull ahead (every donor copies on its own core, no single thread receives it all)
+RING_MIN = 128 << 20
 _hashers: list[ThreadPoolExecutor] = []  # the digest's threads (made at first use)
 _warned: list[str] = []  # the one warning per process of a state that took the network
 
@@ -329,7 +332,7 @@ async def _give(t: Any, sid: int, r: int, first: int, views: list[Any], mine: li
                 go: dict[str, Any]) -> None:
     """A member's units ``mine`` of ``views`` (:func:`units`) to joiner ``r`` once it said
     ``go`` (on the runtime's loop): through a ring in shared memory when the joiner is on this
-    host and asked for it, the stripe fills a slot at least (:data:`RING_MIN`) and the segment
+    host and asked for it, the stripe has :data:`RING_MIN` bytes at least and the segment
     can be made (:mod:`.state_ring`), else one frame per unit over the connection, into the
     receives the joiner posted before its ``GO``."""
     ring = None

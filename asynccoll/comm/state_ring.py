@@ -16,8 +16,8 @@ are touched once. The copies run on the runtime loop's executor threads (NumPy c
 the GIL), so the loop keeps serving the connections and several donors' chunks are copied out
 in parallel. A chunk costs two empty frames, a fraction of a millisecond against the
 milliseconds its copies take; on a machine with fewer free cores than processes each handoff
-also waits for the scheduler, which is why this path is no faster than tcp on the 2-core
-machine of docs/benchmarks.md.
+also waits for the scheduler: on the 2-core machine of docs/benchmarks.md this path is as fast
+as tcp at 1 GiB, not faster.
 
 **The segment's life.** Its name is :func:`~.shm.segment_path` of a random token the joiner
 drew for this transfer and sent only over the authenticated connection (in its ``GO``), the
@@ -37,9 +37,9 @@ Before that:
 
 A donor that cannot make its segment (no room in the tmpfs, a name taken, no shared memory)
 says so in one warning per process and sends its stripe over tcp; so does, silently, a donor
-whose stripe would not fill one slot (:data:`.joining.RING_MIN`: nothing to overlap, and the
-set-up costs more than it saves: making and mapping a 32 MiB ring took 0.2-0.3 s under the
-load of docs/benchmarks.md) or whose joiner asked for none (``ASYNCCOLL_SHM=0``). The joiner
+whose stripe is under :data:`.joining.RING_MIN` (128 MiB: below it the ring's set-up costs
+more than it saves, measured: making and mapping a 32 MiB ring took 0.2-0.3 s under the load
+of docs/benchmarks.md) or whose joiner asked for none (``ASYNCCOLL_SHM=0``). The joiner
 reads which from the donor's ``PLAN`` frame.
 """
 
