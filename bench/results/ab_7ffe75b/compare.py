@@ -1,4 +1,5 @@
-import json, glob, statistics as st, collections
+import json, os, statistics as st, collections
+HERE = os.path.dirname(os.path.abspath(__file__))
 def rows(path):
     d=json.load(open(path)); return d["rows"]
 def key(r, bench):
@@ -12,7 +13,7 @@ def val(r, bench):
 for bench in ("allreduce","skew"):
     ratios=collections.defaultdict(list); base_v=collections.defaultdict(list); new_v=collections.defaultdict(list)
     for i in (1,2,3):
-        try: b=rows(f"/tmp/ab/base_{bench}_{i}.json"); n=rows(f"/tmp/ab/new_{bench}_{i}.json")
+        try: b=rows(f"{HERE}/base_{bench}_{i}.json"); n=rows(f"{HERE}/new_{bench}_{i}.json")
         except FileNotFoundError: continue
         bm={key(r,bench):val(r,bench) for r in b}; nm={key(r,bench):val(r,bench) for r in n}
         for k in bm:
