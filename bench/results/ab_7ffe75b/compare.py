@@ -1,24 +1,37 @@
-import json, os, statistics as st, collections
+"""Compare the A/B runs beside this file: new/base time per pair (median [min-max])."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics as st
+from typing import Any
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-def rows(path):
-    d=json.load(open(path)); return d["rows"]
-def key(r, bench):
-    if bench=="allreduce": return (r["impl"], r["P"], r["size"])
-    return (r.get("impl"), r.get("P"))
-def val(r, bench):
-    if bench=="allreduce": return r["time_us_median"]
-    for k in ("latency_us_mean","mean_latency_us","latency_mean_us","time_us_mean"):
-        if k in r: return r[k]
-    return None
-for bench in ("allreduce","skew"):
-    ratios=collections.defaultdict(list); base_v=collections.defaultdict(list); new_v=collections.defaultdict(list)
-    for i in (1,2,3):
-        try: b=rows(f"{HERE}/base_{bench}_{i}.json"); n=rows(f"{HERE}/new_{bench}_{i}.json")
-        except FileNotFoundError: continue
-        bm={key(r,bench):val(r,bench) for r in b}; nm={key(r,bench):val(r,bench) for r in n}
-        for k in bm:
-            if k in nm and bm[k] and nm[k]:
-                ratios[k].append(nm[k]/bm[k]); base_v[k].append(bm[k]); new_v[k].append(nm[k])
-    print(f"== {bench}: new/base time ratio per pair (median [min-max]), base and new medians")
-    for k in sorted(ratios, key=str):
-        r=ratios[k]; print(f"{str(k):45s} {st.median(r):.2f} [{min(r):.2f}-{max(r):.2f}] n={len(r)}  base {st.median(base_v[k]):.1f}  new {st.median(new_v[k]):.1f}")
+
+
+def figures(bench: str, side: str, i: int) -> dict[tuple[Any, ...], float]:
+    with open(f"{HERE}/{side}_{bench}_{i}.json") as f:
+        rows = json.load(f)["rows"]
+    if bench == "allreduce":
+        return {(r["impl"], r["P"], r["size"]): r["time_us_median"] for r in rows}
+    return {(r["impl"], r["P"]): r["latency_us_mean"] for r in rows}
+
+
+def main() -> None:
+    for bench in ("allreduce", "skew"):
+        ratios: dict[tuple[Any, ...], list[float]] = collections.defaultdict(list)
+        for i in (1, 2, 3):
+            base, new = figures(bench, "base", i), figures(bench, "new", i)
+            for k, b in base.items():
+                if new.get(k) and b:
+                    ratios[k].append(new[k] / b)
+        print(f"== {bench}: new/base time per pair, median [min-max]")
+        for k in sorted(ratios, key=str):
+            r = ratios[k]
+            print(f"{k!s:45s} {st.median(r):.2f} [{min(r):.2f}-{max(r):.2f}] n={len(r)}")
+
+
+if __name__ == "__main__":
+    main()
