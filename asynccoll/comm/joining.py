@@ -73,7 +73,7 @@ from .shm import host_hash, new_token
 from .state_ring import Ring, Unit, chunks
 
 __all__ = ["Joiners", "StateMismatchError", "admit", "admit_ready", "digest", "join",
-           "join_handle", "stripe"]
+           "join_handle", "stripe", "units"]
 
 log = logging.getLogger("asynccoll.comm")
 
