@@ -11,6 +11,7 @@ package's ``if TYPE_CHECKING:`` imports.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -41,10 +42,13 @@ def exports(package: str, where: Mapping[str, str], namespace: dict[str, Any],
         sys.modules[package].__class__ = _Package
 
     def __getattr__(name: str) -> Any:
-        if name in modules:
-            return importlib.import_module("." + name, package)
         mod = where.get(name)
         if mod is None:
+            # a submodule, as when the package imported every part eagerly
+            # (``import asynccoll; asynccoll.train.EagerSGD``)
+            if name in modules or (not name.startswith("__")
+                                   and importlib.util.find_spec(f"{package}.{name}")):
+                return importlib.import_module("." + name, package)
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(mod, package), name)
         namespace[name] = value
