@@ -58,6 +58,7 @@ import torch
 
 from ..collectives.policy import (
     POLICY_MOVED,
+    Accumulate,
     Majority,
     Policy,
     as_policy,
@@ -133,10 +134,12 @@ class PartialHookState:
         key = (index, buf.numel(), str(buf.dtype))
         h = self._handles.get(key)
         if h is None:
+            by_count = self.average == "contributions"
             h = self.comm.comm.partial_allreduce(
-                self.policy, like=buf, op="avg" if self.average == "contributions" else "sum",
+                self.policy, like=buf, op="avg" if by_count else "sum",
                 # (op="avg" turns accumulating into its per-round MEAN itself)
-                accumulate=world_accumulate(self.accumulate),
+                accumulate=(Accumulate.SUM if self.accumulate else Accumulate.LATEST)
+                if by_count else world_accumulate(self.accumulate),
                 name=f"{self.name}/bucket{index}/{buf.numel()}/{buf.dtype}")
             h.flush_hint = "'state.finish(opt)' of the DDP hook's state"
             self._handles[key] = h
