@@ -1,13 +1,12 @@
 """asynccoll: straggler-tolerant collective communication for asyncio.
 
 The public API is re-exported here; everything else is an implementation detail. The names are
-imported on first use (:mod:`._lazy`): a process that needs only part of the package (the
-launcher, its reaper, a NumPy rank) does not pay for the rest.
+imported on first use (:mod:`asynccoll.transport.lazy`): a process that needs only part of the
+package (the launcher, its reaper, a NumPy rank) does not pay for the rest.
 """
 
 from typing import TYPE_CHECKING
 
-from ._lazy import exports
 from .errors import (
     AsyncCollError,
     AuthenticationError,
@@ -26,6 +25,7 @@ from .errors import (
     TransportClosedError,
     TransportError,
 )
+from .transport.lazy import exports
 
 if TYPE_CHECKING:
     from . import testing as testing

@@ -24,7 +24,7 @@ PKG = pathlib.Path(asynccoll.__file__).parent
 
 #: the parts by level; a part may import parts of its own level or lower, never higher
 LEVELS: dict[str, int] = {
-    "errors": 0, "results": 0, "_lazy": 0, "buffers": 1,
+    "errors": 0, "results": 0, "buffers": 1,
     "transport": 2, "sched": 3, "collectives": 4, "comm": 5, "train": 6, "torch": 6,
     "sim": 7, "launch": 7, "inspect": 7, "testing": 8, "cli": 9, "demo": 9, "__init__": 10,
 }
@@ -33,7 +33,7 @@ LEVELS: dict[str, int] = {
 #: side-by-side parts)
 FORBIDDEN_SIDEWAYS = {("train", "torch"), ("launch", "inspect"), ("inspect", "launch"),
                       ("sim", "launch")}
-ROOT_MODULES = {"__init__", "_lazy", "buffers", "errors", "results", "cli", "demo"}
+ROOT_MODULES = {"__init__", "buffers", "errors", "results", "cli", "demo"}
 
 
 def _modname(path: pathlib.Path) -> str:

@@ -8,13 +8,13 @@ through shared memory on one host, hierarchical across hosts), :mod:`.sparse` (t
 allreduce runtime and its persistent handle), :mod:`.tensors` (torch tensors in and out),
 :mod:`.membership` (lost ranks told to everyone, the goodbyes of an orderly close, the status
 probe) and :mod:`.stall` (stall warnings). The names are imported on first use
-(:mod:`asynccoll._lazy`): the launcher and its reaper need :mod:`.shm`'s cleanup, not the
+(:mod:`asynccoll.transport.lazy`): the launcher and its reaper need :mod:`.shm`'s cleanup, not the
 runtime. ``connect()``, which reads the environment and runs the rendezvous, lives in
 :mod:`asynccoll.launch`."""
 
 from typing import TYPE_CHECKING
 
-from .._lazy import exports
+from ..transport.lazy import exports
 
 if TYPE_CHECKING:
     from .communicator import Communicator

@@ -21,7 +21,9 @@ lazily, so importing this package costs nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..transport.lazy import exports
 
 if TYPE_CHECKING:
     from .pending import explain, explain_executors
@@ -30,14 +32,6 @@ if TYPE_CHECKING:
 
 __all__ = ["explain", "explain_executors", "load_dir", "render"]
 
-_WHERE = {"load_dir": "tracefile", "render": "render", "explain": "pending",
-          "explain_executors": "pending"}
-
-
-def __getattr__(name: str) -> Any:
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'asynccoll.inspect' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+_WHERE = {"load_dir": ".tracefile", "render": ".render", "explain": ".pending",
+          "explain_executors": ".pending"}
+__getattr__, __dir__ = exports(__name__, _WHERE, globals())

@@ -3,12 +3,12 @@
 ``resolve()`` says who this process is in the job (:class:`JobSpec`); ``rendezvous(spec)``
 returns its transport connected to every peer; ``StoreServer`` / ``StoreClient`` are the
 authenticated key-value store they meet in; ``launch(LaunchConfig)`` runs one node's ranks. The
-names are imported on first use (:mod:`asynccoll._lazy`): the launcher and its reaper do not
-import the runtime that ``connect()`` needs."""
+names are imported on first use (:mod:`asynccoll.transport.lazy`): the launcher and its reaper
+do not import the runtime that ``connect()`` needs."""
 
 from typing import TYPE_CHECKING
 
-from .._lazy import exports
+from ..transport.lazy import exports
 
 if TYPE_CHECKING:
     from .connect import DEFAULT_COLLECTIVE_TIMEOUT, connect

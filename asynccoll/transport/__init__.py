@@ -1,9 +1,9 @@
 """Point-to-point messaging: the interface, frames, matching, and the backends by scheme. The names
-are imported on first use (:mod:`asynccoll._lazy`)."""
+are imported on first use (:mod:`asynccoll.transport.lazy`)."""
 
 from typing import TYPE_CHECKING
 
-from .._lazy import exports
+from .lazy import exports
 
 if TYPE_CHECKING:
     from .base import Transport

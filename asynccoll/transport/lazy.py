@@ -5,7 +5,9 @@ Every process the launcher starts (the ranks, the launcher itself, its reaper) i
 of it in modules that process never uses (the reaper waits on a pipe and unlinks segments; a
 rank of a NumPy job needs neither the training classes nor the test worlds). A package lists
 where each public name lives and calls :func:`exports`; type checkers see the names through the
-package's ``if TYPE_CHECKING:`` imports.
+package's ``if TYPE_CHECKING:`` imports. It lives here, in the lowest part of the package,
+because every part's ``__init__`` above it uses it and nothing stands at the package's root
+beside the basics (DESIGN §1).
 """
 
 from __future__ import annotations
