@@ -142,7 +142,7 @@ def _timed(name: str, times: dict[str, float], key: str) -> None:
 
 async def transfer(cfg: dict[str, Any]) -> None:
     if "ring_min" in cfg:  # the shared-memory path measured at every size (bench/join.py)
-        joining.RING_MIN = cfg["ring_min"]
+        os.environ["ASYNCCOLL_JOIN_RING_MIN"] = str(cfg["ring_min"])  # read by connect()
     comm, times = await connect(cfg)
     _timed("check", times, "t_check")
     rank = comm.rank

@@ -14,7 +14,7 @@ running job. The rank programs are in ``bench/_join_job.py``. Parts:
   :func:`asynccoll.comm.joining.admit` / :func:`~asynccoll.comm.joining.join` (a tiny solo
   handle beside it, so the handle's rebuild costs nothing), by each ``--path``: ``shm`` (the
   members hand their stripes over through rings in shared memory at every size, though by
-  default only stripes of ``joining.RING_MIN`` (128 MiB) or more take it: every rank is on
+  default only stripes of ``ASYNCCOLL_JOIN_RING_MIN`` (128 MiB) or more take it: every rank is on
   this host;
   the job's segments in a private directory, counted after the job: ``segments_left``) and
   ``tcp`` (``ASYNCCOLL_SHM=0``), in turn. Transfer time: from the first member entering

@@ -22,6 +22,7 @@ from . import groups
 from .dense import DenseOps
 from .membership import Membership
 from .progress import ProgressEngine
+from .route import Switches
 
 __all__ = ["Grouping", "members_hash"]
 
@@ -65,6 +66,13 @@ class Grouping:
     def size(self) -> int:
         """The world size P."""
         return self.transport.world_size
+
+    @property
+    def switches(self) -> Switches:
+        """The environment's say in this communicator's routes (``ASYNCCOLL_SHM``,
+        ``ASYNCCOLL_CMA``, ``ASYNCCOLL_JOIN_RING_MIN``), read once when the job's communicator
+        was made (:class:`~.route.Switches`); groups share it."""
+        return self._dense.router.switches
 
     @property
     def hosts(self) -> list[list[int]]:

@@ -27,8 +27,9 @@ contribution: after a flush, as the training classes' sync events have it.
    arrays) and only then tells every member ``GO`` (its host, a random token, whether it takes
    shared memory); a member sends nothing before it: a stripe that arrived before its receive
    was posted would be held and copied by the matcher (it was: 1.9 GiB resident at the joiner
-   for 1 GiB of state). A member on the joiner's host hands its stripe over through a ring of
-   slots in a shared-memory segment (:mod:`.state_ring`: names, cleanup on any death, the
+   for 1 GiB of state). A member on the joiner's host hands a large stripe over through a ring
+   of slots in a shared-memory segment (the route decides: :func:`.route.state_route`, with
+   the switches the communicator read once; :mod:`.state_ring`: names, cleanup on any death, the
    fallback to the network with one warning when the segment cannot be made); the others send
    one frame per unit over the connection. Each member's first frame (``PLAN``) says which.
    Then every rank of the new world compares a 63-bit digest of its state with the others'
@@ -68,7 +69,7 @@ from ..errors import AsyncCollError, CollectiveTimeoutError, PeerLostError
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 from .partial_member import stable_id
-from .route import Switches
+from .route import SHM, Switches, state_route
 from .shm import host_hash, new_token
 from .state_ring import Ring, Unit, chunks
 
@@ -82,13 +83,6 @@ _READY, _HEADER, _STRIPE, _GO, _PLAN, _FILLED, _FREED = range(7)
 _NOTHING = memoryview(b"")
 HASH_CHUNK = 8 << 20  #: bytes per CRC of :func:`digest`
 INLINE_BYTES = 1 << 20  #: a state (or a unit) this small is hashed where it is, not on a thread
-#: a smaller stripe goes over the connection even on the joiner's host. Measured on the 2-core
-#: machine of docs/benchmarks.md ("join"): the ring copies a byte for what tcp costs, but its
-#: set-up (a segment made, then mapped and faulted in on both sides: 0.2-0.3 s per 32 MiB
-#: ring under load) made it 2.3x slower than tcp at 64 MiB of state (21 MiB stripes) and 1.5x
-#: at 256 MiB (85 MiB), and as fast at 1 GiB (341 MiB); on a host with cores to spare it
-#: should pull ahead (every donor copies on its own core, no single thread receives it all)
-RING_MIN = 128 << 20
 _hashers: list[ThreadPoolExecutor] = []  # the digest's threads (made at first use)
 _warned: list[str] = []  # the one warning per process of a state that took the network
 
@@ -277,6 +271,7 @@ async def admit(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
     ranks = [members.index(m) for m in old]
     await job.on_runtime(lambda: h.grow(grown, first, ranks))
     t = job.transport
+    switches = job.switches
     sid = channel(h.name)
     views = [_bytes(a) for a in state]
     d, i = len(old), old.index(job.rank)
@@ -304,7 +299,7 @@ async def admit(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
 
     async def give(r: int, go_fut: asyncio.Future[Any]) -> None:  # on the runtime's loop
         go = msgpack.unpackb(bytes((await go_fut).payload))
-        await _give(t, sid, r, first, views, mine_units, go)
+        await _give(t, sid, r, first, views, mine_units, go, switches)
 
     try:
         await _bounded(job, lambda: _all([give(r, g) for r, g in zip(joiners, gos,
@@ -329,15 +324,16 @@ async def admit(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
 
 
 async def _give(t: Any, sid: int, r: int, first: int, views: list[Any], mine: list[Unit],
-                go: dict[str, Any]) -> None:
+                go: dict[str, Any], switches: Switches) -> None:
     """A member's units ``mine`` of ``views`` (:func:`units`) to joiner ``r`` once it said
-    ``go`` (on the runtime's loop): through a ring in shared memory when the joiner is on this
-    host and asked for it, the stripe has :data:`RING_MIN` bytes at least and the segment
-    can be made (:mod:`.state_ring`), else one frame per unit over the connection, into the
-    receives the joiner posted before its ``GO``."""
+    ``go`` (on the runtime's loop): through a ring in shared memory where the route says so
+    (:func:`~.route.state_route`: the joiner's host and ask, the stripe's size, this member's
+    ``switches``) and the segment can be made (:mod:`.state_ring`), else one frame per unit
+    over the connection, into the receives the joiner posted before its ``GO``."""
     ring = None
-    if sum(hi - lo for _, lo, hi in mine) >= RING_MIN and go.get("shm") \
-            and go.get("host") == host_hash() and Switches.from_env().shm:
+    nbytes = sum(hi - lo for _, lo, hi in mine)
+    if state_route(switches, host_hash(), int(go.get("host", -1)), nbytes,
+                   bool(go.get("shm"))) == SHM:
         try:
             ring = Ring.create(Ring.path(int(go["token"]), sid, t.rank, first), mine)
         except (OSError, ValueError) as exc:
@@ -418,7 +414,7 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     sums = _Digest(views, d)
     try:
         shared = await _bounded(job, lambda: _take_all(t, sid, donors, first, views, token,
-                                                       sums),
+                                                       sums, job.switches.shm),
                                 timeout, f"receive the state of {name!r}")
     finally:
         for src in donors:  # a donor's ring this rank has not mapped (module doc)
@@ -434,14 +430,15 @@ async def join(comm: Any, name: str, state: Sequence[Any],
 
 
 async def _take_all(t: Any, sid: int, donors: list[int], first: int, views: list[Any],
-                    token: int, sums: _Digest) -> list[int]:
+                    token: int, sums: _Digest, ring: bool) -> list[int]:
     """The joiner's step 4 on the runtime's loop: post every receive (each donor's ``PLAN``
-    and its units, into the state's arrays), then ``GO`` to every donor, then take each
+    and its units, into the state's arrays), then ``GO`` to every donor (saying whether it
+    takes a ring: ``ring``, its ``ASYNCCOLL_SHM``), then take each
     donor's part (over the connection, or through its ring: :class:`.state_ring.Ring`), hashing each
     unit as soon as it is in. Returns the donors whose part came through shared memory."""
     d = len(donors)
     shared: list[int] = []
-    go = msgpack.packb({"host": host_hash(), "token": token, "shm": Switches.from_env().shm})
+    go = msgpack.packb({"host": host_hash(), "token": token, "shm": ring})
     sizes = [int(v.size) for v in views]
     parts = [units(sizes, i, d) for i in range(d)]
     plans = [t.post_recv(src, sid, 0, _PLAN) for src in donors]

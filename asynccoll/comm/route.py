@@ -11,7 +11,11 @@ memory** (:mod:`asynccoll.collectives.sparse.shm`). A :class:`Router` decides wh
 * the call: its kind, size in bytes, whether the data is a NumPy array, the algorithm and
   ``shm=`` asked for;
 * the environment switches, read once here (:class:`Switches`): ``ASYNCCOLL_SHM=0`` keeps every
-  default off shared memory, ``ASYNCCOLL_CMA=0`` the single-copy allreduce (:mod:`.cma`).
+  default off shared memory, ``ASYNCCOLL_CMA=0`` the single-copy allreduce (:mod:`.cma`),
+  ``ASYNCCOLL_JOIN_RING_MIN`` sets the smallest stripe of a joiner's state that takes a ring.
+
+A joiner's state (:mod:`.joining`) has its route too, one stripe per member: through a ring
+in shared memory (:mod:`.state_ring`) or over the connection (:func:`state_route`).
 
 It runs no collective. When the chosen path cannot be set up (segments refused: a name taken,
 too little free space, a foreign file), the caller falls back to the network on every rank
@@ -39,10 +43,20 @@ from ..transport.base import Transport
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 
-__all__ = ["DataPath", "Layout", "Router", "Switches", "agree_flags", "shm_flag"]
+__all__ = ["RING_MIN", "DataPath", "Layout", "Router", "Switches", "agree_flags", "shm_flag",
+           "state_route"]
 
 #: the paths a plan names
 NETWORK, SHM, HIER = "network", "shm", "hier"
+#: the default smallest stripe of a joiner's state that goes through the shared-memory ring
+#: (``Switches.ring_min``); a smaller one goes over the connection even on the joiner's host.
+#: Measured on the 2-core machine of docs/benchmarks.md ("join"): the ring copies a byte for
+#: what tcp costs, but its set-up (a segment made, then mapped and faulted in on both sides:
+#: 0.2-0.3 s per 32 MiB ring under load) made it 2.3x slower than tcp at 64 MiB of state
+#: (21 MiB stripes) and 1.5x at 256 MiB (85 MiB), and as fast at 1 GiB (341 MiB); on a host
+#: with cores to spare it should pull ahead (every donor copies on its own core, no single
+#: thread receives it all)
+RING_MIN = 128 << 20
 #: ``DataPath(shm=...)``'s forced shared-memory algorithms
 _SHM_VARIANTS = tuple(n[4:] for n in SHM_NAMES if n != "shm")
 
@@ -55,14 +69,25 @@ class Switches:
     shm: bool = True
     #: ``ASYNCCOLL_CMA`` (default on): whether the single-copy allreduce may be tried
     cma: bool = True
+    #: ``ASYNCCOLL_JOIN_RING_MIN`` (bytes, default :data:`RING_MIN`): the smallest stripe of a
+    #: joiner's state that goes through a shared-memory ring (:func:`state_route`)
+    ring_min: int = RING_MIN
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Switches:
-        """The switches of ``env`` (default: this process's environment); anything but
-        ``0`` is on."""
+        """The switches of ``env`` (default: this process's environment); for the two
+        on/off switches anything but ``0`` is on. Raises ``ValueError`` naming
+        ``ASYNCCOLL_JOIN_RING_MIN`` when it is not a byte count >= 0."""
         env = os.environ if env is None else env
+        text = env.get("ASYNCCOLL_JOIN_RING_MIN", "").strip()
+        try:
+            ring_min = RING_MIN if not text else int(text)
+        except ValueError:
+            ring_min = -1
+        if ring_min < 0:
+            raise ValueError(f"ASYNCCOLL_JOIN_RING_MIN must be a byte count >= 0, got {text!r}")
         return cls(shm=env.get("ASYNCCOLL_SHM", "1").strip() != "0",
-                   cma=env.get("ASYNCCOLL_CMA", "1").strip() != "0")
+                   cma=env.get("ASYNCCOLL_CMA", "1").strip() != "0", ring_min=ring_min)
 
 
 @dataclass(frozen=True)
@@ -290,6 +315,19 @@ class Router:
                    else "the ranks are on several hosts")
             raise ValueError(f"{asked} needs every rank on one host: {why}")
         return layout.token
+
+
+def state_route(switches: Switches, here: int, joiner: int, nbytes: int, asked: bool) -> str:
+    """How a member sends its stripe of ``nbytes`` bytes of a joiner's state (:mod:`.joining`):
+    :data:`SHM` (a ring in shared memory, :mod:`.state_ring`) when the joiner asked for it
+    (``asked``: its own ``switches.shm``, sent with its ``GO``), its host ``joiner`` is this
+    member's ``here`` (:func:`~.shm.host_hash`), this member's ``switches.shm`` is on and the
+    stripe has ``switches.ring_min`` bytes at least (an empty stripe never); else
+    :data:`NETWORK`. Only the member decides, so it says which in its first frame to the
+    joiner; a ring that cannot be made then goes over the network after all (one warning)."""
+    if asked and switches.shm and here == joiner and nbytes > 0 and nbytes >= switches.ring_min:
+        return SHM
+    return NETWORK
 
 
 async def agree_flags(transport: Transport, sched_id: int, ok: bool,

@@ -37,9 +37,10 @@ Before that:
 
 A donor that cannot make its segment (no room in the tmpfs, a name taken, no shared memory)
 says so in one warning per process and sends its stripe over tcp; so does, silently, a donor
-whose stripe is under :data:`.joining.RING_MIN` (128 MiB: below it the ring's set-up costs
-more than it saves, measured: making and mapping a 32 MiB ring took 0.2-0.3 s under the load
-of docs/benchmarks.md) or whose joiner asked for none (``ASYNCCOLL_SHM=0``). The joiner
+whose stripe is under ``ASYNCCOLL_JOIN_RING_MIN`` (:data:`.route.RING_MIN`, 128 MiB, by
+default: below it the ring's set-up costs more than it saves, measured: making and mapping a
+32 MiB ring took 0.2-0.3 s under the load of docs/benchmarks.md) or whose joiner asked for none
+(``ASYNCCOLL_SHM=0``); :func:`.route.state_route` decides. The joiner
 reads which from the donor's ``PLAN`` frame.
 """
 

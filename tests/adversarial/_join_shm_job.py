@@ -7,9 +7,9 @@ receiving the state into arrays of zeros) and goes on at the members' call index
 numbered ``DIE_IN`` (0: none) SIGKILLs itself mid-transfer: at ``DIE_AT=attach``, before it maps
 the first donor's ring (the donors' segments exist, unmapped), or ``DIE_AT=chunk``, once it
 copied the first chunk out of a ring. With ``NO_ROOM`` set, no member can make a ring's segment
-(as in a full tmpfs). The ring is taken from 1 MiB stripes (``RING_MIN``; 128 MiB by default).
-A member prints whether each ring it closed is gone from
-the directory when it did. The members call until the restarts they expect were
+(as in a full tmpfs). The ring is taken from 1 MiB stripes (``ASYNCCOLL_JOIN_RING_MIN``;
+128 MiB by default). A member prints whether each ring it closed is gone from the directory
+when it did. The members call until the restarts they expect were
 admitted (at least 40 calls). Each rank prints its world size and a hash of its state
 at the end."""
 import asyncio
@@ -22,7 +22,7 @@ import numpy as np
 
 import asynccoll
 from asynccoll import Solo
-from asynccoll.comm import joining, state_ring
+from asynccoll.comm import state_ring
 from asynccoll.comm.joining import Joiners, admit_ready, join_handle
 
 CALLS = 40
@@ -77,7 +77,8 @@ def no_room_for_rings() -> None:
 
 
 async def main():
-    joining.RING_MIN = 1 << 20  # the ring for this test's 16 MiB stripes (default: 128 MiB)
+    # the ring for this test's 16 MiB stripes (default: 128 MiB; read once, by connect())
+    os.environ["ASYNCCOLL_JOIN_RING_MIN"] = str(1 << 20)
     comm = await asynccoll.connect(collective_timeout=60)
     rank = comm.rank
     x = np.ones(4)
