@@ -3,8 +3,9 @@
 
 A process restarted in a lost rank's place (``asynccoll run --max-restarts``) connects to every
 member (:meth:`Transport.rejoin <asynccoll.transport.base.Transport.rejoin>`; its
-communicator has ``joined`` set). A persistent partial allreduce then takes it back in four
-steps, at a point where every member has completed the same executions and holds no
+communicator has ``joined`` set). A persistent partial allreduce, dense or sparse (one handle
+class: its contribution carries the send buffer over, :mod:`.contribution`), then takes it
+back in four steps, at a point where every member has completed the same executions and holds no
 contribution: after a flush, as the training classes' sync events have it.
 
 1. **Ready.** The joiner tells every member that it is ready for the handle ``name``

@@ -1,0 +1,70 @@
+"""Exact accounting through a join in a sparse partial handle, for
+tests/adversarial/test_rejoin_sparse.py: a solo partial allreduce of SparseVectors (sum
+accumulation, ``POLICY``; ``SHM=1``: the split allgather, through shared memory until the
+loss, else over the network) on 4 ranks under ``asynccoll run --max-failures 1
+--max-restarts 1``. Rank r sends ``1000**r`` at index 0 (shared by every rank) and at its own
+index ``1 + r``; every 5 calls the ranks flush and take back ready ranks
+(:func:`asynccoll.comm.joining.admit_ready`). Rank 2 SIGKILLs itself at call 8 on its first
+start; restarted, it joins the handle (:func:`~asynccoll.comm.joining.join_handle`) and goes on
+at the members' call index. Each rank prints the dense sum of every result it received (flush
+included), its calls, the ranks its results reported lost, the last result's world, and how
+many segments were in ``ASYNCCOLL_SHM_DIR`` once its handle was made."""
+import asyncio
+import json
+import os
+import signal
+
+import numpy as np
+
+import asynccoll
+from asynccoll import Accumulate, SparseVector
+from asynccoll.comm.joining import Joiners, admit_ready, join_handle
+
+CALLS, N = 60, 16
+
+
+class Tally:
+    """The dense sum of every result taken, and the ranks they reported lost."""
+
+    def __init__(self):
+        self.acc, self.lost = np.zeros(N), set()
+
+    def take(self, res):
+        v = res.value
+        self.acc += v.to_dense() if isinstance(v, SparseVector) else v
+        self.lost |= set(res.lost)
+        return res
+
+
+async def main():
+    restarted = int(os.environ.get("ASYNCCOLL_RESTART", "0"))
+    comm = await asynccoll.connect()
+    rank = comm.rank
+    like = SparseVector(np.empty(0, np.int32), np.empty(0, np.float64), N)
+    h = comm.partial_allreduce(os.environ.get("POLICY", "solo"), like,
+                               accumulate=Accumulate.SUM, name="sparse-count",
+                               path=asynccoll.DataPath(algorithm="ssar_split_allgather")
+                               if os.environ.get("SHM") == "1"
+                               else asynccoll.DataPath(shm=False))
+    watch = Joiners(comm.job, h.name)
+    segs = len(os.listdir(os.environ["ASYNCCOLL_SHM_DIR"]))  # this rank's, made at creation
+    x = SparseVector(np.array([0, 1 + rank], np.int32), np.full(2, 1000.0 ** rank), N)
+    tally, calls = Tally(), 0
+    first = int((await join_handle(h, comm))["i"]) + 1 if restarted else 0
+    for i in range(first, CALLS):
+        if (rank, restarted, i) == (2, 0, 8):
+            os.kill(os.getpid(), signal.SIGKILL)
+        await asyncio.sleep(0.05 * (1 + rank % 2))
+        tally.take(await h(x))
+        calls += 1
+        if i % 5 == 4:  # a flush boundary: ready ranks are taken back
+            tally.take(await h.flush())
+            await admit_ready(h, watch, meta={"i": i})
+    f = tally.take(await h.flush())
+    print("COUNT " + json.dumps({"rank": rank, "restarted": restarted, "calls": calls,
+                                 "acc": tally.acc.tolist(), "size": f.world_size,
+                                 "seen_lost": sorted(tally.lost), "lost": sorted(f.lost),
+                                 "segments": segs}), flush=True)
+    await comm.close()
+
+asyncio.run(main())
