@@ -110,17 +110,37 @@ class TakesJoinersBack(JoinSide):
         if self._joiners is not None:
             out[...] = self._joiners.flags(self._comm_now().members)
 
+    def _replica(self) -> Any:
+        """The parameters that are equal on every member (what a joiner receives)."""
+        return self.params
+
+    def _replica_updater(self) -> Any:
+        """The update rule applied to :meth:`_replica` (its momentum is replicated too)."""
+        return self.updater
+
     def _has_momentum(self) -> bool:
         """Whether the updater keeps a momentum buffer (made, zero, if it has none yet: the
         state has the same arrays on every rank)."""
-        if not getattr(self.updater, "momentum", 0.0):
+        up = self._replica_updater()
+        if not getattr(up, "momentum", 0.0):
             return False
-        if getattr(self.updater, "_v", None) is None:
-            self.updater._v = np.zeros_like(self.params)
+        if getattr(up, "_v", None) is None:
+            up._v = np.zeros_like(self._replica())
         return True
 
     def _state(self) -> list[Any]:
-        return [self.params, self.updater._v] if self._has_momentum() else [self.params]
+        """The arrays a joiner receives and every rank's digest covers."""
+        w = self._replica()
+        return [w, self._replica_updater()._v] if self._has_momentum() else [w]
+
+    def _join_meta(self) -> dict[str, Any]:
+        """The small data a joiner receives with the state (the counters)."""
+        return {"steps": self.steps, "syncs": self.syncs}
+
+    def _restore(self, meta: dict[str, Any]) -> None:
+        """On a joiner, once the state is in: take the members' counters (:meth:`_join_meta`)."""
+        self.steps = int(meta.get("steps", 0))
+        self.syncs = int(meta.get("syncs", 0))
 
     async def _admit_agreed(self, summed: Any, *, equal: bool) -> None:
         """After the sync event's allreduce: take back the ranks ready on every member.
@@ -137,14 +157,13 @@ class TakesJoinersBack(JoinSide):
         if self._has_momentum():  # equal too: the lowest member's (one broadcast)
             v = self.updater._v
             np.copyto(v, await now.broadcast(v, 0, self.timeout))
-        meta = {"steps": self.steps, "syncs": self.syncs}
         assert self._h is not None
-        await joining.admit(self._h, now, admitted, self._state(), meta)
+        await joining.admit(self._h, now, admitted, self._state(), self._join_meta())
 
     async def _join_step(self) -> StepInfo:
         """A restarted rank's first step: be taken back, receive the state."""
         self._joining = False
-        h = self._h
+        h = self._handle()
         assert h is not None
         name = h.name
         self._has_momentum()
@@ -152,8 +171,7 @@ class TakesJoinersBack(JoinSide):
         members = list(grown.members)
         ranks = [members.index(m) if m in members else -1 for m in range(self.comm.size)]
         await self.comm.on_runtime(lambda: h.grow(grown, first, ranks))
-        self.steps = int(meta.get("steps", 0))
-        self.syncs = int(meta.get("syncs", 0))
+        self._restore(meta)
         P = grown.size
         return StepInfo(first - 1, False, frozenset(), 0, 0, 0.0, joined=True,
                         fresh=frozenset(range(P)))
