@@ -19,6 +19,12 @@ parameters. So:
   ``while opt.step_count < N`` runs unchanged on every rank, first start or restart.
 
 The members' pause is one sync event plus one stripe of the state each.
+
+The synchronous classes (:class:`~.odsgd.ODSGD`, :class:`~.topk_sgd.TopKSGD`) take joiners
+back with the same parts at a step boundary instead of a sync event (:mod:`.rounds`): their
+state is what :meth:`TakesJoinersBack._state` returns through the hooks ``_replica`` and
+``_replica_updater`` (OD-SGD's global weights and global updater), their counters go through
+``_join_meta`` and ``_restore``.
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ class JoinSide:
 class TakesJoinersBack(JoinSide):
     """The joining side of a training class over NumPy parameters (module doc). The class
     provides ``comm``, ``params``, ``updater``, ``steps``, ``syncs``, ``timeout``, ``_h`` and
-    ``_comm_now()``."""
+    ``_comm_now()``, or overrides the hooks that use them."""
 
     comm: Communicator
     params: Any

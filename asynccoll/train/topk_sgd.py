@@ -94,8 +94,11 @@ class TopKSGD(SyncRounds):
         if self._on is not comm and self._allreduce is not None:
             await self._allreduce.close()  # (local) the old world's; closed already if failed
         total = await self._handle_on(comm)(payload)
-        # the dense result is a view of the handle's buffer, which its next call reuses
-        return total.to_dense() if isinstance(total, SparseVector) else total.copy()
+        if isinstance(total, SparseVector):
+            return total.to_dense()
+        # a dense result is a view of the handle's buffer, which its next call reuses: a copy
+        # where it is kept for the survivors of a loss (.rounds)
+        return total.copy() if comm.survive else total
 
     def _apply_round(self, total: Any, size: int) -> None:
         self.updater.apply(self.params, total / size)
