@@ -89,7 +89,6 @@ class _Link:
 class _Round:
     """One round issued and not yet applied here."""
 
-    k: int  #: its number
     payload: Any  #: this rank's contribution (kept: a redo sends it again)
     comm: Communicator  #: where it runs
     fut: asyncio.Future[Any]  #: its result: the full-length dense sum
@@ -165,9 +164,8 @@ class SyncRounds(TakesJoinersBack):
     # -- rounds ---------------------------------------------------------------------------
     def _issue(self, payload: Any) -> None:
         """Start the next round with this rank's ``payload`` over the ranks training now."""
-        k = self._done + len(self._rounds)
         fut = asyncio.ensure_future(self._start(self._now, payload))
-        self._rounds.append(_Round(k, payload, self._now, fut))
+        self._rounds.append(_Round(payload, self._now, fut))
 
     async def _complete(self) -> None:
         """Wait for the oldest round issued and apply it; after a loss (``survive``), recover
@@ -196,14 +194,17 @@ class SyncRounds(TakesJoinersBack):
             self._admitting.update(self._joiners.agreed(total[n:], r.comm.members))
 
     async def _recover(self) -> None:
-        """Steps 1-3 of the module doc, again for each loss learned meanwhile."""
+        """Steps 1-3 of the module doc, again for each loss learned meanwhile. Raises
+        :class:`~asynccoll.PeerLostError` when the survivors decided this rank is lost,
+        :class:`~asynccoll.CollectiveTimeoutError` when a survivor does not take part."""
         while True:
             # every round still pending ran on the communicator that lost a rank: failed, or
             # fails at once (a call started after a loss raises)
             await asyncio.gather(*(r.fut for r in self._rounds), return_exceptions=True)
+            # (PeerLostError from shrink: the survivors decided this rank is lost)
+            now = await self._now.shrink(self.timeout)
+            self._switch(now)
             try:
-                now = await self._now.shrink(self.timeout)
-                self._switch(now)
                 counts = (await now.allgather(np.array([self._done], np.int64),
                                               self.timeout))[:, 0]
                 top, low = int(counts.max()), int(counts.min())

@@ -9,6 +9,9 @@ digest (:func:`asynccoll.comm.joining.digest`) of the replicated state: the glob
 With HOLD_AT=s the other ranks wait at step s until the victim's restart has connected (at
 most 60 s), so that a slow restart on a loaded machine still finds them training.
 
+With THEN=r (and THEN_AT=s, default 50) rank r SIGKILLs itself at step s once the world is
+whole again: a loss in the world the restarted rank joined.
+
 With DROP_TO=r the victim does not die at once: from step KILL_AT on it sends none of its data
 frames to rank r (a fault injected in the victim's own process; every survivor runs its real
 transport) and SIGKILLs itself 0.5 s later. Over the recursive-doubling allreduce of ODSGD
@@ -64,6 +67,9 @@ async def main():
             if "DROP_TO" not in os.environ:
                 os.kill(os.getpid(), signal.SIGKILL)
             drop_frames_to(comm, int(os.environ["DROP_TO"]))
+        if rank == int(os.environ.get("THEN", -1)) and opt.world_size == 4 \
+                and opt.step_count == int(os.environ.get("THEN_AT", 50)):
+            os.kill(os.getpid(), signal.SIGKILL)
         if opt.step_count == int(os.environ.get("HOLD_AT", -1)) and rank != VICTIM:
             await asyncio.wait_for(back.wait(), 60)
         info = await opt.step((opt.params - target) * 0.5)
