@@ -17,8 +17,9 @@ partial handle's ``communicator``). Prints, per surviving rank:
   ``<r>`` the rank the error names and ``<s>`` the seconds from this rank's last step of it
   that returned to the error; ``STILL <case>`` if it never raised.
 
-Parts (the first argument): ``numpy`` (RNA, EagerSGD, BackupSGD), ``ends`` (ODSGD and
-TopKSGD: synchronous collectives, which a loss ends), ``torch`` (every
+Parts (the first argument): ``numpy`` (RNA, EagerSGD, BackupSGD), ``sync`` (ODSGD and
+TopKSGD: synchronous rounds, settled or redone over the survivors, asynccoll/train/rounds.py),
+``torch`` (every
 ``DistributedOptimizer`` policy and algorithm, and the DDP ``partial_hook``).
 """
 
@@ -127,28 +128,41 @@ async def numpy_part() -> None:
         report(survivors.rank, bad, cases)
 
 
-# -- ODSGD and TopKSGD: a loss ends them -----------------------------------------------------
-async def ends_part() -> None:
+# -- ODSGD and TopKSGD: synchronous rounds that go on over the survivors ----------------------
+async def sync_part() -> None:
     async with await asynccoll.connect(collective_timeout=60) as comm:
         assert comm.survive, "run under asynccoll run --max-failures 1"
-        cases = [Case("ODSGD", ODSGD(comm, np.zeros(N), lr=0.02, warmup=2), ends=True),
+        cases = [Case("ODSGD", ODSGD(comm, np.zeros(N), lr=0.02, warmup=2)),
+                 Case("ODSGD dc-asgd-a", ODSGD(comm, np.zeros(N), lr=0.02, warmup=2,
+                                               local="dc-asgd-a", name="survived-odsgd-a")),
                  Case("TopKSGD", TopKSGD(comm, np.zeros(N), lr=0.02, density=0.1,
-                                         name="survived-topk"), ends=True)]
+                                         name="survived-topk")),
+                 Case("TopKSGD momentum", TopKSGD(comm, np.zeros(N), lr=0.02, k=7, momentum=0.9,
+                                                  name="survived-topk-m"))]
         rng = np.random.default_rng(comm.rank)
         for step in range(STEPS):
             jitter(rng)
             for i, c in enumerate(cases):
                 die_here(comm.rank, step, i, cases)
-                if c.ended is not None:
-                    continue
-                c.last_ok = c.last_ok or time.monotonic()
                 try:
                     await c.opt.step(grad(c.opt.params, rng))
                 except PeerLostError as exc:
                     ended(c, exc)
-                c.last_ok = time.monotonic()
-        report(comm.rank, [], cases)
-        os._exit(0)  # the classes hold collectives that the loss broke: nothing to close
+                    break
+        bad: list[str] = []
+        for c in cases:
+            if c.ended is None:
+                await c.opt.finish()
+        survivors = cases[0].opt._comm_now()  # the survivors' communicator (train/rounds.py)
+        for c in cases:
+            if c.ended is not None:
+                continue
+            if c.opt.world_size != SURVIVORS:
+                bad.append(f"WORLD {c.label} {c.opt.world_size}")
+            everyone = await survivors.allgather(np.ascontiguousarray(c.opt.params).view(np.uint8))
+            if any(bytes(row) != bytes(everyone[0]) for row in everyone):
+                bad.append(f"DIFFER {c.label}")
+        report(survivors.rank, bad, cases)
 
 
 # -- torch: DistributedOptimizer and the DDP hook --------------------------------------------
@@ -302,7 +316,7 @@ def main() -> None:
             print("TRACEBACK " + traceback.format_exc(), flush=True)
             raise
     else:
-        asyncio.run(numpy_part() if part == "numpy" else ends_part())
+        asyncio.run(numpy_part() if part == "numpy" else sync_part())
 
 
 if __name__ == "__main__":
