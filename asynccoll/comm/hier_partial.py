@@ -46,7 +46,10 @@ while the other hosts could go on among themselves and return sums that lack it.
   once per agreed loss, a host that lost a member goes on with the rest (its lowest rank the
   leader, a new one if the leader died), a host that lost every rank drops out, the
   contributions stay exactly accounted (with ``Accumulate.SUM``), and every result from then
-  on reports the loss in ``lost`` and ``world_size`` (:mod:`.hier_survival`).
+  on reports the loss in ``lost`` and ``world_size`` (:mod:`.hier_survival`). Such a handle
+  also takes a restarted rank back (``asynccoll run --max-restarts``) through the flat handles'
+  protocol (:func:`~.joining.admit_ready` / :func:`~.joining.join_handle` at a flush boundary):
+  the restarted rank is back in its host's group from the next call.
 
 **Setup.** The first call (or flush) of the handle on each rank makes the host groups and the
 leaders' group (``comm.split("host")``, ``comm.group(leaders)``: collective over the whole
@@ -213,8 +216,11 @@ class HierPartialAllreduce(Regrouping):
 
     async def _call(self, x: Any, timeout: float | None) -> PartialResult:
         host = await self._setup(timeout)
-        summed = await self.host_step(host, x, timeout)
+        # before the host step: a leader whose host step fails on a loss right after a flush
+        # boundary must flush in its regroup, to release the other leaders' calls of this step
+        # (else each waited on the other until the timeout)
         self.lead_flushed = False
+        summed = await self.host_step(host, x, timeout)
         return await self._lead_and_hand_out(
             host, None if self._handle is None else self._handle(summed, timeout), timeout)
 

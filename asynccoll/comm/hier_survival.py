@@ -14,7 +14,9 @@ every survivor **regroups** once, and every rank of a host does so at the same c
   and flushes again. The calls under way complete meanwhile: a host that waits on another
   host's leader is released by that leader's flush (step 1), which bypasses the quorum; a
   leader whose last use of the leaders' handle was a flush does not flush it again (the
-  flushes pair up, one per leader).
+  flushes pair up, one per leader). A call counts as a use from its start: a leader whose host
+  step fails on a loss right after a flush boundary flushes in its regroup, which releases the
+  other leaders' calls of that step (before, each leader waited on the other until the timeout).
 * **How** (every survivor, in this order):
 
   1. the leaders of the epoch flush its leaders' handle: afterwards none of them holds a
@@ -45,15 +47,31 @@ every survivor **regroups** once, and every rank of a host does so at the same c
   next call (in one sum, so ``count`` counts it once); the call under way is *done* when its
   host sum was counted or is in that rest, else it goes into the new epoch. Every rank hands
   out, with the call that regroups, the difference between those totals and what it has
-  been handed so far. So each survivor's contributions are counted exactly once and every
-  survivor ends with the same sum; what a lost rank had contributed is counted when its host
-  sum got into a completed execution (or into its host's rest), else reported lost.
+  been handed of the epoch's results (and a difference not handed out yet, when a second loss
+  came first; before, a second regroup subtracted the first epoch's results again). So each
+  survivor's contributions are counted exactly once and every survivor ends with the same sum;
+  what a lost rank had contributed is counted when its host sum got into a completed execution
+  (or into its host's rest), else reported lost.
   With ``Accumulate.LATEST`` superseded results are dropped anyway: the regroup hands the
   last leaders' result to a call it settles, and what a lost leader held is lost.
 * **What results say.** ``lost``: the ranks lost (the communicator's numbering), the same on
   every rank from the regroup on; ``world_size``: the ranks left. Between a loss and the
   regroup (at most the call under way and the next one on a host that lost nobody)
   ``contributors`` name only the hosts whose data is in the value. ``round`` goes on.
+
+**Joining** (DESIGN §6, :mod:`.joining`): a restarted rank is taken back by the flat handles'
+protocol, ``admit_ready(h, watch, state, meta)`` on the members right after ``await
+h.flush()`` and ``join_handle(h, comm, state)`` on the restarted process; the handle offers what
+that protocol uses (``communicator``, ``completed``: the latest round, ``timeout``, ``grow``).
+``grow`` only records the grown membership; the next call or flush of every rank of it
+**regrows**, collectively over it: each rank says its host (one allgather), the host groups are
+made again (``split`` by host: the restarted rank is back in its host's group, whose lowest
+rank leads, the old leader again if it was the one restarted), a new leaders' group and a new
+leaders' partial handle (the next epoch), its rounds numbered on from the flush boundary. Nothing
+is settled there: at a flush boundary nobody holds a contribution and every rank has been handed
+every result. A rank lost before the regrow is left out by the same agreement as any loss (the
+regrow runs over the grown membership's survivors); one lost in the middle of its splits is, as
+for a regroup, not resolved.
 
 Costs while nobody is lost: with ``survive`` one copy of the host sum per call on every rank,
 one add of each result, and as many more elements per contribution as there are hosts.
@@ -74,8 +92,10 @@ from typing import Any
 import numpy as np
 
 from ..collectives.policy import Accumulate, Backup, Deadline, Policy, Quorum, Solo
+from ..collectives.shm import host_groups
 from ..errors import PeerLostError
 from ..results import PartialResult
+from .shm import host_hash
 
 __all__ = ["Regrouping", "fitted"]
 
@@ -136,6 +156,8 @@ class Regrouping:
         self._catch_up: Any = None
         self.lost: frozenset[int] = frozenset()
         self.world_size = self._comm.size
+        #: a membership that took ranks back, and its first round: the next call regrows
+        self._grown: tuple[Any, int] | None = None
 
     # -- the leaders' contribution (with the counts) ------------------------------------------
     def leaders_like(self, n_hosts: int) -> Any:
@@ -199,21 +221,23 @@ class Regrouping:
 
     def hand(self, res: PartialResult, settled: bool = False) -> PartialResult:
         """``res`` as handed to the caller: the regroup's catch-up added (sums), the loss
-        reported."""
+        reported. What the epoch's leaders' results handed here add up to is kept
+        (``_given``: a settled result's value is the catch-up alone, of the epoch before)."""
         value = res.value
         if self._sums:
+            if self._given is None:
+                self._given = np.zeros_like(value)
+            if not settled:
+                self._given += value
             if self._catch_up is not None:
                 value = self._catch_up if settled else value + self._catch_up
                 self._catch_up = None
-            if self._given is None:
-                self._given = np.zeros_like(value)
-            self._given += value
         return dataclasses.replace(res, value=value, lost=self.lost,
                                    world_size=self.world_size)
 
     # -- the regroup (module doc, "How") ------------------------------------------------------
-    async def _survivors(self, timeout: float | None) -> Any:
-        s = await self._base.shrink(timeout)
+    async def _survivors(self, timeout: float | None, base: Any = None) -> Any:
+        s = await (self._base if base is None else base).shrink(timeout)
         while s.membership.lost is not None:  # lost more since: shrink that too
             s = await s.shrink(timeout)
         return s
@@ -221,7 +245,11 @@ class Regrouping:
     async def regroup(self, at: int, timeout: float | None) -> PartialResult | None:
         """Regroup (module doc); ``at``: the host step of this epoch the call under way makes.
         Returns the result of that call when the regroup settled it (its host sum counted
-        or in its host's rest), else None (the call goes on in the new epoch)."""
+        or in its host's rest), else None (the call goes on in the new epoch). After an
+        admission, regrow instead (:meth:`grow`)."""
+        if self._grown is not None:
+            await self._regrow(timeout)
+            return None
         old = self._handle
         first = -1
         if old is not None:
@@ -283,9 +311,13 @@ class Regrouping:
         self.world_size = s.size
         self._total = self._latest = None
         if self._sums:
+            # what the epoch's results add up to, less what was handed out of them here (and
+            # a catch-up of an earlier regroup not handed out yet: a loss came first)
             total = payload[:n].reshape(self._like.shape)
             given = 0 if self._given is None else self._given
-            self._catch_up = total - given
+            owed = 0 if self._catch_up is None else self._catch_up
+            self._catch_up = total - given + owed
+            self._given = None
         log.warning("rank %d: hierarchical partial allreduce %r goes on with %d hosts, %d "
                     "ranks (lost %s) from round %d", self._comm.rank, self.name, len(keep),
                     s.size, sorted(self.lost), first)
@@ -297,6 +329,82 @@ class Regrouping:
                                  if not self._sums or payload[n + i] > 0)
         return PartialResult(value, first - 1, counted >= at, contributors, 0,
                              flushed=True, world_size=s.size, lost=self.lost)
+
+    # -- taking restarted ranks back (module doc, "Joining") -----------------------------------
+    @property
+    def communicator(self) -> Any:
+        """The communicator of the ranks the handle runs on now (the survivors' after a loss,
+        the grown one after a join); None for a handle that does not survive losses (it cannot
+        take ranks back either)."""
+        return self._base if self._survive else None
+
+    @property
+    def completed(self) -> int:
+        """The latest round handed out on this rank (-1 before the first): at a flush
+        boundary the same on every rank of every host."""
+        return self._last_round
+
+    @property
+    def timeout(self) -> float | None:
+        """The default timeout of the handle's calls (None: the communicator's)."""
+        t: float | None = self._options.get("timeout")
+        return t
+
+    def grow(self, comm: Any, first: int, ranks: list[int]) -> None:
+        """Go on over ``comm``, a membership that took lost ranks back (module doc, "Joining"),
+        from round ``first``: recorded here (on any thread); the next call or flush of every
+        rank of ``comm`` regrows, collectively over it (:meth:`_regrow`). Called at a flush
+        boundary (nobody holds a contribution), on every member with the same ``comm`` and
+        ``first``, and on a joiner's new handle. ``ranks`` (the new rank of each old one) is
+        the flat handle's argument, not needed here. Raises ``ValueError`` for a handle that
+        does not survive losses or whose communicator does not hold ``comm``'s ranks."""
+        if not self._survive:
+            raise ValueError(f"hierarchical partial allreduce {self.name!r} does not survive "
+                             "losses (survive=True), so it cannot take ranks back")
+        if not set(comm.members) <= set(self._comm.members):
+            raise ValueError(f"hierarchical partial allreduce {self.name!r}: the grown "
+                             f"membership {list(comm.members)} is not among its "
+                             f"communicator's ranks {list(self._comm.members)}")
+        self._grown = (comm, first)
+        self._pending = True
+
+    async def _regrow(self, timeout: float | None) -> None:
+        """The growth :meth:`grow` recorded, collective over the grown membership (its ranks
+        still alive: a rank lost meanwhile is left out, agreed as after any loss): every rank
+        says its host; new host groups (the lowest rank of each host its leader) and a new
+        leaders' group; a new leaders' handle for the next epoch (the number agreed: the
+        highest plus one), its rounds from ``first`` on. Nothing is settled: at a flush
+        boundary nobody holds a contribution and every rank has been handed every result, so
+        the new epoch starts with nothing owed but a catch-up not handed out yet."""
+        assert self._grown is not None
+        grown, first = self._grown
+        s = grown if grown.membership.lost is None else await self._survivors(timeout, grown)
+        got = await s.allgather(np.array([host_hash(), self._epoch], np.int64), timeout)
+        epoch = int(got[:, 1].max()) + 1
+        groups = host_groups(got[:, 0].tolist())  # ranks of s
+        cm = list(self._comm.members)
+        alive = [cm.index(m) for m in s.members]  # comm rank of each rank of s
+        host = await s.split("host", timeout=timeout)
+        lead = await s.group([g[0] for g in groups], timeout)
+        # -- commit --------------------------------------------------------------------------
+        if self._handle is not None:
+            await self._handle.close()  # (flushed: it holds nothing)
+        self._base, self._host, self._epoch, self._grown = s, host, epoch, None
+        self._hosts = [[alive[r] for r in g] for g in groups]
+        self._handle = None if lead is None else lead.partial_allreduce(
+            fitted(self.policy, len(groups)), self.leaders_like(len(groups)),
+            name=f"{self.name}/leaders@{epoch}", **self._options)
+        self._offset, self._steps, self._seen = first, 0, (0, 0)
+        self._last_round = max(self._last_round, first - 1)
+        self.lead_flushed = False
+        self._kept.clear()
+        self._resend = None
+        self._total = self._latest = self._given = None
+        self.lost = frozenset(r for r in range(self._comm.size) if r not in alive)
+        self.world_size = s.size
+        log.warning("rank %d: hierarchical partial allreduce %r goes on with %d hosts, %d "
+                    "ranks (lost %s) from round %d", self._comm.rank, self.name, len(groups),
+                    s.size, sorted(self.lost), first)
 
     async def surviving(self, attempt: Any, at: int, timeout: float | None,
                         flush: bool = False) -> PartialResult:

@@ -512,12 +512,25 @@ async def admit_ready(h: Any, watch: Joiners, state: Sequence[Any] = (),
     :class:`Joiners` made for ``h`` when the handle was), then :func:`admit` of the ranks
     ready on every member with ``state`` (arrays equal on every member) and ``meta``. Returns
     the ranks admitted (often none). A rank that joined calls it too from then on, at the
-    same points."""
+    same points.
+
+    ``h``: a flat partial handle, dense or sparse (:class:`~.partial.PartialAllreduce`), or a
+    hierarchical one (:class:`~.hier_partial.HierPartialAllreduce`, which regrows at its next
+    call); each has ``communicator``, ``completed``, ``timeout`` and ``grow``. A loss the
+    members learn at this point (the flags' allreduce fails with
+    :class:`~asynccoll.PeerLostError`: a host that lost nobody can finish a flush of the
+    hierarchical handle before it learns of a loss) admits nobody now: the handle recovers at
+    its next call, and the ranks still ready are asked again at the next sync event. (Should
+    the lost rank have sent its part of the allreduce already, the members that completed it
+    would go on to admit alone and time out waiting for the others: not seen, not handled.)"""
     now = h.communicator
     if now is None:
         raise ValueError(f"partial allreduce {h.name!r} does not survive losses "
                          "(survive=True), so it cannot take ranks back")
-    summed = await now.allreduce(watch.flags(now.members), timeout=timeout)
+    try:
+        summed = await now.allreduce(watch.flags(now.members), timeout=timeout)
+    except PeerLostError:
+        return []
     admitted = watch.agreed(summed, now.members)
     if admitted:
         await admit(h, now, admitted, state, meta)

@@ -4,11 +4,13 @@ accumulation, ``POLICY``; ``SHM=1``: the split allgather, through shared memory 
 loss, else over the network) on 4 ranks under ``asynccoll run --max-failures 1
 --max-restarts 1``. Rank r sends ``1000**r`` at index 0 (shared by every rank) and at its own
 index ``1 + r``; every 5 calls the ranks flush and take back ready ranks
-(:func:`asynccoll.comm.joining.admit_ready`). Rank 2 SIGKILLs itself at call 8 on its first
-start; restarted, it joins the handle (:func:`~asynccoll.comm.joining.join_handle`) and goes on
-at the members' call index. Each rank prints the dense sum of every result it received (flush
-included), its calls, the ranks its results reported lost, the last result's world, and how
-many segments were in ``ASYNCCOLL_SHM_DIR`` once its handle was made."""
+(:func:`asynccoll.comm.joining.admit_ready`); they stop at such a boundary once they made
+``CALLS`` calls and took rank 2 back (agreed: the same boundary on every rank). Rank 2 SIGKILLs
+itself at call 8 on its first start; restarted, it joins the handle
+(:func:`~asynccoll.comm.joining.join_handle`) and goes on at the members' call index. Each
+rank prints the dense sum of every result it received (flush included), its calls, the ranks
+its results reported lost, the last result's world, and how many segments were in
+``ASYNCCOLL_SHM_DIR`` once its handle was made."""
 import asyncio
 import json
 import os
@@ -36,6 +38,11 @@ class Tally:
         return res
 
 
+def done(i, back):
+    """Whether the ranks stop at the flush boundary after call ``i`` (every rank alike)."""
+    return (i + 1 >= CALLS and back) or i > 40 * CALLS
+
+
 async def main():
     restarted = int(os.environ.get("ASYNCCOLL_RESTART", "0"))
     comm = await asynccoll.connect()
@@ -49,9 +56,12 @@ async def main():
     watch = Joiners(comm.job, h.name)
     segs = len(os.listdir(os.environ["ASYNCCOLL_SHM_DIR"]))  # this rank's, made at creation
     x = SparseVector(np.array([0, 1 + rank], np.int32), np.full(2, 1000.0 ** rank), N)
-    tally, calls = Tally(), 0
-    first = int((await join_handle(h, comm))["i"]) + 1 if restarted else 0
-    for i in range(first, CALLS):
+    tally, calls, i, back, stop = Tally(), 0, 0, False, False
+    if restarted:  # taken back at the members' boundary i: it stops there if they do
+        i, back = int((await join_handle(h, comm))["i"]), True
+        stop = done(i, back)
+        i += 1
+    while not stop:
         if (rank, restarted, i) == (2, 0, 8):
             os.kill(os.getpid(), signal.SIGKILL)
         await asyncio.sleep(0.05 * (1 + rank % 2))
@@ -59,7 +69,9 @@ async def main():
         calls += 1
         if i % 5 == 4:  # a flush boundary: ready ranks are taken back
             tally.take(await h.flush())
-            await admit_ready(h, watch, meta={"i": i})
+            back = bool(await admit_ready(h, watch, meta={"i": i})) or back
+            stop = done(i, back)
+        i += 1
     f = tally.take(await h.flush())
     print("COUNT " + json.dumps({"rank": rank, "restarted": restarted, "calls": calls,
                                  "acc": tally.acc.tolist(), "size": f.world_size,
