@@ -437,10 +437,6 @@ class MemberSide(HandleState):
 _SNAPSHOT_KERNELS = ("partial_snapshot", "partial_sparse_snapshot")
 
 
-#: the kernels that move a send buffer into an execution (dense and sparse partials)
-_SNAPSHOT_KERNELS = ("partial_snapshot", "partial_sparse_snapshot")
-
-
 def _retrieve(fut: asyncio.Future[None]) -> None:
     """Mark the route agreement's outcome retrieved (the first call raises it, if it failed)."""
     if not fut.cancelled():
