@@ -18,7 +18,9 @@ host, so the parent compares them across ranks.
 * ``restart``: :class:`asynccoll.EagerSGD` (solo, momentum 0.5, parameters of ``bytes / 2``,
   so the state moved is ``bytes``) with ``step_s`` of simulated compute per step; the victim
   SIGKILLs itself at global step ``kill_at``; every step's start and end is recorded, with the
-  world size after it, and a member's ``admit`` (wrapped: its start and end).
+  world size after it, and a member's ``admit_sent`` (wrapped: its start and end), and the
+  parts of the sync events and of the join (``spans``: :func:`_phases`); ``sync_every``
+  gives sync events without a join to compare with.
 * ``churn``: the hyperplane task of ``bench/hyperplane.py`` (the demo's data and straggler
   draw: ``asynccoll.demo``) under EagerSGD solo with ``accumulate=True``, until global step
   ``steps``; the parent kills ranks from outside, until some rank is within ``quiet_steps``
@@ -205,13 +207,58 @@ async def transfer(cfg: dict[str, Any]) -> None:
 
 
 # -- restart -----------------------------------------------------------------------------------
+def _spans(spans: list[tuple[str, float, float]], owner: Any, attr: str, name: str) -> None:
+    """Wrap ``owner.attr`` (a class's or a module's function, async or not) so that every
+    call appends ``(name, start, end)`` to ``spans``: the parts of a sync event and of a join
+    (``bench/join.py`` sums them per step)."""
+    fn = getattr(owner, attr)
+    if asyncio.iscoroutinefunction(fn):
+        async def wrapped(*args: Any, **kw: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return await fn(*args, **kw)
+            finally:
+                spans.append((name, t0, time.monotonic()))
+    else:
+        def wrapped(*args: Any, **kw: Any) -> Any:  # type: ignore[misc]
+            t0 = time.monotonic()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spans.append((name, t0, time.monotonic()))
+    setattr(owner, attr, wrapped)
+
+
+def _phases(spans: list[tuple[str, float, float]]) -> None:
+    """The sync event's and the join's parts, timed (:func:`_spans`): the handle's flush,
+    the communicators' allreduce / broadcast / allgather, and inside ``admit``: the grown
+    communicator made, the handle grown, this member's digest, a stripe sent to a joiner
+    (``give``: from the joiner's ``GO`` on), the digests compared (``check``)."""
+    from asynccoll.comm.communicator import Communicator
+    from asynccoll.comm.partial import PartialAllreduce
+    from asynccoll.comm.partial_member import MemberSide
+
+    _spans(spans, PartialAllreduce, "flush", "flush")
+    for op in ("allreduce", "broadcast", "allgather"):
+        _spans(spans, Communicator, op, op)
+    _spans(spans, Communicator, "rejoined_group", "make_comm")
+    _spans(spans, MemberSide, "grow", "grow")
+    for fn, name in (("admit_sent", "admit"), ("digest", "digest"), ("_give", "give"),
+                     ("check", "check")):
+        _spans(spans, joining, fn, name)
+    _spans(spans, joining.DigestCheck, "settle", "settle")
+
+
 async def restart(cfg: dict[str, Any]) -> None:
     comm, times = await connect(cfg)
-    _timed("admit", times, "t_admit")  # which step holds the join (loss and join may share one)
+    # which step holds the join (loss and join may share one): EagerSGD calls admit_sent
+    _timed("admit_sent", times, "t_admit")
+    spans: list[tuple[str, float, float]] = []
+    _phases(spans)
     rank, P = comm.rank, comm.size
     n = cfg["bytes"] // 8
     opt = EagerSGD(comm, np.zeros(n, np.float32), 0.1, Solo(), momentum=0.5,
-                   name="join-bench", timeout=cfg["timeout"])
+                   sync_every=cfg.get("sync_every"), name="join-bench", timeout=cfg["timeout"])
     g = np.empty(n, np.float32)
     target = np.float32(rank + 1)
     steps: list[list[float]] = []  # [start, end, world size after, joined, synced, included]
@@ -239,7 +286,7 @@ async def restart(cfg: dict[str, Any]) -> None:
             break
     status(rank, "finishing")
     await opt.finish()
-    times.update(steps=steps, step_count=opt.step_count,
+    times.update(steps=steps, step_count=opt.step_count, spans=spans,
                  digest=hashlib.sha256(opt.params.tobytes()).hexdigest()[:16])
     report(rank, times)
     await comm.close()

@@ -401,12 +401,43 @@ def _say_transfer(rows: list[dict[str, Any]]) -> None:
 
 
 # -- parts 2 and 3: restart to first contribution, the members' step during the join -----------
-def restart_once(size: int, victim: int, step_s: float) -> dict[str, Any]:
+def _phase_sums(spans: list[list[Any]], a: float, b: float) -> dict[str, float]:
+    """The seconds each timed part (``_join_job._phases``) took between ``a`` and ``b``."""
+    out: dict[str, float] = {}
+    for name, t0, t1 in spans:
+        if a <= t0 and t1 <= b:
+            out[name] = out.get(name, 0.0) + t1 - t0
+    return out
+
+
+def _join_phases(spans: list[list[Any]], a: float, b: float) -> dict[str, float]:
+    """The join step's parts: its sync event's (flush, allreduce, broadcast) and the
+    admission's, with ``until_go`` (from the member's digest to its first stripe sent: the
+    header to the joiner and the joiner's ``GO`` back) and ``admit_other`` (the rest)."""
+    out = _phase_sums(spans, a, b)
+    inside = [s for s in spans if a <= s[1] and s[2] <= b]
+    adm = [s for s in inside if s[0] == "admit"]
+    gives = [s for s in inside if s[0] == "give"]
+    digs = [s for s in inside if s[0] == "digest"]
+    if adm and gives:
+        before = max((s[2] for s in digs + [s for s in inside if s[0] == "grow"]
+                      if s[2] <= gives[0][1]), default=adm[0][1])
+        out["until_go"] = min(g[1] for g in gives) - before
+        # the joiners' stripes go in parallel: first start to last end
+        out["give"] = max(g[2] for g in gives) - min(g[1] for g in gives)
+        known = sum(out.get(k, 0.0) for k in ("make_comm", "grow", "digest", "until_go", "give",
+                                              "check"))
+        out["admit_other"] = out["admit"] - known
+    return {k: round(v, 5) for k, v in out.items()}
+
+
+def restart_once(size: int, victim: int, step_s: float, sync_every: int | None = None
+                 ) -> dict[str, Any]:
     # a large state's steps take seconds: the restart is over within a step or two
     short = size >= 64 * MiB
     cfg = {"bytes": size, "timeout": 300, "victim": victim, "kill_at": 3 if short else 5,
            "step_s": step_s, "max_s": 240, "steps": 10 if short else 15,
-           "after": 3 if short else 5}
+           "after": 3 if short else 5, "sync_every": sync_every}
     job = Job("restart", cfg, 1).run(timeout=330)
     joiner, members = job.by(True), job.by(False)
     if job.failed or len(joiner) != 1 or len(members) != P - 1:
@@ -438,26 +469,37 @@ def restart_once(size: int, victim: int, step_s: float) -> dict[str, Any]:
         # the loss's step: where the world shrank, or the join's own step when the restart
         # was quicker than the step (the recovery and the join in one step)
         lost = next((i for i in range(1, len(s)) if ws[i] < ws[i - 1]), g)
-        plain = [d for i, d in enumerate(dur) if i >= 2 and i not in (lost, g)]
+        # the median step: no join, no loss, no sync event (a sync event without a join is
+        # measured apart: ``sync_step_s``, with its parts)
+        plain = [d for i, d in enumerate(dur) if i >= 2 and i not in (lost, g) and not s[i][4]]
+        syncs = [i for i in range(2, len(s)) if s[i][4] and i not in (lost, g)]
         med = float(np.median(plain))
-        out["members"].append({"rank": m["rank"], "join_step_s": dur[g], "median_step_s": med,
-                               "ratio": dur[g] / med, "loss_step_s": dur[lost],
-                               "loss_and_join_in_one_step": lost == g,
-                               "admit_s": m["t_admit1"] - m["t_admit0"], "join_step": g,
-                               "loss_step": lost, "steps_s": dur, "world": ws})
+        spans = m.get("spans", [])
+        sync_parts = [_phase_sums(spans, s[i][0], s[i][1]) for i in syncs]
+        out["members"].append({
+            "rank": m["rank"], "join_step_s": dur[g], "median_step_s": med,
+            "ratio": dur[g] / med, "loss_step_s": dur[lost],
+            "loss_and_join_in_one_step": lost == g,
+            "admit_s": m["t_admit1"] - m["t_admit0"], "join_step": g,
+            "sync_step_s": float(np.median([dur[i] for i in syncs])) if syncs else None,
+            "sync_ratio": float(np.median([dur[i] for i in syncs])) / med if syncs else None,
+            "join_phases_s": _join_phases(spans, s[g][0], s[g][1]),
+            "sync_phases_s": {k: round(float(np.median([p.get(k, 0.0) for p in sync_parts])), 5)
+                              for k in sorted({k for p in sync_parts for k in p})},
+            "loss_step": lost, "steps_s": dur, "world": ws, "synced": [x[4] for x in s]})
     return out
 
 
-def part_restart(sizes: list[int], repeat: int, step_s: float, rng: random.Random
-                 ) -> list[dict[str, Any]]:
+def part_restart(sizes: list[int], repeat: int, step_s: float, rng: random.Random,
+                 sync_every: int | None = None) -> list[dict[str, Any]]:
     rows = []
     for size in sizes:
         runs, fails = [], []
         for _ in range(repeat):
-            res = restart_once(size, rng.randrange(P), step_s)
+            res = restart_once(size, rng.randrange(P), step_s, sync_every)
             (fails if "failed" in res else runs).append(res)
         base = {"impl": "asynccoll", "transport": "tcp", "state_path": "shm", "P": P,
-                "size": size,
+                "size": size, "sync_every": sync_every,
                 "step_compute_s": step_s, "runs": len(runs),
                 "failures": [f["failed"] for f in fails]}
         row: dict[str, Any] = {"case": "restart to first contribution", **base}
@@ -475,10 +517,22 @@ def part_restart(sizes: list[int], repeat: int, step_s: float, rng: random.Rando
             mrow.update(stats("join_step_s", [m["join_step_s"] for m in ms]))
             mrow.update(stats("median_step_s", [m["median_step_s"] for m in ms]))
             mrow.update(stats("admit_s", [m["admit_s"] for m in ms]))
+            with_sync = [m for m in ms if m["sync_step_s"] is not None]
+            if with_sync:
+                mrow.update(stats("sync_step_s", [m["sync_step_s"] for m in with_sync]))
+                mrow.update(stats("sync_ratio", [m["sync_ratio"] for m in with_sync]))
+            for key in ("join_phases_s", "sync_phases_s"):
+                names = sorted({k for m in ms for k in m[key]})
+                mrow[key] = {k: float(np.median([m[key].get(k, 0.0) for m in ms]))
+                             for k in names}
+            mrow["per_member"] = [{k: m[k] for k in ("rank", "join_step_s", "sync_step_s",
+                                                     "median_step_s", "join_phases_s",
+                                                     "sync_phases_s")} for m in ms]
             mrow["loss_step_s"] = [m["loss_step_s"] for m in ms]
             mrow["loss_and_join_in_one_step"] = sum(m["loss_and_join_in_one_step"] for m in ms)
             mrow["per_run"] = [{"victim": r["victim"], "members": [
-                {k: m[k] for k in ("rank", "join_step", "loss_step", "steps_s", "world")}
+                {k: m[k] for k in ("rank", "join_step", "loss_step", "steps_s", "world",
+                                   "synced")}
                 for m in r["members"]]} for r in runs]
         rows += [row, mrow]
         if runs:
@@ -489,6 +543,13 @@ def part_restart(sizes: list[int], repeat: int, step_s: float, rng: random.Rando
                   f"{row['connect_to_first_contribution_s_max']:.2f}]; members' join step "
                   f"{mrow['ratio_median']:.2f}x their median [{mrow['ratio_min']:.2f}, "
                   f"{mrow['ratio_max']:.2f}]; {len(fails)} failed", file=sys.stderr)
+            if "sync_step_s_median" in mrow:
+                print(f"restart {_label(size)}: sync step without a join "
+                      f"{mrow['sync_step_s_median']:.3f} s ({mrow['sync_ratio_median']:.2f}x), "
+                      f"join step {mrow['join_step_s_median']:.3f} s", file=sys.stderr)
+            for key in ("sync_phases_s", "join_phases_s"):
+                print(f"  {key}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
+                                               mrow[key].items()), file=sys.stderr)
         else:
             print(f"restart {_label(size)}: every run failed", file=sys.stderr)
     return rows
@@ -737,6 +798,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds between kills in the churn part (10; --quick 5)")
     ap.add_argument("--step-s", type=float, default=0.1,
                     help="simulated compute per step in the restart part (s)")
+    ap.add_argument("--sync-every", type=int, default=4,
+                    help="EagerSGD's sync_every in the restart part: sync events without a "
+                    "join, measured apart from the join's (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep-other-parts", action="store_true",
                     help="keep the rows of the parts not run now from the --out file already "
@@ -767,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
         rsizes = [_size(s) for s in a.restart_sizes.split(",")] if a.restart_sizes else \
             [MiB] if a.quick else \
             [MiB, largest_restart_size(notes, (1 << 30) if a.full else 128 * MiB)]
-        rows += part_restart(rsizes, repeat, a.step_s, rng)
+        rows += part_restart(rsizes, repeat, a.step_s, rng, a.sync_every or None)
     if "churn" in parts:
         rows += part_churn(churn_runs, churn_steps, kill_every, rng)
     if a.keep_other_parts and os.path.exists(a.out):
@@ -786,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
               "level": level, "P": P, "parts": parts, "sizes": sizes, "repeat": repeat,
               "churn_runs": churn_runs, "churn_steps": churn_steps,
               "kill_every_s": kill_every, "restart_step_compute_s": a.step_s,
+              "restart_sync_every": a.sync_every or None,
               "seed": a.seed, "paths": paths, "transport": "tcp (loopback)",
               "anchor_GBps": ANCHOR_GBPS, "shm_goal_GBps": SHM_GOAL_GBPS,
               "mem_available_gib": round(_mem_available() / 2**30, 1),

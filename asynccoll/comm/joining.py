@@ -33,15 +33,26 @@ contribution: after a flush, as the training classes' sync events have it.
    the switches the communicator read once; :mod:`.state_ring`: names, cleanup on any death, the
    fallback to the network with one warning when the segment cannot be made); the others send
    one frame per unit over the connection. Each member's first frame (``PLAN``) says which.
+   A stripe of at most :data:`INLINE_BYTES` that cannot take a ring goes at once, before the
+   ``GO`` (held and copied once at the joiner: nothing at that size), saving the members the
+   round trip. The lowest member's header goes out before the members grow their handle, so
+   the joiner's round trip runs meanwhile.
    Then every rank of the new world compares a 63-bit digest of its state with the others'
    (:func:`digest`, one allgather): replicas are equal to the bit, checked, or every rank
    raises :class:`StateMismatchError` naming the ranks that differ. The digest costs no pass
    of its own where there are cores to spare: a member hashes its state on other threads while
    it sends, the joiner each unit as it lands (from the ring: while it is in the caches).
+   A member may leave the comparison in flight (:func:`admit_sent`, a :class:`DigestCheck`):
+   its digest is taken and its stripes are sent, so it may change its state at once, and it
+   settles the comparison at an agreed later point before any other collective of the grown
+   communicator (the training classes: their next sync event), where a mismatch raises on
+   every rank alike; the joiner compares before :func:`join` returns.
 
 The members' pause is the flush boundary they were at anyway, plus the time to send one stripe
-(after one round trip for ``GO``) and one allgather. The joiner's first contribution goes into
-the first execution of the new world. What the lost process held (its send buffer, a snapshot
+(after one round trip for ``GO``, for a large stripe) and, with :func:`admit`, one allgather
+that waits for the joiner to hash what it received; with :func:`admit_sent` not that (measured:
+``bench/join.py``, docs/benchmarks.md "join"). The joiner's first contribution goes into the
+first execution of the new world. What the lost process held (its send buffer, a snapshot
 nobody completed) was lost with it and reported lost at the time (:mod:`.survival`); the
 joiner starts from nothing.
 
@@ -74,8 +85,8 @@ from .route import SHM, Switches, state_route
 from .shm import host_hash, new_token
 from .state_ring import Ring, Unit, chunks
 
-__all__ = ["Joiners", "StateMismatchError", "admit", "admit_ready", "digest", "join",
-           "join_handle", "stripe", "units"]
+__all__ = ["DigestCheck", "Joiners", "StateMismatchError", "admit", "admit_ready",
+           "admit_sent", "digest", "join", "join_handle", "stripe", "units"]
 
 log = logging.getLogger("asynccoll.comm")
 
@@ -262,28 +273,38 @@ async def admit(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
     ``state``: the arrays every joiner receives (equal on every member: the caller made them
     so); ``meta``: small msgpack-able data for the joiners (the lowest member's is sent).
     Returns the grown communicator, which the handle runs on from now on. Raises
-    :class:`StateMismatchError` when the digests differ afterwards."""
+    :class:`StateMismatchError` when the digests differ afterwards. :func:`admit_sent` and
+    :meth:`DigestCheck.settle`, in one."""
+    grown, pending = await admit_sent(h, now, joiners, state, meta)
+    await pending.settle()
+    return grown
+
+
+async def admit_sent(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
+                     meta: dict[str, Any] | None = None) -> tuple[Any, DigestCheck]:
+    """:func:`admit` up to the digests' comparison, which it starts (an allgather over the
+    grown communicator, in flight) and returns with the grown communicator: the caller may
+    change ``state`` at once (its digest and its stripes are taken) and must await
+    :meth:`DigestCheck.settle` before any other collective of the grown communicator (the
+    training classes: at their next sync event), on every member at the same point, so that
+    a mismatch raises :class:`StateMismatchError` on every rank there. The members' pause is
+    then the stripes sent, not the slowest rank's (the joiner's) digest."""
     job = now.job
     old = list(now.members)
     members = sorted(set(old) | set(joiners))
     first = h.completed + 1
     key = f"join:{h.name}:{first}"
-    grown = job.rejoined_group(members, key)
-    ranks = [members.index(m) for m in old]
-    await job.on_runtime(lambda: h.grow(grown, first, ranks))
     t = job.transport
     switches = job.switches
     sid = channel(h.name)
     views = [_bytes(a) for a in state]
     d, i = len(old), old.index(job.rank)
-    # this member's digest, on an executor thread while the stripes go out (module doc);
-    # a small state's here: a thread's hand-off would cost more than the hash
-    if sum(int(v.size) for v in views) <= INLINE_BYTES:
-        mine: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        mine.set_result(digest(state, d))
-    else:
-        mine = asyncio.get_running_loop().run_in_executor(None, digest, state, d)
     mine_units = units([int(v.size) for v in views], i, d)
+    nbytes = sum(hi - lo for _, lo, hi in mine_units)
+    # A small stripe that cannot take a ring goes at once, before the joiner's GO: what
+    # arrives before its receives is held and copied once, which costs nothing at this size
+    # and saves the members a round trip (module doc)
+    at_once = nbytes <= INLINE_BYTES and state_route(switches, 0, 0, nbytes, True) != SHM
 
     def start() -> list[asyncio.Future[Any]]:  # on the runtime's loop
         gos = [t.post_recv(r, sid, 0, _GO) for r in joiners]  # before the header: no wait
@@ -294,47 +315,100 @@ async def admit(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
             for r in joiners:
                 t.post_frame(r, int(Kind.DATA), sid, 0, _HEADER, head
                              ).add_done_callback(ignore_outcome)
+        if at_once:
+            for g in gos:  # the GO still comes: taken whenever (a loss fails the receive)
+                g.add_done_callback(ignore_outcome)
         return gos
 
+    # the header first: the joiner's round trip to its GO runs while the handle grows
     gos = await job.on_runtime(start)
+    grown = job.rejoined_group(members, key)
+    ranks = [members.index(m) for m in old]
+    await job.on_runtime(lambda: h.grow(grown, first, ranks))
+    # this member's digest, on an executor thread while the stripes go out (module doc);
+    # a small state's here: a thread's hand-off would cost more than the hash
+    if sum(int(v.size) for v in views) <= INLINE_BYTES:
+        mine: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        mine.set_result(digest(state, d))
+    else:
+        mine = asyncio.get_running_loop().run_in_executor(None, digest, state, d)
 
     async def give(r: int, go_fut: asyncio.Future[Any]) -> None:  # on the runtime's loop
-        go = msgpack.unpackb(bytes((await go_fut).payload))
+        go = None if at_once else msgpack.unpackb(bytes((await go_fut).payload))
         await _give(t, sid, r, first, views, mine_units, go, switches)
 
     try:
         await _bounded(job, lambda: _all([give(r, g) for r, g in zip(joiners, gos,
                                                                       strict=True)]),
                        h.timeout, "send the state to the joining ranks")
-        await check(grown, await mine, h.timeout)
+        value = await mine
     except PeerLostError:
-        gone = sorted(r for r in joiners if r in job.membership.gone)
-        if not gone:
+        if not _lost_joiners(job, joiners, h.name):
             raise
-        # A joiner lost again while it joined: the grown handle goes on without it (its
-        # survival recovers at the next call, as after any loss); the others are taken back.
-        log.warning("rank %d: rank(s) %s lost while joining partial allreduce %r; it goes "
-                    "on without them", job.rank, gone, h.name)
-        return grown
+        return grown, DigestCheck(grown, None, job, joiners, h.name)
     finally:
-        for g in gos:
-            g.cancel()  # (a GO never received: its receive is no destination any more)
+        if not at_once:
+            for g in gos:
+                g.cancel()  # (a GO never received: its receive is no destination any more)
     log.warning("rank %d: partial allreduce %r took rank(s) %s back: %d ranks from execution "
                 "%d", job.rank, h.name, joiners, len(members), first)
-    return grown
+    pending = DigestCheck(grown, asyncio.ensure_future(check(grown, value, h.timeout)),
+                          job, joiners, h.name)
+    await asyncio.sleep(0)  # the allgather is under way (its first step posted it)
+    return grown, pending
+
+
+def _lost_joiners(job: Any, joiners: list[int], name: str) -> list[int]:
+    """After a :class:`~asynccoll.PeerLostError` in an admission: the joiners lost meanwhile
+    (the grown handle goes on without them: its survival recovers at the next call, as after
+    any loss; the others are taken back), said in one warning; none: the error is the
+    caller's."""
+    gone = sorted(r for r in joiners if r in job.membership.gone)
+    if gone:
+        log.warning("rank %d: rank(s) %s lost while joining partial allreduce %r; it goes "
+                    "on without them", job.rank, gone, name)
+    return gone
+
+
+class DigestCheck:
+    """An admission's comparison of the digests (:func:`admit_sent`), in flight: an
+    allgather over the grown communicator that every rank of it, joiners included, makes."""
+
+    def __init__(self, grown: Any, task: asyncio.Future[None] | None, job: Any,
+                 joiners: list[int], name: str) -> None:
+        self.grown, self._task = grown, task
+        self._job, self._joiners, self._name = job, joiners, name
+
+    def done(self) -> bool:
+        """Whether the comparison has ended (settle then returns or raises at once)."""
+        return self._task is None or self._task.done()
+
+    async def settle(self) -> None:
+        """Wait for the comparison to end: :class:`StateMismatchError` when the states
+        differ (on every rank alike), what the allgather raised else, except a loss of
+        joiners only (the handle goes on without them, as :func:`admit` does). Again: no-op."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        try:
+            await task
+        except PeerLostError:
+            if not _lost_joiners(self._job, self._joiners, self._name):
+                raise
 
 
 async def _give(t: Any, sid: int, r: int, first: int, views: list[Any], mine: list[Unit],
-                go: dict[str, Any], switches: Switches) -> None:
+                go: dict[str, Any] | None, switches: Switches) -> None:
     """A member's units ``mine`` of ``views`` (:func:`units`) to joiner ``r`` once it said
     ``go`` (on the runtime's loop): through a ring in shared memory where the route says so
     (:func:`~.route.state_route`: the joiner's host and ask, the stripe's size, this member's
     ``switches``) and the segment can be made (:mod:`.state_ring`), else one frame per unit
-    over the connection, into the receives the joiner posted before its ``GO``."""
+    over the connection, into the receives the joiner posted before its ``GO`` (``go`` None:
+    a small stripe sent without waiting for it, :func:`admit_sent`)."""
     ring = None
     nbytes = sum(hi - lo for _, lo, hi in mine)
-    if state_route(switches, host_hash(), int(go.get("host", -1)), nbytes,
-                   bool(go.get("shm"))) == SHM:
+    if go is not None and state_route(switches, host_hash(), int(go.get("host", -1)), nbytes,
+                                      bool(go.get("shm"))) == SHM:
         try:
             ring = Ring.create(Ring.path(int(go["token"]), sid, t.rank, first), mine)
         except (OSError, ValueError) as exc:

@@ -249,6 +249,7 @@ class EagerSGD(TakesJoinersBack):
         self._sync_buf[n] = 1.0 if finished else 0.0
         self._sync_buf[n + 1] = 0.0 if average else 1.0
         self._join_flags(self._sync_buf[n + 2:])
+        await self._settle_join()  # the last admission's digests compared (.joining)
         tot = await self._comm_now().allreduce(self._sync_buf, timeout=self.timeout)
         self._averaged = bool(tot[n + 1] == 0)
         if self._averaged:

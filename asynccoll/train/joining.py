@@ -12,13 +12,19 @@ parameters. So:
   member are admitted, the same set everywhere;
 * the members make their optimizer state equal too (the momentum of the lowest member, one
   broadcast, when there is any), grow the handle, and stripe the parameters, the optimizer
-  state and the step counters to the joiners; every rank checks a digest of the state;
+  state and the step counters to the joiners; every rank checks a digest of the state: the
+  joiner before its first step returns, a member at its next sync event, before that event's
+  allreduce (:func:`~asynccoll.comm.joining.admit_sent`: the digests' allgather goes on while
+  the members step, so they do not wait there for the joiner to hash what it received; a
+  mismatch raises :class:`~asynccoll.comm.joining.StateMismatchError` on every rank at that
+  point, and :meth:`finish` settles it too);
 * a joiner's first :meth:`step` does the joining side (its gradient, computed on parameters it
   had not yet received, is not contributed) and returns with ``StepInfo.joined`` set; from its
   next step on it contributes, and ``step_count`` is the members' global step, so a loop
   ``while opt.step_count < N`` runs unchanged on every rank, first start or restart.
 
-The members' pause is one sync event plus one stripe of the state each.
+The members' pause is one sync event plus one stripe of the state each (measured:
+``bench/join.py``, docs/benchmarks.md "join").
 
 The synchronous classes (:class:`~.odsgd.ODSGD`, :class:`~.topk_sgd.TopKSGD`) take joiners
 back with the same parts at a step boundary instead of a sync event (:mod:`.rounds`): their
@@ -97,6 +103,7 @@ class TakesJoinersBack(JoinSide):
     syncs: int
     timeout: float | None
     _h: PartialAllreduce | None
+    _check: joining.DigestCheck | None = None  # the last admission's digests, in flight
 
     def _job_comm(self) -> Communicator:
         return self.comm
@@ -164,7 +171,16 @@ class TakesJoinersBack(JoinSide):
             v = self.updater._v
             np.copyto(v, await now.broadcast(v, 0, self.timeout))
         assert self._h is not None
-        await joining.admit(self._h, now, admitted, self._state(), self._join_meta())
+        _, self._check = await joining.admit_sent(self._h, now, admitted, self._state(),
+                                                  self._join_meta())
+
+    async def _settle_join(self) -> None:
+        """At a sync event, before its allreduce (the grown communicator's next collective):
+        the last admission's digest comparison ended (module doc); raises
+        :class:`~asynccoll.comm.joining.StateMismatchError` if the states differed."""
+        check, self._check = self._check, None
+        if check is not None:
+            await check.settle()
 
     async def _join_step(self) -> StepInfo:
         """A restarted rank's first step: be taken back, receive the state."""
