@@ -23,11 +23,20 @@ $(VENV)/.plot: $(VENV)/.base
 run: $(VENV)/.plot
 	$(PY) -m asynccoll.cli demo
 
-# PYTEST_ARGS: extra pytest options, e.g. `make test PYTEST_ARGS="-n 2 --dist loadgroup"` (the
-# suite under pytest-xdist; tests/conftest.py gives each worker its own segment directory)
+# The suite in two parts: everything but the tests marked `alone` on two workers (pytest-xdist;
+# tests/conftest.py gives each worker its own segment directory), then the `alone` ones serially
+# (stopped ranks, liveness waits, timing statistics: a second worker's load would move their
+# clocks). Both parts always run; the target fails if either failed (exit 5, nothing selected,
+# counts as passed). PYTEST_ARGS: extra options for both (a path, -k, -x, --durations=N);
+# PYTEST_PARALLEL= (empty) runs the first part serially too.
 PYTEST_ARGS ?=
+PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 test: $(VENV)/.test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@a=0; b=0; \
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
+	$(PY) -m pytest -m alone $(PYTEST_ARGS) || b=$$?; \
+	echo "make test: parallel part exit $$a, alone part exit $$b (5: nothing selected)"; \
+	[ $$a -eq 0 -o $$a -eq 5 ] && [ $$b -eq 0 -o $$b -eq 5 ] && [ $$a -eq 0 -o $$b -eq 0 ]
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

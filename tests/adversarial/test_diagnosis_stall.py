@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.alone  # timing-sensitive: runs after the parallel part (Makefile)
+
 ROOT = str(Path(__file__).parents[2])
 WARN = 1.0
 KINDS = ["solo", "majority", "two_choice", "quorum", "allreduce"]

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = str(Path(__file__).parents[2])
 
-pytestmark = [pytest.mark.multiprocess]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 
 SCRIPT = """
 import asyncio, os, signal, sys, time, numpy as np, asynccoll

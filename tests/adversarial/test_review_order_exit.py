@@ -25,6 +25,8 @@ from _helpers import free_port
 from asynccoll import CollectiveTimeoutError, ExecutionError
 from asynccoll.testing import local_world
 
+pytestmark = pytest.mark.alone  # timing-sensitive: runs after the parallel part (Makefile)
+
 ROOT = str(Path(__file__).parents[2])
 BIG = 1 << 16  # float32: 256 KiB, above SHM_MIN_BYTES (every local_world rank on one host)
 

@@ -438,6 +438,7 @@ def test_ending_without_closing_leaves_nothing(tmp_path: Path) -> None:
     _job(tmp_path, 3, "no_close")
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("when", ["kill_before_first", "kill_between", "kill_stopped"])
 def test_a_rank_killed_or_stopped(tmp_path: Path, when: str) -> None:

@@ -18,6 +18,8 @@ import pytest
 from asynccoll import ConfigError
 from asynccoll.launch.connect import DEFAULT_COLLECTIVE_TIMEOUT, collective_timeout_from
 
+pytestmark = pytest.mark.alone  # timing-sensitive: runs after the parallel part (Makefile)
+
 ROOT = str(Path(__file__).parents[2])
 
 STOPPER = """

@@ -27,6 +27,8 @@ from asynccoll import (
 from asynccoll.collectives.sparse import to_dense
 from asynccoll.testing import local_world
 
+pytestmark = pytest.mark.alone  # timing-sensitive: runs after the parallel part (Makefile)
+
 
 def v(rank: int, step: int = 0) -> np.ndarray:
     return np.arange(4, dtype=np.float64) + 10.0 * rank + 1000.0 * step

@@ -292,6 +292,7 @@ async def skewed_nap(kind: str, P: int, iters: int, quorum: int | None = None) -
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.timeout(90)
 async def test_linear_skew_active_processes() -> None:
     P, iters = 8, 24
@@ -442,6 +443,7 @@ async def test_accumulate_world_divides_each_execution_by_the_world_and_checks_a
         np.testing.assert_allclose(r.value, (32.0 + 16.0) / 2)
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(120)
 async def test_float32_at_p256_one_allreduce_exact_and_disagreement_found() -> None:
     # from P = 256 float32 data carries the meta vector (its signature a byte per slot, so

@@ -16,7 +16,7 @@ from asynccoll.transport.tcp import TcpTransport
 
 SECRET = b"l" * 32
 
-pytestmark = pytest.mark.timeout(20)
+pytestmark = [pytest.mark.timeout(20), pytest.mark.alone]
 
 
 async def _pair(scheme: str) -> list[Transport]:
