@@ -306,6 +306,9 @@ async def admit_sent(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
     # and saves the members a round trip (module doc)
     at_once = nbytes <= INLINE_BYTES and state_route(switches, 0, 0, nbytes, True) != SHM
 
+    grown = job.rejoined_group(members, key)
+    ranks = [members.index(m) for m in old]
+
     def start() -> list[asyncio.Future[Any]]:  # on the runtime's loop
         gos = [t.post_recv(r, sid, 0, _GO) for r in joiners]  # before the header: no wait
         if i == 0:
@@ -318,13 +321,11 @@ async def admit_sent(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
         if at_once:
             for g in gos:  # the GO still comes: taken whenever (a loss fails the receive)
                 g.add_done_callback(ignore_outcome)
+        # the header first: the joiner's round trip to its GO runs while the handle grows
+        h.grow(grown, first, ranks)
         return gos
 
-    # the header first: the joiner's round trip to its GO runs while the handle grows
-    gos = await job.on_runtime(start)
-    grown = job.rejoined_group(members, key)
-    ranks = [members.index(m) for m in old]
-    await job.on_runtime(lambda: h.grow(grown, first, ranks))
+    gos = await job.on_runtime(start)  # (one hand-over to the runtime's thread, not two)
     # this member's digest, on an executor thread while the stripes go out (module doc);
     # a small state's here: a thread's hand-off would cost more than the hash
     if sum(int(v.size) for v in views) <= INLINE_BYTES:
