@@ -16,6 +16,8 @@ import pytest
 from asynccoll.transport.frames import Kind
 from asynccoll.transport.tcp import TcpTransport
 
+pytestmark = pytest.mark.alone  # timing-sensitive: runs after the parallel part (Makefile)
+
 SECRET = b"0123456789abcdef0123456789abcdef"
 
 

@@ -32,6 +32,8 @@ from asynccoll.torch import DistributedOptimizer  # noqa: E402
 from asynccoll.train import DCASGD  # noqa: E402
 from asynccoll.train._staleness import staleness_combine  # noqa: E402
 
+pytestmark = pytest.mark.alone  # timing-sensitive: runs after the parallel part (Makefile)
+
 P = 4
 N = 6
 SEED = 11

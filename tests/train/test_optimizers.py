@@ -121,6 +121,7 @@ ACCUMULATING = {
 }
 
 
+@pytest.mark.alone  # a straggler must fall behind: timing
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("method", sorted(ACCUMULATING))

@@ -17,6 +17,8 @@ from asynccoll.testing import local_world
 from asynccoll.train import RNA
 from asynccoll.train.hier import DUE, FINISHING, HAS, TIME, decide
 
+pytestmark = pytest.mark.alone  # timing-sensitive: runs after the parallel part (Makefile)
+
 SLOW = 0.08  # the slow group's extra delay per step, seconds (was 0.03: the switch needs the
 # slow inter-step time above 3x the fast one, which a 10 ms overshoot of the fast ranks' sleeps
 # on a loaded machine undid; now it takes 37 ms)
