@@ -83,6 +83,19 @@ def report(rank: int, bad: list[str], cases: list[Case]) -> None:
     print(f"SURVIVED OK {rank} {kept}" if not bad else f"SURVIVED BAD {rank}", flush=True)
 
 
+async def compare(survivors: Any, cases: list[Case]) -> None:
+    """Compare every finished case's raw bytes and world over the survivors' communicator and
+    report (module doc)."""
+    bad: list[str] = []
+    for c in cases:
+        if c.opt.world_size != SURVIVORS:
+            bad.append(f"WORLD {c.label} {c.opt.world_size}")
+        everyone = await survivors.allgather(np.ascontiguousarray(c.opt.params).view(np.uint8))
+        if any(bytes(row) != bytes(everyone[0]) for row in everyone):
+            bad.append(f"DIFFER {c.label}")
+    report(survivors.rank, bad, cases)
+
+
 # -- NumPy training classes ------------------------------------------------------------------
 def numpy_makers(comm: Any, dtype: Any) -> list[tuple[str, Callable[[str], Any]]]:
     def w() -> np.ndarray:
@@ -115,17 +128,9 @@ async def numpy_part() -> None:
             for i, c in enumerate(cases):
                 die_here(comm.rank, step, i, cases)
                 await c.opt.step(grad(c.opt.params, rng))
-        bad: list[str] = []
         for c in cases:
             await c.opt.finish(average=c.average)
-        survivors = cases[0].opt._h.communicator
-        for c in cases:
-            if c.opt.world_size != SURVIVORS:
-                bad.append(f"WORLD {c.label} {c.opt.world_size}")
-            everyone = await survivors.allgather(np.ascontiguousarray(c.opt.params).view(np.uint8))
-            if any(bytes(row) != bytes(everyone[0]) for row in everyone):
-                bad.append(f"DIFFER {c.label}")
-        report(survivors.rank, bad, cases)
+        await compare(cases[0].opt._h.communicator, cases)
 
 
 # -- ODSGD and TopKSGD: synchronous rounds that go on over the survivors ----------------------
@@ -144,25 +149,10 @@ async def sync_part() -> None:
             jitter(rng)
             for i, c in enumerate(cases):
                 die_here(comm.rank, step, i, cases)
-                try:
-                    await c.opt.step(grad(c.opt.params, rng))
-                except PeerLostError as exc:
-                    ended(c, exc)
-                    break
-        bad: list[str] = []
+                await c.opt.step(grad(c.opt.params, rng))  # a raise fails the job
         for c in cases:
-            if c.ended is None:
-                await c.opt.finish()
-        survivors = cases[0].opt._comm_now()  # the survivors' communicator (train/rounds.py)
-        for c in cases:
-            if c.ended is not None:
-                continue
-            if c.opt.world_size != SURVIVORS:
-                bad.append(f"WORLD {c.label} {c.opt.world_size}")
-            everyone = await survivors.allgather(np.ascontiguousarray(c.opt.params).view(np.uint8))
-            if any(bytes(row) != bytes(everyone[0]) for row in everyone):
-                bad.append(f"DIFFER {c.label}")
-        report(survivors.rank, bad, cases)
+            await c.opt.finish()
+        await compare(cases[0].opt._comm_now(), cases)  # the survivors' (train/rounds.py)
 
 
 # -- torch: DistributedOptimizer and the DDP hook --------------------------------------------
