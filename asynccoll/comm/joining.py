@@ -20,33 +20,33 @@ contribution: after a flush, as the training classes' sync events have it.
    and grows the handle over it: its execution numbering continues
    (:meth:`PartialAllreduce.grow <.partial_member.MemberSide.grow>`), and the ranks that came
    back are no longer reported lost.
-4. **State.** The members stream the state to each joiner in stripes, member ``i`` of ``D``
-   the ``i``-th ``1/D`` of every array's bytes, so no member sends it all; the lowest member
-   sends a small header first (the new membership, the first execution, the caller's meta data
-   such as the global step, the arrays' sizes). The joiner then posts a receive for every unit
-   of every stripe (:func:`units`: at most :data:`HASH_CHUNK` bytes, straight into its own
-   arrays) and only then tells every member ``GO`` (its host, a random token, whether it takes
-   shared memory); a member sends nothing before it: a stripe that arrived before its receive
-   was posted would be held and copied by the matcher (it was: 1.9 GiB resident at the joiner
-   for 1 GiB of state). A member on the joiner's host hands a large stripe over through a ring
-   of slots in a shared-memory segment (the route decides: :func:`.route.state_route`, with
-   the switches the communicator read once; :mod:`.state_ring`: names, cleanup on any death, the
-   fallback to the network with one warning when the segment cannot be made); the others send
-   one frame per unit over the connection. Each member's first frame (``PLAN``) says which.
-   A stripe of at most :data:`INLINE_BYTES` that cannot take a ring goes at once, before the
+4. **State.** The members stream the state to each joiner in stripes, member ``i`` of ``D`` the
+   ``i``-th ``1/D`` of every array's bytes, so no member sends it all; the lowest member sends a
+   small header first (the new membership, the first execution, the caller's meta data such as
+   the global step, the arrays' sizes). The joiner then posts a receive for every unit of every
+   stripe (:func:`.state_digest.units`: at most 8 MiB, straight into its own arrays) and only
+   then tells every member ``GO`` (its host, a random token, whether it takes shared memory); a
+   member sends nothing before it: a stripe that arrived before its receive was posted would be
+   held and copied by the matcher (it was: 1.9 GiB resident at the joiner for 1 GiB of state). A
+   member on the joiner's host hands a large stripe over through a ring of slots in a
+   shared-memory segment (the route decides: :func:`.route.state_route`, with the switches the
+   communicator read once; :mod:`.state_ring`: names, cleanup on any death, the fallback to the
+   network with one warning when the segment cannot be made); the others send one frame per unit
+   over the connection. Each member's first frame (``PLAN``) says which. A stripe of at most 1
+   MiB (:data:`.state_digest.INLINE_BYTES`) that cannot take a ring goes at once, before the
    ``GO`` (held and copied once at the joiner: nothing at that size), saving the members the
-   round trip. The lowest member's header goes out before the members grow their handle, so
-   the joiner's round trip runs meanwhile.
-   Then every rank of the new world compares a 63-bit digest of its state with the others'
-   (:func:`digest`, one allgather): replicas are equal to the bit, checked, or every rank
-   raises :class:`StateMismatchError` naming the ranks that differ. The digest costs no pass
-   of its own where there are cores to spare: a member hashes its state on other threads while
-   it sends, the joiner each unit as it lands (from the ring: while it is in the caches).
-   A member may leave the comparison in flight (:func:`admit_sent`, a :class:`DigestCheck`):
-   its digest is taken and its stripes are sent, so it may change its state at once, and it
-   settles the comparison at an agreed later point before any other collective of the grown
-   communicator (the training classes: their next sync event), where a mismatch raises on
-   every rank alike; the joiner compares before :func:`join` returns.
+   round trip. The lowest member's header goes out before the members grow their handle, so the
+   joiner's round trip runs meanwhile. Then every rank of the new world compares a 63-bit digest
+   of its state with the others' (:func:`.state_digest.digest`, one allgather): replicas are
+   equal to the bit, checked, or every rank raises :class:`StateMismatchError` naming the ranks
+   that differ. The digest costs no pass of its own where there are cores to spare: a member
+   hashes its state on other threads while it sends, the joiner each unit as it lands (from the
+   ring: while it is in the caches). A member may leave the comparison in flight
+   (:func:`admit_sent`, a :class:`DigestCheck`): its digest is taken and its stripes are sent,
+   so it may change its state at once, and it settles the comparison at an agreed later point
+   before any other collective of the grown communicator (the training classes: their next sync
+   event), where a mismatch raises on every rank alike; the joiner compares before :func:`join`
+   returns.
 
 The members' pause is the flush boundary they were at anyway, plus the time to send one stripe
 (after one round trip for ``GO``, for a large stripe) and, with :func:`admit`, one allgather
@@ -65,13 +65,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
-import struct
-import zlib
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -83,19 +79,17 @@ from ..transport.matching import ignore_outcome
 from .partial_member import stable_id
 from .route import SHM, Switches, state_route
 from .shm import host_hash, new_token
+from .state_digest import INLINE_BYTES, Digest, digest, pool, units
 from .state_ring import Ring, Unit, chunks
 
 __all__ = ["DigestCheck", "Joiners", "StateMismatchError", "admit", "admit_ready",
-           "admit_sent", "digest", "join", "join_handle", "stripe", "units"]
+           "admit_sent", "join", "join_handle"]
 
 log = logging.getLogger("asynccoll.comm")
 
 # tags on a handle's joining channel
 _READY, _HEADER, _STRIPE, _GO, _PLAN, _FILLED, _FREED = range(7)
 _NOTHING = memoryview(b"")
-HASH_CHUNK = 8 << 20  #: bytes per CRC of :func:`digest`
-INLINE_BYTES = 1 << 20  #: a state (or a unit) this small is hashed where it is, not on a thread
-_hashers: list[ThreadPoolExecutor] = []  # the digest's threads (made at first use)
 _warned: list[str] = []  # the one warning per process of a state that took the network
 
 
@@ -106,82 +100,6 @@ class StateMismatchError(AsyncCollError):
 def channel(name: str) -> int:
     """The schedule id of the joining messages of handle ``name`` (on the job's transport)."""
     return stable_id(f"{name}#join", 1)
-
-
-def stripe(nbytes: int, i: int, d: int) -> slice:
-    """The byte range member ``i`` of ``d`` sends of an array of ``nbytes`` bytes."""
-    return slice(nbytes * i // d, nbytes * (i + 1) // d)
-
-
-def units(sizes: Sequence[int], i: int, d: int) -> list[Unit]:
-    """Member ``i`` of ``d``'s stripe of arrays of ``sizes`` bytes, as units of at most
-    :data:`HASH_CHUNK` bytes, ``(array, first byte, end byte)``, in order: what one frame
-    (tcp) or one place in a slot (shared memory) carries, and what one CRC of :func:`digest`
-    covers, so that the joiner hashes each unit as it arrives."""
-    out = []
-    for j, n in enumerate(sizes):
-        s = stripe(n, i, d)
-        out += [(j, lo, min(s.stop, lo + HASH_CHUNK)) for lo in range(s.start, s.stop,
-                                                                       HASH_CHUNK)]
-    return out
-
-
-def digest(arrays: Sequence[Any], parts: int = 1) -> int:
-    """A 63-bit digest of the bytes of ``arrays`` (host arrays), equal on every rank that
-    holds equal bytes and gives the same ``parts``: a CRC-32 of every unit of each of the
-    ``parts`` stripes (:func:`units`), and a BLAKE2b of those CRCs and the arrays' lengths.
-    Every byte counts and so does its place (a stripe put at the wrong offset, two words
-    swapped, a flipped bit anywhere change it); a check against replicas that drifted apart,
-    not against an adversary. The units are hashed on a few threads (``zlib`` releases the
-    GIL): about 2 GB/s per core here, against sha1's 1.5, BLAKE2b's 0.6 (measured) and the
-    order-blind sum of 8-byte words it replaces. A joiner hashes each unit as it arrives
-    (:class:`_Digest`), the members theirs while they send."""
-    sums = _Digest([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays], parts)
-    sums.all()
-    return sums.value()
-
-
-class _Digest:
-    """:func:`digest`'s CRCs, computed unit by unit (:meth:`take`) or at once (:meth:`all`)."""
-
-    def __init__(self, views: Sequence[Any], parts: int) -> None:
-        self.views, self.parts = list(views), parts
-        self._sizes = [int(v.size) for v in self.views]
-        self._crcs: dict[tuple[int, int], int] = {}
-
-    def take(self, u: Unit) -> None:
-        """Hash unit ``u`` (any thread: the GIL is released while it runs)."""
-        j, lo, hi = u
-        self._crcs[(j, lo)] = zlib.crc32(self.views[j][lo:hi])
-
-    def all(self) -> None:
-        """Hash every unit, on the digest's threads (here, for a small state)."""
-        work = [u for i in range(self.parts) for u in units(self._sizes, i, self.parts)]
-        if sum(self._sizes) <= INLINE_BYTES:
-            for u in work:
-                self.take(u)
-        else:
-            list(_pool().map(self.take, work))
-
-    def value(self) -> int:
-        """The digest (every unit hashed)."""
-        h = hashlib.blake2b(digest_size=8, person=b"asynccoll.join")
-        h.update(struct.pack("<QQ", len(self.views), self.parts))
-        for j, n in enumerate(self._sizes):
-            h.update(struct.pack("<Q", n))
-            for i in range(self.parts):
-                st = stripe(n, i, self.parts)
-                crcs = [self._crcs[(j, lo)] for lo in range(st.start, st.stop, HASH_CHUNK)]
-                h.update(struct.pack(f"<{len(crcs)}I", *crcs))
-        return int.from_bytes(h.digest(), "little") >> 1
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The threads that hash (made at the first digest; a few, as the host has cores)."""
-    if not _hashers:
-        _hashers.append(ThreadPoolExecutor(min(4, os.cpu_count() or 1),
-                                           thread_name_prefix="asynccoll-digest"))
-    return _hashers[0]
 
 
 def _bytes(a: Any) -> Any:
@@ -487,7 +405,7 @@ async def join(comm: Any, name: str, state: Sequence[Any],
                          f"{[int(v.size) for v in views]}; the members' has {head['sizes']}")
     d = len(donors)
     token = new_token()
-    sums = _Digest(views, d)
+    sums = Digest(views, d)
     try:
         shared = await _bounded(job, lambda: _take_all(t, sid, donors, first, views, token,
                                                        sums, job.switches.shm),
@@ -506,7 +424,7 @@ async def join(comm: Any, name: str, state: Sequence[Any],
 
 
 async def _take_all(t: Any, sid: int, donors: list[int], first: int, views: list[Any],
-                    token: int, sums: _Digest, ring: bool) -> list[int]:
+                    token: int, sums: Digest, ring: bool) -> list[int]:
     """The joiner's step 4 on the runtime's loop: post every receive (each donor's ``PLAN``
     and its units, into the state's arrays), then ``GO`` to every donor (saying whether it
     takes a ring: ``ring``, its ``ASYNCCOLL_SHM``), then take each
@@ -529,7 +447,7 @@ async def _take_all(t: Any, sid: int, donors: list[int], first: int, views: list
         if u[2] - u[1] <= INLINE_BYTES:
             sums.take(u)  # (on the loop: a thread's hand-off would cost more)
         else:
-            await loop.run_in_executor(_pool(), sums.take, u)
+            await loop.run_in_executor(pool(), sums.take, u)
 
     async def take(i: int, src: int) -> None:
         plan = msgpack.unpackb(bytes((await plans[i]).payload))

@@ -3,7 +3,7 @@ joiner's host hands its stripe over through a small ring of slots in a segment i
 instead of through its tcp connection.
 
 **The ring.** A donor's stripe is a list of units (the ``i``-th ``1/D`` of every array, cut
-into pieces of at most 8 MiB: :func:`.joining.units`), packed whole into chunks of at most
+into pieces of at most 8 MiB: :func:`.state_digest.units`), packed whole into chunks of at most
 :data:`SLOT` bytes (:func:`chunks`: a state of many small arrays takes few chunks), and chunk
 ``k`` goes through slot ``k % slots`` of the donor's segment (at most :data:`SLOTS` slots; a
 smaller stripe takes fewer and smaller ones). The donor copies chunk ``k`` in and sends

@@ -3,7 +3,7 @@ momentum, DC-ASGD-a locally) or TopKSGD (OPT=topk: density 0.1, momentum) on 4 r
 VICTIM SIGKILLs itself at step KILL_AT of N on its first start. Under ``asynccoll run
 --max-failures 1`` the survivors go on; with ``--max-restarts 1`` it comes back
 (ASYNCCOLL_RESTART) and joins. Every rank prints one FINAL line with its global step and a
-digest (:func:`asynccoll.comm.joining.digest`) of the replicated state: the global weights
+digest (:func:`asynccoll.comm.state_digest.digest`) of the replicated state: the global weights
 (ODSGD: ``params`` after ``finish()``) and the momentum.
 
 With HOLD_AT=s the other ranks wait at step s until the victim's restart has connected (at

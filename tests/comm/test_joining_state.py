@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from asynccoll.comm import joining, state_ring
+from asynccoll.comm import state_digest, state_ring
 from asynccoll.comm.shm import new_token
 
 
@@ -22,37 +22,37 @@ def _state(n: int = (3 << 20) + 13) -> list[np.ndarray]:
 @pytest.mark.parametrize("parts", [1, 3])
 def test_equal_bytes_equal_digests_and_any_change_shows(parts: int) -> None:
     a = _state()
-    base = joining.digest(a, parts)
-    assert joining.digest([x.copy() for x in a], parts) == base
+    base = state_digest.digest(a, parts)
+    assert state_digest.digest([x.copy() for x in a], parts) == base
     assert 0 <= base < 1 << 63  # fits the int64 allgather
     b = [x.copy() for x in a]
     b[0][[10, 20]] = b[0][[20, 10]]  # two words swapped: a sum of words would not see it
-    assert joining.digest(b, parts) != base
+    assert state_digest.digest(b, parts) != base
     c = [x.copy() for x in a]
     c[0][[5, 99]] *= -1  # two sign bits flipped: neither a sum nor an xor of words would
-    assert joining.digest(c, parts) != base
+    assert state_digest.digest(c, parts) != base
     d = [x.copy() for x in a]
     d[1][-1] ^= 1  # one bit, in the tail
-    assert joining.digest(d, parts) != base
+    assert state_digest.digest(d, parts) != base
 
 
 def test_the_digest_depends_on_the_parts_and_the_arrays_bounds() -> None:
     a = _state()
-    assert joining.digest(a, 1) != joining.digest(a, 3)
+    assert state_digest.digest(a, 1) != state_digest.digest(a, 3)
     flat = np.concatenate([x.reshape(-1).view(np.uint8) for x in a])
-    assert joining.digest([flat], 1) != joining.digest(a, 1)
+    assert state_digest.digest([flat], 1) != state_digest.digest(a, 1)
 
 
 @pytest.mark.parametrize("d", [1, 3, 4])
 def test_units_cover_each_stripe_once_in_order(d: int) -> None:
-    sizes = [0, 5, (17 << 20) + 3, joining.HASH_CHUNK]
+    sizes = [0, 5, (17 << 20) + 3, state_digest.HASH_CHUNK]
     seen: list[list[tuple[int, int]]] = [[] for _ in sizes]
     for i in range(d):
-        us = joining.units(sizes, i, d)
+        us = state_digest.units(sizes, i, d)
         for j, lo, hi in us:
-            s = joining.stripe(sizes[j], i, d)
+            s = state_digest.stripe(sizes[j], i, d)
             assert s.start <= lo < hi <= s.stop
-            assert hi - lo <= joining.HASH_CHUNK
+            assert hi - lo <= state_digest.HASH_CHUNK
             seen[j].append((lo, hi))
         assert us == sorted(us)
     for j, n in enumerate(sizes):  # the units of all stripes tile each array exactly
@@ -79,7 +79,7 @@ def test_a_ring_carries_a_stripe_and_leaves_no_file() -> None:
     dst = [np.zeros_like(x) for x in src]
     sv = [x.reshape(-1).view(np.uint8) for x in src]
     dv = [x.reshape(-1).view(np.uint8) for x in dst]
-    us = joining.units([v.size for v in sv], 0, 1)
+    us = state_digest.units([v.size for v in sv], 0, 1)
     path = state_ring.Ring.path(new_token(), 7, 0, 1)
     donor = state_ring.Ring.create(path, us)
     joiner = state_ring.Ring.attach(path, donor.slot, donor.slots)
