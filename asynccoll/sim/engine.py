@@ -407,8 +407,8 @@ class SimExecutor:
 
     # P executors: slots keep each one small and its attributes one load away
     __slots__ = ("_data", "_draining", "_early", "_final", "_fired", "_floor", "_held", "_hooks",
-                 "_kernels", "_key", "_kind", "_lazy", "_left", "_loop", "_msg", "_msgs", "_n",
-                 "_nbytes", "_no_floor", "_payloads", "_peer", "_pend", "_posted", "_ready",
+                 "_kernels", "_key", "_kind", "_lazy", "_left", "_lmax", "_loop", "_msg", "_msgs",
+                 "_n", "_nbytes", "_no_floor", "_payloads", "_peer", "_pend", "_posted", "_ready",
                  "_recv_sources", "_silent", "_source_fired", "_source_posts", "_start_sources",
                  "_succ", "_tag", "_thr", "_unfired", "_views", "armed", "completed", "execution",
                  "on_complete", "persistent", "rank", "receiver", "sched_id", "schedule", "started",
@@ -483,6 +483,9 @@ class SimExecutor:
         #: many of them count towards it
         self._lazy: list[tuple[float, int, int]] = []
         self._pend = [0] * self._n
+        #: per op with a pending count, the latest of its deferred completions (what
+        #: :meth:`_defer_late` asks; kept as they come and go, so no pass over them per ask)
+        self._lmax: dict[int, tuple[float, int, int]] = {}
         #: per op, the time before which its work cannot start (a send handled when it was
         #: posted made it ready: module doc), reset at arming
         self._no_floor = [0.0] * self._n
@@ -650,6 +653,7 @@ class SimExecutor:
         wake_cpu, wake_extra = world.wake_cpu, world.profile.wake_extra
         g, spb, rank, data = world.gamma, world.reduce_spb, self.rank, self._data
         push, seq, lazy, pend = world.push, world.seq, self._lazy, self._pend
+        lmax = self._lmax
         heappop, heappush = heapq.heappop, heapq.heappush
         popleft, append, sid = ready.popleft, ready.append, self.sched_id
         peer, key_of, msgk = self._peer, self._key, self._msg
@@ -683,6 +687,8 @@ class SimExecutor:
                         for s in succ[x[2]]:
                             left[s] -= 1
                             pend[s] -= 1
+                            if not pend[s]:
+                                del lmax[s]
                         if not lazy:
                             break
                         x = lazy[0]
@@ -776,9 +782,13 @@ class SimExecutor:
                                     if 0 < left[s] <= pend[s] + 1:
                                         break
                                 else:
-                                    heappush(lazy, (t, q, i))
+                                    x = (t, q, i)
+                                    heappush(lazy, x)
                                     for s in succ[i]:
                                         pend[s] += 1
+                                        m = lmax.get(s)
+                                        if m is None or x > m:
+                                            lmax[s] = x
                                     i = -1
                                     continue
                                 if lazy:
@@ -898,9 +908,13 @@ class SimExecutor:
                             if 0 < left[s] <= pend[s] + 1:
                                 break
                         else:
-                            heappush(lazy, (t, q, i))
+                            x = (t, q, i)
+                            heappush(lazy, x)
                             for s in sc:
                                 pend[s] += 1
+                                m = lmax.get(s)
+                                if m is None or x > m:
+                                    lmax[s] = x
                             return
                         if lazy:
                             ex._defer_late(i, t, q, e)
@@ -1013,9 +1027,14 @@ class SimExecutor:
                 if 0 < left[s] <= pend[s] + 1:
                     break
             else:
-                heapq.heappush(self._lazy, (t, q, i))
+                x = (t, q, i)
+                heapq.heappush(self._lazy, x)
+                lmax = self._lmax
                 for s in succ:
                     pend[s] += 1
+                    m = lmax.get(s)
+                    if m is None or x > m:
+                        lmax[s] = x
                 return
             if self._lazy:
                 self._defer_late(i, t, q, e)
@@ -1028,19 +1047,18 @@ class SimExecutor:
         the latest of those makes it ready. When that is a deferred one later than ``(t, q)``
         (typically a send still being pushed out while the receive beside it has its message),
         it becomes an event, with its number, and this one is deferred instead; otherwise this
-        one is an event. Costs a pass over the (few) deferred completions."""
-        lazy, left, pend, succ = self._lazy, self._left, self._pend, self._succ
+        one is an event. The latest deferred completion before each successor is kept as they
+        come and go (``_lmax``): a quorum's rank defers O(P) sends, and a pass over them per
+        call made a simulation O(P^3) (at P = 1000 most of its time); a pass is left only where
+        a deferred completion that was some successor's latest becomes an event."""
+        lazy, left, pend, succ, lmax = self._lazy, self._left, self._pend, self._succ, self._lmax
         mine = (t, q, i)
         late: list[tuple[float, int, int]] = []
         for s in succ[i]:
             c = left[s]
             if c <= 0 or c > pend[s] + 1:
                 continue
-            last = None
-            if c == pend[s] + 1:
-                for x in lazy:
-                    if s in succ[x[2]] and (last is None or x > last):
-                        last = x
+            last = lmax.get(s) if c == pend[s] + 1 else None
             if last is None or last < mine:
                 self.world.push(t, q, self._loop, i, e)
                 return
@@ -1051,11 +1069,19 @@ class SimExecutor:
             lazy.remove(x)
             for s in succ[x[2]]:
                 pend[s] -= 1
+                if lmax.get(s) == x:  # its latest left: the next latest, if any
+                    if pend[s]:
+                        lmax[s] = max(y for y in lazy if s in succ[y[2]])
+                    else:
+                        del lmax[s]
             push(x[0], x[1], loop, x[2], e)
         heapq.heapify(lazy)
         heapq.heappush(lazy, mine)
         for s in succ[i]:
             pend[s] += 1
+            m = lmax.get(s)
+            if m is None or mine > m:
+                lmax[s] = mine
 
     def _settle(self) -> None:
         """Count the deferred completions that lie before the current event (none of them
@@ -1065,11 +1091,14 @@ class SimExecutor:
         left, pend, succ = self._left, self._pend, self._succ
         lazy = self._lazy
         mark = (now, cur)
+        lmax = self._lmax
         while lazy and lazy[0] < mark:
             i = heapq.heappop(lazy)[2]
             for s in succ[i]:
                 left[s] -= 1
                 pend[s] -= 1
+                if not pend[s]:  # (the earliest of all: the latest of s only if it was alone)
+                    del lmax[s]
 
     def _unlazy(self) -> None:
         """A deferred completion may now make a successor ready: make them all events, with
@@ -1087,6 +1116,7 @@ class SimExecutor:
             for s in succ[i]:
                 pend[s] = 0
         self._lazy.clear()
+        self._lmax.clear()
 
     def _finish(self) -> None:
         e = self.execution

@@ -45,8 +45,9 @@ def test_conservation_quorum_kinds(policy: str) -> None:
                                            ("deadline:450", 500)])
 def test_conservation_quorum_kinds_at_scale(policy: str, P: int) -> None:
     # the same at the P = 1000: one step and the flush (each execution sends about
-    # P^2 = 1e6 arrival messages: 2.5 minutes of simulation per kind on the CI machine, so
-    # the kinds that share quorum's activation run at P = 500, a quarter of the messages)
+    # P^2 = 1e6 arrival messages: 50 s of simulation on the 2-core machine, 155 s before the
+    # engine kept each op's latest deferred completion; the kinds that share quorum's
+    # activation run at P = 500, a quarter of the messages)
     run = simulate(policy, P, 1, profile=TCPISH, compute=Uniform(0.0, 3e-4), seed=3,
                    flush=True)
     assert run.conserved(), run.summary()
