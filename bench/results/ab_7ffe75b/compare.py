@@ -1,4 +1,5 @@
-"""Compare the A/B runs beside this file: new/base time per pair (median [min-max])."""
+"""Compare the A/B runs beside this file (or in $AB_DIR): new/base time per pair, median
+[min-max]."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import statistics as st
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.environ.get("AB_DIR", os.path.dirname(os.path.abspath(__file__)))
 
 
 def figures(bench: str, side: str, i: int) -> dict[tuple[Any, ...], float]:
@@ -22,7 +23,10 @@ def figures(bench: str, side: str, i: int) -> dict[tuple[Any, ...], float]:
 def main() -> None:
     for bench in ("allreduce", "skew"):
         ratios: dict[tuple[Any, ...], list[float]] = collections.defaultdict(list)
-        for i in (1, 2, 3):
+        pairs = sorted(int(f.split("_")[-1].split(".")[0]) for f in os.listdir(HERE)
+                       if f.startswith(f"new_{bench}_") and f.endswith(".json")
+                       and os.path.exists(f"{HERE}/{f.replace('new_', 'base_')}"))
+        for i in pairs:
             base, new = figures(bench, "base", i), figures(bench, "new", i)
             for k, b in base.items():
                 if new.get(k) and b:
