@@ -37,12 +37,15 @@ the new spelling.
   happened.
 * ``Backup(b)``: synchronous SGD with backup workers: a quorum of P - b, **late gradients
   dropped** (the combine hook of :class:`asynccoll.train.BackupSGD`), each round averaged by
-  its contributions (the P - b gradients it kept) by default. (``Quorum(P - b)`` carries late
-  gradients to the next round instead.) Over the last steps it keeps synchronous accuracy
-  (-0.3 points on the digits), but a round that kept one gradient is a full step on it: one
-  reading after :meth:`~DistributedOptimizer.finish` fell 8 points in one run of six there.
-  ``average="world"`` (a quarter step for such a round, three quarters for every full one)
-  measured -1.3 points, worse, so ``"contributions"`` stays the default.
+  its contributions (the P - b gradients it kept) by default, and a round short of P - b
+  (only a flush makes one: a rank still stepping after the others finished) by P - b, as if
+  the missing gradients were zeros. (``Quorum(P - b)`` carries late gradients to the next
+  round instead.) Over the last steps it keeps synchronous accuracy (-0.3 points on the
+  digits); before short rounds were averaged by the quorum, a round that kept one gradient
+  was a full step on it, and one reading after :meth:`~DistributedOptimizer.finish` fell 8
+  points in one run of six there. ``average="world"`` (a quarter step for such a round, three
+  quarters for every full one) measured -1.3 points, worse, so ``"contributions"`` stays the
+  default.
 * ``algorithm="rna"`` (``staleness_bound``, ``scale_lr``): RNA §3.2-3.3, as
   :class:`asynccoll.train.RNA`: a two-choice initiator by default (another partial policy may
   be given; ``Sync()`` is refused); a rank whose earlier gradients still wait in the send
@@ -104,7 +107,7 @@ from ..collectives.policy import (
 )
 from ..results import PartialResult
 from ..train._staleness import check_staleness_bound, staleness_combine
-from ..train.backup import drop_late
+from ..train.backup import drop_late, short_round_scale
 from ..train.info import StepInfo
 from ..train.updaters import DCASGD, SGD, make_updater
 from ._comm import blocking, by_world, pieces, world_accumulate
@@ -402,7 +405,13 @@ class DistributedOptimizer(SyncEvents):
             scale = c / (res.world_size or self._h.world_size) if self.scale_lr else 1.0
             self._apply(value.div_(c), scale)
             return lr * scale
-        self._apply(value if self.average == "contributions" else by_world(res, self._h))
+        if self.average != "contributions":
+            value = by_world(res, self._h)
+        elif self._combine is drop_late and self._h.quorum:
+            # Backup(b): a round short of the quorum (only a flush makes one) is averaged by
+            # the quorum, not by its own count (asynccoll.train.backup, "Averaging")
+            value = value.mul_(short_round_scale(res.count, self._h.quorum))
+        self._apply(value)
         return lr
 
     def _lr(self) -> float:

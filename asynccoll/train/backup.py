@@ -10,7 +10,12 @@ and goes on with the next step. Rounds are accumulated (``Accumulate.SUM``), so 
 behind by more than one round still applies every update and plain-SGD replicas stay equal.
 
 **Averaging**: by ``P - b`` (the paper: ``average="quorum"``) or by the number of gradients
-actually summed (``average="contributions"``). The quorum is a k-of-P trigger, not a cut: a
+actually summed (``average="contributions"``), but never by fewer than the quorum: a round
+that holds fewer than ``P - b`` gradients (only a flush makes one: a rank still stepping after
+the others called ``finish()``, or at a sync event) is divided by the quorum, as if the
+missing gradients were zeros (:func:`short_round_scale`). Divided by its own count, such a
+round was a full step on one rank's gradient: measured on the digits, one reading after
+``finish()`` fell 8 points (docs/torch.md, *Accuracy*). The quorum is a k-of-P trigger, not a cut: a
 rank that hands in its gradient in the instant between the k-th arrival and the activation
 reaching it is still summed, so a round can hold more than ``P - b`` gradients when ranks are
 nearly tied; with ``b`` clear stragglers it holds exactly ``P - b``.
@@ -25,7 +30,7 @@ from ..comm.communicator import Communicator
 from ..results import PartialResult
 from .eager import EagerSGD
 
-__all__ = ["BackupSGD", "drop_late"]
+__all__ = ["BackupSGD", "drop_late", "short_round_scale"]
 
 
 def drop_late(acc: Any, x: Any, n: int, late: bool) -> int:
@@ -36,6 +41,14 @@ def drop_late(acc: Any, x: Any, n: int, late: bool) -> int:
         return n  # late for its round: dropped
     acc[...] = x  # only this step's gradient; anything older is dropped too
     return 1
+
+
+def short_round_scale(count: int, quorum: int) -> float:
+    """The factor that turns a result averaged by its own ``count`` into one averaged by at
+    least the ``quorum`` (module doc, "Averaging"): 1 for a full round, ``count / quorum``
+    for a short one (also used by :class:`asynccoll.torch.DistributedOptimizer`'s
+    ``Backup(b)``)."""
+    return count / quorum if 0 < count < quorum else 1.0
 
 
 class BackupSGD(EagerSGD):
@@ -62,9 +75,13 @@ class BackupSGD(EagerSGD):
     def _combine(self) -> Any:
         return drop_late
 
-    def _divisor(self, res: PartialResult) -> int:
+    def _divisor(self, res: PartialResult) -> float:
         if self.average == "contributions":
-            return 1  # each round already averaged by its own count (Accumulate.MEAN)
+            # each round already averaged by its own count (Accumulate.MEAN), and a short
+            # one by the quorum (module doc)
+            assert self._h is not None
+            assert self._h.quorum is not None
+            return 1 / short_round_scale(res.count, self._h.quorum)
         # Accumulate.SUM folds missed rounds in: each of them averaged by the quorum, P - b
         # (lowered to the survivors' number when ranks were lost: docs/groups.md)
         assert self._h is not None

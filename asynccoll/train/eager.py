@@ -180,7 +180,7 @@ class EagerSGD(TakesJoinersBack):
         "Lost ranks")."""
         return self.accumulate and self.average == "world"
 
-    def _divisor(self, res: PartialResult) -> int:
+    def _divisor(self, res: PartialResult) -> float:
         if self.average == "contributions":
             return 1 if self._mean_rounds() else res.count
         if self._world_rounds():
@@ -230,7 +230,7 @@ class EagerSGD(TakesJoinersBack):
                         res.missed, synced, res.fresh, res.lateness, res.latest_arrival,
                         res.deadline, res.deadline_expired)
 
-    def _apply(self, value: Any, divisor: int, lr: float) -> None:
+    def _apply(self, value: Any, divisor: float, lr: float) -> None:
         self.updater.apply(self.params, value.reshape(-1) / divisor, lr)
 
     async def _sync(self, *, finished: bool, average: bool = True) -> bool:

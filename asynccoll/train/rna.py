@@ -142,7 +142,7 @@ class RNA(EagerSGD):
         # lr * c/P * sum/c = lr * sum / P, so summed rounds need no per-round averaging.
         return False
 
-    def _divisor(self, res: PartialResult) -> int:
+    def _divisor(self, res: PartialResult) -> float:
         # W = 1 / sum(w): each contributing rank counts once (its weighted mean).
         return len(res.contributors)
 
