@@ -68,7 +68,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -82,7 +82,7 @@ from .shm import host_hash, new_token
 from .state_digest import INLINE_BYTES, Digest, digest, pool, units
 from .state_ring import Ring, Unit, chunks
 
-__all__ = ["DigestCheck", "Joiners", "StateMismatchError", "admit", "admit_ready",
+__all__ = ["DigestCheck", "Joinable", "Joiners", "StateMismatchError", "admit", "admit_ready",
            "admit_sent", "join", "join_handle"]
 
 log = logging.getLogger("asynccoll.comm")
@@ -91,6 +91,36 @@ log = logging.getLogger("asynccoll.comm")
 _READY, _HEADER, _STRIPE, _GO, _PLAN, _FILLED, _FREED = range(7)
 _NOTHING = memoryview(b"")
 _warned: list[str] = []  # the one warning per process of a state that took the network
+
+
+class Joinable(Protocol):
+    """What :func:`admit`, :func:`admit_sent` and a joiner's caller use of the thing that
+    takes a rank back: a persistent partial allreduce, dense or sparse
+    (:class:`~.partial.PartialAllreduce`), the hierarchical handle, or a training class whose
+    rounds are synchronous collectives (:mod:`asynccoll.train.rounds`, through a small object
+    of its own). The admission's key and the joining channel derive from ``name`` and
+    ``completed``; ``grow`` moves the thing onto the grown communicator."""
+
+    @property
+    def name(self) -> str:
+        """Equal on every rank: the joining channel's name (:func:`channel`)."""
+        ...
+
+    @property
+    def timeout(self) -> float | None:
+        """The bound of the admission's waits (seconds; None: none)."""
+        ...
+
+    @property
+    def completed(self) -> int:
+        """The executions (rounds) completed here: the grown world's numbering goes on from
+        the next one."""
+        ...
+
+    def grow(self, comm: Any, first: int, ranks: list[int]) -> None:
+        """Go on over ``comm`` (the grown communicator) from execution ``first``; ``ranks``:
+        each old member's rank in ``comm`` (on a joiner, -1 for the job ranks not in it)."""
+        ...
 
 
 class StateMismatchError(AsyncCollError):
@@ -184,7 +214,7 @@ class Joiners:
         return got
 
 
-async def admit(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
+async def admit(h: Joinable, now: Any, joiners: list[int], state: Sequence[Any],
                 meta: dict[str, Any] | None = None) -> Any:
     """Steps 3 and 4 (module doc) on a member: every member of ``now`` (the communicator the
     handle ``h`` runs on) calls it at the same flush boundary with the same ``joiners``.
@@ -198,7 +228,7 @@ async def admit(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
     return grown
 
 
-async def admit_sent(h: Any, now: Any, joiners: list[int], state: Sequence[Any],
+async def admit_sent(h: Joinable, now: Any, joiners: list[int], state: Sequence[Any],
                      meta: dict[str, Any] | None = None) -> tuple[Any, DigestCheck]:
     """:func:`admit` up to the digests' comparison, which it starts (an allgather over the
     grown communicator, in flight) and returns with the grown communicator: the caller may

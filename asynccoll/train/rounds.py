@@ -70,10 +70,10 @@ log = logging.getLogger("asynccoll.train")
 
 
 class _Link:
-    """What :func:`asynccoll.comm.joining.admit` and ``join`` use of a handle, for a class
-    that has none (its rounds are synchronous collectives): a name for the joining channel,
-    the rounds completed (the admission's key), a timeout, and ``grow`` (remember the grown
-    communicator: the class's rounds go there next)."""
+    """The :class:`asynccoll.comm.joining.Joinable` of a class that has no handle (its rounds
+    are synchronous collectives): a name for the joining channel, the rounds completed (the
+    admission's key), a timeout, and ``grow`` (remember the grown communicator: the class's
+    rounds go there next)."""
 
     def __init__(self, name: str, timeout: float | None) -> None:
         self.name = name
