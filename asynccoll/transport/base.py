@@ -138,9 +138,9 @@ class Transport(abc.ABC):
         return await self._rejoin(self._checked_peers(peers, timeout), timeout)
 
     async def _rejoin(self, peers: Mapping[int, str], timeout: float) -> list[int]:
-        """The backend's rejoin (:meth:`rejoin`); only tcp has one so far."""
+        """The backend's rejoin (:meth:`rejoin`): tcp's and ucx's."""
         raise TransportError(f"transport {self.scheme!r} cannot rejoin a running job; restart "
-                             "ranks over tcp (ASYNCCOLL_TRANSPORT=tcp)")
+                             "ranks over tcp or ucx (ASYNCCOLL_TRANSPORT)")
 
     def start_liveness(self, seconds: float) -> None:
         """Probe every peer and drop one silent for ``seconds`` as lost (:mod:`.liveness`).

@@ -19,6 +19,7 @@ loss in the world it joined), and churn: a random rank killed every few seconds,
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -70,6 +71,22 @@ def test_a_killed_rank_is_restarted_joins_and_ends_equal(policy: str, victim: in
     assert f"rank {victim} joined at step" in out, out[-3000:]
     assert "took rank(s) [" in out  # the members say they took it back
     assert "did not close within" not in out  # the restarted rank closes with the others
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+@pytest.mark.parametrize("victims", ["2", "0,3"])
+def test_over_ucx_killed_ranks_are_restarted_and_join(victims: str) -> None:
+    # the same over ucx: the restarted process dials every member, a lower-ranked member takes
+    # the dial from above because it lost that rank (two at once: the two restarts also dial
+    # each other, the lower one's dial wins)
+    code, out = _run("solo", victims, len(victims.split(",")), ASYNCCOLL_TRANSPORT="ucx")
+    assert code == 0, out[-4000:]
+    finals = _all_equal_at(out)
+    want = sorted(int(v) for v in victims.split(","))
+    assert sorted(r for r, _, _, k in finals if k == 1) == want, finals
+    for v in want:
+        assert f"rank {v} joined at step" in out, out[-3000:]
 
 
 @pytest.mark.timeout(170)

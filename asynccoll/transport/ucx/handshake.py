@@ -112,11 +112,14 @@ async def handshake_connector(progress: Progress, ep: Any, secret: bytes, rank: 
 
 async def handshake_acceptor(progress: Progress, ep: Any, secret: bytes, rank: int,
                              world_size: int, offer: bytes, deadline: float,
-                             admit: Callable[[Link], None]) -> Link:
-    """The accepting side: authenticate a connector of a lower rank, call ``admit(link)``
-    (which raises :class:`AuthenticationError` to refuse, say a duplicate), then accept.
-    ``admit`` runs before the acceptance leaves, so no frame can arrive before it. Raises
-    :class:`AuthenticationError`, ``TimeoutError`` or the ucxx error."""
+                             admit: Callable[[Link], None],
+                             rejoin: Callable[[int], bool] = lambda _r: False) -> Link:
+    """The accepting side: authenticate a connector of a lower rank (or of a higher one for
+    which ``rejoin(rank)`` says a new process may take its place: a restarted rank dials
+    every member), call ``admit(link)`` (which raises :class:`AuthenticationError` to refuse,
+    say a duplicate), then accept. ``admit`` runs before the acceptance leaves, so no frame
+    can arrive before it. Raises :class:`AuthenticationError`, ``TimeoutError`` or the ucxx
+    error."""
     raw = bytearray(auth.HELLO_SIZE)
     await stream_io(progress, ep.stream_recv, raw, deadline)
     hello = auth.parse_hello(bytes(raw))
@@ -124,8 +127,9 @@ async def handshake_acceptor(progress: Progress, ep: Any, secret: bytes, rank: i
     if hello.world_size != world_size or hello.wanted != rank:
         raise AuthenticationError(f"{who} wants rank {hello.wanted} of {hello.world_size}, "
                                   f"this is rank {rank} of {world_size}")
-    if not 0 <= hello.rank < rank:
-        raise AuthenticationError(f"{who} may not connect to rank {rank} (lower ranks dial)")
+    if not (0 <= hello.rank < rank or (rank < hello.rank < world_size and rejoin(hello.rank))):
+        raise AuthenticationError(f"{who} may not connect to rank {rank} (lower ranks dial, "
+                                  "and a higher one only in a lost rank's place)")
     nonce_a = auth.new_nonce()
     mac = auth.acceptor_mac(secret, hello.rank, rank, world_size, hello.nonce, nonce_a)
     await stream_io(progress, ep.stream_send,

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import random
 import struct
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -139,7 +140,10 @@ class UcxTransport(Transport):
     running loop. :meth:`listen` defaults to ``ucx://127.0.0.1:0`` (port 0: a free one); UCX
     listens on every interface and the host given is the one published; it raises
     :class:`TransportError` when UCX cannot listen (the port is taken, say). Connections: the
-    lower rank of each pair dials the higher one (as tcp://), retrying until the deadline.
+    lower rank of each pair dials the higher one (as tcp://), retrying until the deadline;
+    a process taking a lost rank's place dials every member (:meth:`rejoin`), and a member
+    that lost that rank and admits rejoins takes the dial from above too, closing the lost
+    process's endpoints.
     """
 
     scheme = "ucx"
@@ -295,20 +299,98 @@ class UcxTransport(Transport):
         deadline = asyncio.get_running_loop().time() + self._handshake_timeout
 
         def admit(link: Link) -> None:
-            if link.peer in self._peers:
-                raise AuthenticationError(f"duplicate connection from rank {link.peer}")
+            old = self._peers.get(link.peer)
+            if old is not None:
+                if old.lost is not None and not self.admit_rejoins:
+                    raise AuthenticationError(
+                        f"rank {link.peer} was lost, and this job does not admit restarted "
+                        "ranks (asynccoll run --max-restarts)")
+                if not self.may_rejoin(link.peer):
+                    raise AuthenticationError(f"rank {link.peer} is already connected")
+                self._retire(old)
             self._add_peer(ep, link)
+            if old is not None:  # a new process in a lost rank's place
+                self._peer_joined(link.peer)
 
         try:
             assert self._progress is not None
             await handshake_acceptor(self._progress, ep, self._secret, self.rank,
-                                     self.world_size, self._offer(), deadline, admit)
+                                     self.world_size, self._offer(), deadline, admit,
+                                     self.may_rejoin)
         except (Exception, asyncio.TimeoutError) as exc:
             if not self._closed:
                 log.warning("rank %d: refused a connection: %s", self.rank,
                             exc if isinstance(exc, AuthenticationError) else repr(exc))
             if not any(p.ep is ep for p in self._peers.values()):
                 self._drop_ep(ep)
+
+    def may_rejoin(self, rank: int) -> bool:
+        """Whether a new process may take ``rank``'s place here: rejoins are admitted
+        (:attr:`admit_rejoins`) and this transport lost ``rank``."""
+        p = self._peers.get(rank)
+        return self.admit_rejoins and p is not None and p.lost is not None
+
+    def _retire(self, p: _Peer) -> None:
+        """A lost peer's endpoints, closed for the new process that takes its place (what
+        they still had in flight failed when it was lost)."""
+        self._fail_sends(p, p.lost or PeerLostError(p.rank, "replaced"))
+        if p.tx is not p.ep:
+            self._drop_ep(p.tx)
+        self._drop_ep(p.ep)
+        del self._peers[p.rank]
+
+    async def _rejoin(self, peers: Mapping[int, str], timeout: float) -> list[int]:
+        # A process taking a lost rank's place dials every peer, whatever its rank (an
+        # acceptor of lower rank admits it because it lost this rank: may_rejoin). A member
+        # that has not noticed the loss yet refuses: retried until the deadline. A peer that
+        # is itself restarting and of lower rank refuses a dial from above and dials this one
+        # (lower dials higher, as always), which ends the dial loop here. As tcp's (tcp.py).
+        self._start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        ranks = [r for r in peers if r != self.rank]
+        got = await asyncio.gather(*(self._dial_rejoin(r, peers[r], deadline) for r in ranks))
+        reached = [r for r, ok in zip(ranks, got, strict=True) if ok]
+        if ranks and not reached:
+            raise lost(min(ranks), f"no rank of the job admitted this one (none took it back "
+                                   f"within {timeout:g} s)")
+        return sorted(reached)
+
+    async def _dial_rejoin(self, rank: int, address: str, deadline: float) -> bool:
+        host, port = _split(address, f"peer {rank} address")
+        loop = asyncio.get_running_loop()
+        lib = load().lib
+        delay = 0.01
+        while rank not in self._peers:
+            ep = None
+            try:
+                ep = lib.UCXEndpoint.create(self._worker, host, port, True)
+                assert self._progress is not None
+                # each try bounded by the handshake time: a process that is exiting may still
+                # accept a connection and never answer it
+                step = min(deadline, loop.time() + self._handshake_timeout)
+                link = await handshake_connector(self._progress, ep, self._secret, self.rank,
+                                                 rank, self.world_size, self._offer(), step)
+                if rank in self._peers:  # it dialled this rank meanwhile
+                    self._drop_ep(ep)
+                    return True
+                self._add_peer(ep, link)
+                return True
+            except (Exception, asyncio.TimeoutError) as exc:
+                if ep is not None:
+                    self._drop_ep(ep)
+                if self._closed:
+                    raise TransportClosedError("transport closed while rejoining") from exc
+                if rank in self._peers:
+                    return True
+                if loop.time() + delay >= deadline:
+                    err = lost(rank, f"did not admit this rank within the rejoin timeout "
+                                     f"({exc!r})", exc)
+                    self.matcher.fail_peer(rank, err)
+                    return False
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 0.5)
+        return True
 
     def _offer(self) -> bytes:
         """Our worker address when we offer a shared-memory endpoint, else nothing."""
@@ -322,7 +404,7 @@ class UcxTransport(Transport):
                 lib.UCXAddress.create_from_buffer(link.peer_address), False)
         p = _Peer(link.peer, ep, tx, link.recv_base, link.send_base, self._hbytes)
         self._peers[link.peer] = p
-        ep.set_close_callback(self._on_ep_error, (link.peer,))
+        ep.set_close_callback(self._on_ep_error, (link.peer, ep))
         self._post_header_recv(p)
         if self._arrived is not None:
             self._arrived.set()
@@ -479,10 +561,11 @@ class UcxTransport(Transport):
         self._lose(p, "send failed", exc)
         return err
 
-    def _on_ep_error(self, rank: int) -> None:
-        # Called by UCX (inside progress) when the endpoint fails or is closed.
+    def _on_ep_error(self, rank: int, ep: Any = None) -> None:
+        # Called by UCX (inside progress) when the endpoint fails or is closed (``ep``: which;
+        # a lost peer's old endpoint may report after a new process took its place).
         p = self._peers.get(rank)
-        if p is None or p.lost is not None:
+        if p is None or p.lost is not None or (ep is not None and p.ep is not ep):
             self._bye_event.set()
             return
         cause: BaseException = ConnectionError("UCX endpoint closed")
