@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar
 
 from ..buffers import as_bytes
@@ -141,6 +141,19 @@ class Transport(abc.ABC):
         """The backend's rejoin (:meth:`rejoin`): tcp's and ucx's."""
         raise TransportError(f"transport {self.scheme!r} cannot rejoin a running job; restart "
                              "ranks over tcp or ucx (ASYNCCOLL_TRANSPORT)")
+
+    async def _dial_every(self, peers: Mapping[int, str], timeout: float,
+                          dial: Callable[[int, str, float], Awaitable[bool]]) -> list[int]:
+        """The backends' rejoin: ``dial(rank, address, deadline)`` every peer at once (True:
+        connected), the ranks reached in order; :class:`PeerLostError` when none was."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        ranks = [r for r in peers if r != self.rank]
+        got = await asyncio.gather(*(dial(r, peers[r], deadline) for r in ranks))
+        reached = [r for r, ok in zip(ranks, got, strict=True) if ok]
+        if ranks and not reached:
+            raise lost(min(ranks), f"no rank of the job admitted this one (nobody listens, or "
+                                   f"none took it back within {timeout:g} s)")
+        return sorted(reached)
 
     def start_liveness(self, seconds: float) -> None:
         """Probe every peer and drop one silent for ``seconds`` as lost (:mod:`.liveness`).

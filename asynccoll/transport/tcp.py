@@ -173,15 +173,7 @@ class TcpTransport(Transport):
         # lost here at once; a peer that restarts too dials this one when it joins. A peer of
         # lower rank that is itself rejoining refuses a dial from above and dials this rank
         # (lower dials higher, as always), which ends the dial loop here.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        jobs = [self._dial_rejoin(r, a, deadline) for r, a in peers.items()]
-        got = await asyncio.gather(*jobs)
-        reached = [r for r, ok in zip(peers, got, strict=True) if ok]
-        if peers and not reached:
-            raise lost(min(peers), f"no rank of the job admitted this one (nobody listens, or "
-                                   f"none took it back within {timeout:g} s)")
-        return sorted(reached)
+        return await self._dial_every(peers, timeout, self._dial_rejoin)
 
     async def _dial_rejoin(self, rank: int, addr: str, deadline: float) -> bool:
         host, port = _host_port(addr)

@@ -346,15 +346,7 @@ class UcxTransport(Transport):
         # is itself restarting and of lower rank refuses a dial from above and dials this one
         # (lower dials higher, as always), which ends the dial loop here. As tcp's (tcp.py).
         self._start()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        ranks = [r for r in peers if r != self.rank]
-        got = await asyncio.gather(*(self._dial_rejoin(r, peers[r], deadline) for r in ranks))
-        reached = [r for r, ok in zip(ranks, got, strict=True) if ok]
-        if ranks and not reached:
-            raise lost(min(ranks), f"no rank of the job admitted this one (none took it back "
-                                   f"within {timeout:g} s)")
-        return sorted(reached)
+        return await self._dial_every(peers, timeout, self._dial_rejoin)
 
     async def _dial_rejoin(self, rank: int, address: str, deadline: float) -> bool:
         host, port = _split(address, f"peer {rank} address")
