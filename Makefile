@@ -23,19 +23,21 @@ $(VENV)/.plot: $(VENV)/.base
 run: $(VENV)/.plot
 	$(PY) -m asynccoll.cli demo
 
-# The suite in two parts: everything but the tests marked `alone`, on PYTEST_PARALLEL's workers
-# (pytest-xdist, two by default; tests/conftest.py gives each worker its own segment directory),
-# then the `alone` ones serially (stopped ranks, liveness waits, timing statistics: a second
-# worker's load would move their clocks). Both parts always run; the target fails if either
-# failed (exit 5, nothing selected, counts as passed). PYTEST_ARGS: extra options for both (a
-# path, -k, -x, --durations=N). Two workers on the 2-core machine, quiet: the first part 1780
-# passed in 1200 s (serially 2261 s); PYTEST_PARALLEL= runs it serially.
+# The suite in two parts: everything but the tests marked `alone`, then the `alone` ones
+# (stopped ranks, liveness waits, timing statistics: the first part's load on a 2-core machine
+# would move their clocks), each on two pytest-xdist workers (PYTEST_PARALLEL,
+# PYTEST_ALONE_PARALLEL; empty: serially; tests/conftest.py gives each worker its own segment
+# directory). Both parts always run; the target fails if either failed (exit 5, nothing
+# selected, counts as passed). PYTEST_ARGS: extra options for both (a path, -k, -x,
+# --durations=N). On the quiet 2-core machine: the first part 1781 passed in 1167 s (serially
+# 2261 s), the alone part 83 passed in 144-145 s twice (serially 245 s).
 PYTEST_ARGS ?=
 PYTEST_PARALLEL ?= -n 2 --dist loadgroup
+PYTEST_ALONE_PARALLEL ?= -n 2 --dist loadgroup
 test: $(VENV)/.test
 	@a=0; b=0; \
 	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
-	$(PY) -m pytest -m alone $(PYTEST_ARGS) || b=$$?; \
+	$(PY) -m pytest $(PYTEST_ALONE_PARALLEL) -m alone $(PYTEST_ARGS) || b=$$?; \
 	echo "make test: first part exit $$a, alone part exit $$b (5: nothing selected)"; \
 	[ $$a -eq 0 -o $$a -eq 5 ] && [ $$b -eq 0 -o $$b -eq 5 ] && [ $$a -eq 0 -o $$b -eq 0 ]
 
