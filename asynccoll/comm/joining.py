@@ -73,13 +73,13 @@ from typing import Any, Protocol
 import msgpack
 import numpy as np
 
-from ..errors import AsyncCollError, CollectiveTimeoutError, PeerLostError
+from ..errors import CollectiveTimeoutError, PeerLostError
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 from .partial_member import stable_id
 from .route import SHM, Switches, state_route
 from .shm import host_hash, new_token
-from .state_digest import INLINE_BYTES, Digest, digest, pool, units
+from .state_digest import INLINE_BYTES, Digest, StateMismatchError, check, digest, pool, units
 from .state_ring import Ring, Unit, chunks
 
 __all__ = ["DigestCheck", "Joinable", "Joiners", "StateMismatchError", "admit", "admit_ready",
@@ -121,10 +121,6 @@ class Joinable(Protocol):
         """Go on over ``comm`` (the grown communicator) from execution ``first``; ``ranks``:
         each old member's rank in ``comm`` (on a joiner, -1 for the job ranks not in it)."""
         ...
-
-
-class StateMismatchError(AsyncCollError):
-    """After a join, the ranks' states differ (their digests do not match)."""
 
 
 def channel(name: str) -> int:
@@ -574,18 +570,6 @@ async def join_handle(h: Any, comm: Any, state: Sequence[Any] = (),
     ranks = [members.index(m) if m in members else -1 for m in range(comm.job.size)]
     await comm.on_runtime(lambda: h.grow(grown, first, ranks))
     return meta
-
-
-async def check(comm: Any, mine: int, timeout: float | None) -> None:
-    """Every rank of ``comm`` compares ``mine``, its :func:`digest` of the state (with as many
-    parts as there were donors), with the others' (collective, one allgather); raises
-    :class:`StateMismatchError` naming the ranks that differ from the lowest rank."""
-    got = await comm.allgather(np.array([mine], np.int64), timeout)
-    ds = [int(v) for v in got[:, 0]]
-    differ = [r for r, v in enumerate(ds) if v != ds[0]]
-    if differ:
-        raise StateMismatchError(f"after the join, the states of ranks {differ} differ from "
-                                 f"rank 0's (digests {ds})")
 
 
 async def _settled(job: Any, futs: list[asyncio.Future[Any]], timeout: float | None,
