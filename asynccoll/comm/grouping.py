@@ -252,6 +252,14 @@ class Grouping:
         self._groups_made += 1
         child = self._make_group(list(members), f"{self._group_key}/{key}")
         child._dense.layout = None  # noqa: SLF001 - a communicator of its own class
+        # A member this rank already knows lost (a joiner killed while it was taken back)
+        # is lost in the new group too: the group learns its parent's losses only from its
+        # creation on, and would wait on that rank (its handles start their recovery as they
+        # follow it: PartialAllreduce.grow)
+        for g, r in enumerate(members):
+            if r in self.membership.gone:
+                child.membership.learn(PeerLostError(g, f"rank {r} of the parent was lost "
+                                                        "before this group was made"), tell=False)
         return child
 
     @property

@@ -417,6 +417,11 @@ class MemberSide(HandleState):
             self._given = max(self._given, first - 1)
         if self._survival is not None:
             self._survival.moved_to(comm)
+            lost = comm.membership.lost  # learned before it was made (joining.admit_sent)
+            if lost is not None:
+                if self._ex.error is None:
+                    self._ex.abort(PeerLostError(lost.rank, lost.reason))
+                self._survival.start()
 
     def _rejoin(self, e: int, stamp: int) -> asyncio.Future[int]:
         """After a recovery that left execution ``e`` to the new world: the waiting call
