@@ -310,6 +310,12 @@ class MemberSide(HandleState):
         rank was dying) fails the executor with it now and starts the recovery, as a loss
         learned later would. On the runtime's loop."""
         self._survival = survival
+        self._catch_up(survival)
+
+    def _catch_up(self, survival: Survives) -> None:
+        """A loss its communicator learned before this handle followed it (made while a rank
+        was dying, or grown onto a group with a rank already lost): fail the executor with
+        it and start the recovery, as a loss learned later would."""
         lost = survival.comm.membership.lost
         if lost is not None:
             if self._ex.error is None:
@@ -417,11 +423,7 @@ class MemberSide(HandleState):
             self._given = max(self._given, first - 1)
         if self._survival is not None:
             self._survival.moved_to(comm)
-            lost = comm.membership.lost  # learned before it was made (joining.admit_sent)
-            if lost is not None:
-                if self._ex.error is None:
-                    self._ex.abort(PeerLostError(lost.rank, lost.reason))
-                self._survival.start()
+            self._catch_up(self._survival)  # a joiner lost during its admission
 
     def _rejoin(self, e: int, stamp: int) -> asyncio.Future[int]:
         """After a recovery that left execution ``e`` to the new world: the waiting call

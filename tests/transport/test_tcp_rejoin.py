@@ -10,6 +10,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from _rejoin_helpers import lose, ping
 
 from asynccoll.errors import PeerLostError, TransportError
 from asynccoll.transport.frames import Kind
@@ -30,32 +31,6 @@ async def _world(n: int) -> tuple[list[TcpTransport], dict[int, str]]:
     return ts, addrs
 
 
-async def _lose(ts: list[TcpTransport], victim: int) -> list[int]:
-    """Close ``victim``'s transport; wait until every other one saw it lost."""
-    seen: list[int] = []
-    done = asyncio.Event()
-
-    def on_lost(rank: int, exc: PeerLostError) -> None:
-        seen.append(rank)
-        if len(seen) == len(ts) - 1:
-            done.set()
-
-    for t in ts:
-        if t.rank != victim:
-            t.on_peer_lost(on_lost)
-    await ts[victim].close()
-    await asyncio.wait_for(done.wait(), 10)
-    return seen
-
-
-async def _ping(a: TcpTransport, b: TcpTransport, execution: int) -> bytes:
-    data = np.arange(4, dtype=np.int64) + 100 * a.rank + execution
-    fut = b.post_recv(a.rank, SCHED, execution, 0)
-    a.post_frame(b.rank, int(Kind.DATA), SCHED, execution, 0, data.data.cast("B"))
-    msg = await asyncio.wait_for(fut, 10)
-    return bytes(msg.payload)
-
-
 async def test_a_new_process_takes_a_lost_ranks_place_when_rejoins_are_admitted() -> None:
     ts, addrs = await _world(4)
     try:
@@ -69,7 +44,7 @@ async def test_a_new_process_takes_a_lost_ranks_place_when_rejoins_are_admitted(
         ts[2].post_frame(0, int(Kind.DATA), SCHED, 7, 0, memoryview(b"old!"))
         await asyncio.sleep(0.2)
         assert ts[0].matcher.held_count == 1
-        assert await _lose(ts, 2) == [2, 2, 2]
+        assert await lose(ts, 2) == [2, 2, 2]
         new = TcpTransport(2, 4, secret=SECRET)
         await new.listen("tcp://127.0.0.1:0")
         reached = await new.rejoin({r: a for r, a in addrs.items() if r != 2}, timeout=10)
@@ -82,7 +57,7 @@ async def test_a_new_process_takes_a_lost_ranks_place_when_rejoins_are_admitted(
             for b in ts:
                 if a is not b:
                     want = (np.arange(4, dtype=np.int64) + 100 * a.rank + 7).tobytes()
-                    assert await _ping(a, b, 7) == want
+                    assert await ping(a, b, 7, SCHED) == want
     finally:
         await asyncio.gather(*(t.close() for t in ts))
 
@@ -90,7 +65,7 @@ async def test_a_new_process_takes_a_lost_ranks_place_when_rejoins_are_admitted(
 async def test_a_lost_rank_stays_lost_unless_rejoins_are_admitted() -> None:
     ts, addrs = await _world(3)
     try:
-        await _lose(ts, 1)
+        await lose(ts, 1)
         new = TcpTransport(1, 3, secret=SECRET)
         await new.listen("tcp://127.0.0.1:0")
         with pytest.raises(PeerLostError, match="no rank of the job admitted this one"):
@@ -107,7 +82,7 @@ async def test_a_rank_nobody_listens_for_is_lost_at_once_to_the_joiner() -> None
     try:
         for t in ts:
             t.admit_rejoins = True
-        await _lose(ts, 1)
+        await lose(ts, 1)
         await ts[2].close()  # rank 2 is gone too: nothing listens at its address
         new = TcpTransport(1, 3, secret=SECRET)
         await new.listen("tcp://127.0.0.1:0")
@@ -126,7 +101,7 @@ async def test_a_stranger_cannot_take_a_lost_ranks_place() -> None:
     try:
         for t in ts:
             t.admit_rejoins = True
-        await _lose(ts, 2)
+        await lose(ts, 2)
         stranger = TcpTransport(2, 3, secret=b"x" * 32)
         await stranger.listen("tcp://127.0.0.1:0")
         with pytest.raises(PeerLostError):
@@ -152,7 +127,7 @@ async def test_a_frame_sent_when_a_peer_joins_does_not_break_its_handshake() -> 
     try:
         for t in ts:
             t.admit_rejoins = True
-        await _lose(ts, 0)
+        await lose(ts, 0)
         greeted: list[int] = []
 
         def greet(rank: int) -> None:

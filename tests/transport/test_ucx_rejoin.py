@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _rejoin_helpers import lose, ping
 
 from asynccoll.errors import PeerLostError
 from asynccoll.transport.frames import Kind
@@ -37,31 +38,6 @@ async def _world(n: int) -> tuple[list[Any], dict[int, str]]:
     return ts, addrs
 
 
-async def _lose(ts: list[Any], victim: int) -> None:
-    """Close ``victim``'s transport; wait until every other one saw it lost."""
-    seen: list[int] = []
-    done = asyncio.Event()
-
-    def on_lost(rank: int, exc: PeerLostError) -> None:
-        seen.append(rank)
-        if len(seen) == len(ts) - 1:
-            done.set()
-
-    for t in ts:
-        if t.rank != victim:
-            t.on_peer_lost(on_lost)
-    await ts[victim].close()
-    await asyncio.wait_for(done.wait(), 10)
-
-
-async def _ping(a: Any, b: Any, execution: int) -> bytes:
-    data = np.arange(4, dtype=np.int64) + 100 * a.rank + execution
-    fut = b.post_recv(a.rank, SCHED, execution, 0)
-    a.post_frame(b.rank, int(Kind.DATA), SCHED, execution, 0, data.data.cast("B"))
-    msg = await asyncio.wait_for(fut, 10)
-    return bytes(msg.payload)
-
-
 @pytest.mark.parametrize("victim", [1, 0, 2])
 async def test_a_new_process_takes_a_lost_ranks_place_when_rejoins_are_admitted(
         victim: int) -> None:
@@ -74,7 +50,7 @@ async def test_a_new_process_takes_a_lost_ranks_place_when_rejoins_are_admitted(
         joined: list[tuple[int, int]] = []
         for t in ts:
             t.on_peer_joined(lambda r, me=t.rank: joined.append((me, r)))
-        await _lose(ts, victim)
+        await lose(ts, victim)
         new = UcxTransport(victim, 3, secret=SECRET)
         await new.listen("ucx://127.0.0.1:0")
         others = [r for r in range(3) if r != victim]
@@ -85,12 +61,12 @@ async def test_a_new_process_takes_a_lost_ranks_place_when_rejoins_are_admitted(
         ts[victim] = new
         for r in others:  # frames both ways with the new process
             want_in = (np.arange(4, dtype=np.int64) + 100 * r + 3).tobytes()
-            assert await _ping(ts[r], new, 3) == want_in
+            assert await ping(ts[r], new, 3, SCHED) == want_in
             want_out = (np.arange(4, dtype=np.int64) + 100 * victim + 4).tobytes()
-            assert await _ping(new, ts[r], 4) == want_out
+            assert await ping(new, ts[r], 4, SCHED) == want_out
         # and the members among themselves, untouched
         a, b = others
-        assert await _ping(ts[a], ts[b], 5) == (np.arange(4, dtype=np.int64) + 100 * a + 5
+        assert await ping(ts[a], ts[b], 5, SCHED) == (np.arange(4, dtype=np.int64) + 100 * a + 5
                                                 ).tobytes()
     finally:
         for t in ts:
@@ -102,7 +78,7 @@ async def test_a_lost_rank_stays_lost_unless_rejoins_are_admitted() -> None:
 
     ts, addrs = await _world(3)
     try:
-        await _lose(ts, 1)  # admit_rejoins is off: nobody takes the new process
+        await lose(ts, 1)  # admit_rejoins is off: nobody takes the new process
         new = UcxTransport(1, 3, secret=SECRET)
         await new.listen("ucx://127.0.0.1:0")
         with pytest.raises(PeerLostError, match="admitted this one"):
@@ -123,7 +99,7 @@ async def test_a_stranger_cannot_take_a_lost_ranks_place() -> None:
     try:
         for t in ts:
             t.admit_rejoins = True
-        await _lose(ts, 2)
+        await lose(ts, 2)
         stranger = UcxTransport(2, 3, secret=b"s" * 32)  # not the job's secret
         await stranger.listen("ucx://127.0.0.1:0")
         with pytest.raises(PeerLostError):
