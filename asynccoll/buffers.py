@@ -21,6 +21,7 @@ __all__ = [
     "dtype_from_wire",
     "dtype_to_wire",
     "empty_like",
+    "host_to_like",
     "is_cupy",
     "reduce_into",
 ]
@@ -94,6 +95,18 @@ def empty_like(a: Any, count: int | None = None) -> Any:
 
         return cupy.empty(n, dtype=a.dtype)
     return np.empty(n, dtype=a.dtype)
+
+
+def host_to_like(a: np.ndarray[Any, Any], like: Any) -> Any:
+    """``a`` (a host array) where ``like`` lives: a device copy for a CuPy ``like``, else ``a``
+    itself. NumPy and CuPy do not mix in an assignment (``cupy_array[:] = numpy_array`` raises
+    for any but a scalar), so a kernel that writes a host vector into a device buffer goes
+    through this."""
+    if is_cupy(like):
+        import cupy
+
+        return cupy.asarray(a)
+    return a
 
 
 def reduce_into(op: str, out: Any, other: Any) -> None:

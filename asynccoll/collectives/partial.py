@@ -85,7 +85,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..buffers import dtype_to_wire
+from ..buffers import dtype_to_wire, host_to_like
 from ..sched import BUILTIN_KERNELS, Schedule, SlotSpec
 from ._plan import check_op
 from .activation import TAGS_USED, add_triggers, build_activation
@@ -668,7 +668,9 @@ def _snapshot(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     acc.fill(identity(params["op"], acc.dtype))
     write_meta(meta, state, params)
     if params["packed"]:
-        data[n:] = meta  # small integers: exact in the data's dtype (see packs_meta)
+        # small integers: exact in the data's dtype (see packs_meta); the meta vector lives on
+        # the host, the data on the device where it is a CuPy array
+        data[n:] = host_to_like(meta, data)
 
 
 #: the kernels a partial allreduce schedule names: the built-ins and ``partial_snapshot``
