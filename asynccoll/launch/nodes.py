@@ -250,16 +250,29 @@ async def check_out(cfg: LaunchConfig, client: StoreClient,
 async def tell_new_store(cfg: LaunchConfig) -> None:
     """A launcher that lost its job's store: keep trying the store's address, and tell a store
     that comes up there with the job's secret (a new node 0 launcher) that this node still
-    runs the old job's ranks (:data:`ORPHAN_KEY`). Runs until cancelled; gives up on a store
-    that refuses the secret (another job's)."""
+    runs the old job's ranks (:data:`ORPHAN_KEY`). Runs until told or cancelled; gives up only
+    on a store that refuses the secret (another job's).
+
+    A connection the store closes, or a handshake or request that times out, is tried again:
+    the first dial can reach the dying launcher's listening socket after its connections are
+    gone, and be reset (one CI run in a few under load told no one, and the new node 0 waited
+    out its join timeout)."""
     assert cfg.rdzv is not None
-    with contextlib.suppress(StoreError, AuthenticationError, OSError):
-        client = await StoreClient.connect(*cfg.rdzv, cfg.secret, timeout=5.0,
-                                           connect_timeout=FOREVER)
+    message = (f"node {cfg.node_rank}'s launcher (pid {os.getpid()} on {socket.gethostname()}) "
+               f"still runs {node_ranks(cfg, cfg.node_rank)} of the job whose store died with "
+               "the last node 0").encode()
+    delay = 0.05
+    while True:
         try:
-            await client.set(ORPHAN_KEY, f"node {cfg.node_rank}'s launcher (pid {os.getpid()} "
-                                         f"on {socket.gethostname()}) still runs "
-                                         f"{node_ranks(cfg, cfg.node_rank)} of the job whose "
-                                         "store died with the last node 0".encode())
-        finally:
-            await client.close()
+            client = await StoreClient.connect(*cfg.rdzv, cfg.secret, timeout=5.0,
+                                               connect_timeout=FOREVER)
+            try:
+                await client.set(ORPHAN_KEY, message)
+                return
+            finally:
+                await client.close()
+        except AuthenticationError:
+            return
+        except (StoreError, OSError):
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
