@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import resource
 import secrets
@@ -18,8 +17,10 @@ import struct
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -186,18 +187,10 @@ def test_floods_at_nofile_1024_are_refused_quietly_and_genuine_clients_served(
     assert max(times) < 0.1, [f"{t * 1e3:.1f} ms" for t in times]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Orphan:
-    """What :func:`tell_new_store` reads of a launcher's configuration."""
-
-    rdzv: tuple[str, int]
-    secret: bytes = SECRET
-    nnodes: int = 2
-    node_rank: int = 1
-    nproc: int = 1
-    max_restarts: int = 0
-    join_timeout: float = 30.0
-    exit_timeout: float = 5.0
+def _orphan(port: int, secret: bytes = SECRET) -> Any:
+    """What :func:`tell_new_store` reads of node 1's launcher configuration."""
+    return types.SimpleNamespace(rdzv=("127.0.0.1", port), secret=secret, nnodes=2,
+                                 node_rank=1, nproc=1)
 
 
 @pytest.mark.timeout(30)
@@ -206,17 +199,19 @@ async def test_an_orphaned_node_tells_the_new_store_after_a_reset_dial() -> None
     new node 0's store comes up there. The orphaned launcher keeps dialling and tells it, where
     it used to give up at the first reset and leave the new node 0 to its join timeout."""
     resets = 0
+    twice = asyncio.Event()
 
     async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal resets
         resets += 1
+        if resets == 2:
+            twice.set()
         writer.transport.abort()
 
     dying = await asyncio.start_server(reset, "127.0.0.1", 0)
     port = dying.sockets[0].getsockname()[1]
-    telling = asyncio.create_task(tell_new_store(_Orphan(("127.0.0.1", port))))
-    while resets < 2:
-        await asyncio.sleep(0.01)
+    telling = asyncio.create_task(tell_new_store(_orphan(port)))
+    await asyncio.wait_for(twice.wait(), 10.0)
     assert not telling.done(), "gave up at a reset connection"
     dying.close()
     await dying.wait_closed()
@@ -225,7 +220,8 @@ async def test_an_orphaned_node_tells_the_new_store_after_a_reset_dial() -> None
         await asyncio.wait_for(telling, 10.0)
         async with await StoreClient.connect("127.0.0.1", port, SECRET, timeout=5.0) as c:
             said = await c.get(ORPHAN_KEY, timeout=1.0)
-        assert b"node 1's launcher" in said and b"still runs" in said
+        assert b"node 1's launcher" in said
+        assert b"still runs" in said
     finally:
         telling.cancel()
         await server.close()
@@ -235,6 +231,6 @@ async def test_an_orphaned_node_tells_the_new_store_after_a_reset_dial() -> None
 async def test_an_orphaned_node_gives_up_on_a_store_of_another_secret() -> None:
     server = await StoreServer("127.0.0.1", 0, b"another-job-secret-0123456789abcd").start()
     try:
-        await asyncio.wait_for(tell_new_store(_Orphan(("127.0.0.1", server.port))), 10.0)
+        await asyncio.wait_for(tell_new_store(_orphan(server.port)), 10.0)
     finally:
         await server.close()
