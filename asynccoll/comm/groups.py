@@ -99,6 +99,7 @@ class GroupTransport(Transport):
         self._of: dict[int, int] = {m: i for i, m in enumerate(self.members)}
         self._ids: dict[int, int] = {}
         parent.on_peer_lost(self._on_parent_lost)
+        self.incarnation = parent.incarnation
 
     @property
     def address(self) -> str:
@@ -111,6 +112,9 @@ class GroupTransport(Transport):
     def parent_rank(self, rank: int) -> int:
         """The parent's rank of group rank ``rank``."""
         return self.members[rank]
+
+    def incarnation_of(self, rank: int) -> int:
+        return self.parent.incarnation_of(self.members[rank])
 
     def group_rank(self, parent_rank: int) -> int | None:
         """The group rank of the parent's ``parent_rank`` (None: not a member)."""

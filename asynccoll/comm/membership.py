@@ -44,7 +44,8 @@ DEFAULT_CLOSE_TIMEOUT = 30.0
 #: handles' ids are at or above ``4 << 60``)
 CLOSE_SCHED = 3 << 60
 #: the schedule id of the loss notices; execution = the sender's notice count, payload = the
-#: lost rank as one int64
+#: lost rank and the incarnation of its process that was lost (which process of the rank:
+#: :attr:`Transport.incarnation`), two int64
 LOST_SCHED = CLOSE_SCHED + 1
 #: the schedule id of status probes (execution = the asker's probe count, no payload) and of
 #: their answers (the same execution; JSON of :meth:`LiveOps.statuses`, activation frames, so
@@ -234,14 +235,22 @@ class Membership:
             return  # src itself is gone (its loss comes on its own), or we close
         payload = fut.result().payload
         self._post_recv(src, seq + 1)
-        if len(payload) != 8:
-            log.warning("rank %d: a malformed loss notice from rank %d; ignored",
-                        self.transport.rank, src)
+        t = self.transport
+        if len(payload) != 16:
+            log.warning("rank %d: a malformed loss notice from rank %d; ignored", t.rank, src)
             return
-        lost = int(np.frombuffer(payload, np.int64)[0])
-        if 0 <= lost < self.transport.world_size and lost != self.transport.rank:
-            self.learn(PeerLostError(lost, "left without a goodbye" if lost == src
-                                     else f"reported lost by rank {src}"), tell=False)
+        lost, incarnation = (int(v) for v in np.frombuffer(payload, np.int64))
+        if not (0 <= lost < t.world_size and lost != t.rank):
+            return
+        if incarnation < t.incarnation_of(lost):
+            # About a process that a restart already replaced here: rank ``src`` saw the old
+            # one go after (or before) this rank took the new one in. Not a loss of the new.
+            log.info("rank %d: rank %d reported process %d of rank %d lost; this rank talks "
+                     "to its process %d: ignored", t.rank, src, incarnation, lost,
+                     t.incarnation_of(lost))
+            return
+        self.learn(PeerLostError(lost, "left without a goodbye" if lost == src
+                                 else f"reported lost by rank {src}"), tell=False)
 
     def _on_peer_lost(self, rank: int, exc: PeerLostError) -> None:
         # While closing, a peer that leaves has said goodbye (or is past caring); otherwise a
@@ -286,10 +295,12 @@ class Membership:
         self._notify(self.transport.rank)
 
     def _notify(self, lost: int) -> None:
-        """Send every peer but ``lost`` a loss notice naming ``lost`` (numbered per peer:
-        a process that took a lost rank's place counts them from 0)."""
+        """Send every peer but ``lost`` a loss notice naming ``lost`` and which of its
+        processes (numbered per peer: a process that took a lost rank's place counts them
+        from 0)."""
         t = self.transport
-        note = np.array([lost], np.int64).data.cast("B")
+        incarnation = t.incarnation if lost == t.rank else t.incarnation_of(lost)
+        note = np.array([lost, incarnation], np.int64).data.cast("B")
         for r in self._peers:
             if r != lost:
                 seq = self._sent.get(r, 0)

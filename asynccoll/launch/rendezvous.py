@@ -201,6 +201,7 @@ async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
                                          ) from exc
         t = _make(scheme, rank, world, transport_secret(spec.secret, salt), options)
         t.admit_rejoins = True
+        t.incarnation = spec.restart  # in the handshake: notices about older processes drop
         address = await t.listen(_listen_address(scheme, spec, salt))
         await client.set(f"{prefix}addr/{rank}", address.encode())
         others = [r for r in range(world) if r != rank]

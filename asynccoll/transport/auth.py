@@ -6,10 +6,17 @@ binds both nonces, both ranks, the world size and the answering side's role (so 
 proof can never be replayed as the other's, nor on another connection). Proofs are compared in
 constant time. The messages have fixed sizes, so a reader always knows how much to read next::
 
-    connector -> acceptor   HELLO      magic, version, rank, world size, wanted rank, nonce_c
-    acceptor  -> connector  CHALLENGE  magic, version, rank, world size, nonce_s, MAC_acceptor
+    connector -> acceptor   HELLO      magic, version, rank, world size, wanted rank,
+                                       incarnation, nonce_c
+    acceptor  -> connector  CHALLENGE  magic, version, rank, world size, incarnation, nonce_s,
+                                       MAC_acceptor
     connector -> acceptor   PROOF      MAC_connector
     acceptor  -> connector  ACCEPT     one byte
+
+Each side's **incarnation** is which process of its rank it is: 0 for a rank's first process,
+``k`` for its k-th restart (``ASYNCCOLL_RESTART``). A peer remembers it per connection, so that
+a loss notice about a rank's earlier process is told from one about the process it talks to now
+(:mod:`asynccoll.comm.membership`). Both incarnations are in the transcript the proofs cover.
 
 This module only builds and checks the messages; the transport moves them and bounds the time
 the whole exchange may take. Every check failure raises :class:`AuthenticationError` with the
@@ -48,13 +55,15 @@ __all__ = [
 ]
 
 MAGIC = b"ACOLTCP\x00"
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MIN_SECRET_BYTES = 16
 
-_HELLO = struct.Struct("<8sHIII32s")  # magic, version, rank, world size, wanted rank, nonce
-_CHALLENGE = struct.Struct("<8sHII32s32s")  # magic, version, rank, world size, nonce, mac
+#: magic, version, rank, world size, wanted rank, incarnation, nonce
+_HELLO = struct.Struct("<8sHIIII32s")
+#: magic, version, rank, world size, incarnation, nonce, mac
+_CHALLENGE = struct.Struct("<8sHIII32s32s")
 
 HELLO_SIZE = _HELLO.size
 CHALLENGE_SIZE = _CHALLENGE.size
@@ -70,6 +79,7 @@ class Hello(NamedTuple):
     world_size: int
     wanted: int  # the rank the connector believes it is talking to
     nonce: bytes
+    incarnation: int = 0  # which process of its rank the connector is (0: the first)
 
 
 class Challenge(NamedTuple):
@@ -79,6 +89,7 @@ class Challenge(NamedTuple):
     world_size: int
     nonce: bytes
     mac: bytes
+    incarnation: int = 0  # which process of its rank the acceptor is (0: the first)
 
 
 def check_secret(secret: object) -> bytes:
@@ -95,51 +106,59 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def make_hello(rank: int, world_size: int, wanted: int, nonce: bytes) -> bytes:
-    return _HELLO.pack(MAGIC, HANDSHAKE_VERSION, rank, world_size, wanted, nonce)
+def make_hello(rank: int, world_size: int, wanted: int, nonce: bytes,
+               incarnation: int = 0) -> bytes:
+    return _HELLO.pack(MAGIC, HANDSHAKE_VERSION, rank, world_size, wanted, incarnation, nonce)
 
 
 def parse_hello(raw: bytes | memoryview) -> Hello:
     """Decode a HELLO; raise :class:`AuthenticationError` if it is not one."""
-    magic, version, rank, world, wanted, nonce = _HELLO.unpack(raw)
+    magic, version, rank, world, wanted, incarnation, nonce = _HELLO.unpack(raw)
     if magic != MAGIC:
         raise AuthenticationError("connection did not start with the asynccoll handshake")
     if version != HANDSHAKE_VERSION:
         raise AuthenticationError(f"handshake version {version} (speaks {HANDSHAKE_VERSION})")
-    return Hello(rank, world, wanted, nonce)
+    return Hello(rank, world, wanted, nonce, incarnation)
 
 
-def make_challenge(rank: int, world_size: int, nonce: bytes, mac: bytes) -> bytes:
-    return _CHALLENGE.pack(MAGIC, HANDSHAKE_VERSION, rank, world_size, nonce, mac)
+def make_challenge(rank: int, world_size: int, nonce: bytes, mac: bytes,
+                   incarnation: int = 0) -> bytes:
+    return _CHALLENGE.pack(MAGIC, HANDSHAKE_VERSION, rank, world_size, incarnation, nonce, mac)
 
 
 def parse_challenge(raw: bytes | memoryview) -> Challenge:
     """Decode a CHALLENGE; raise :class:`AuthenticationError` if it is not one."""
-    magic, version, rank, world, nonce, mac = _CHALLENGE.unpack(raw)
+    magic, version, rank, world, incarnation, nonce, mac = _CHALLENGE.unpack(raw)
     if magic != MAGIC:
         raise AuthenticationError("peer did not answer with the asynccoll handshake")
     if version != HANDSHAKE_VERSION:
         raise AuthenticationError(f"handshake version {version} (speaks {HANDSHAKE_VERSION})")
-    return Challenge(rank, world, nonce, mac)
+    return Challenge(rank, world, nonce, mac, incarnation)
 
 
 def _transcript(role: bytes, connector: int, acceptor: int, world_size: int, nonce_c: bytes,
-                nonce_a: bytes) -> bytes:
-    return b"|".join((MAGIC, role, struct.pack("<III", connector, acceptor, world_size),
-                      nonce_c, nonce_a))
+                nonce_a: bytes, incarnations: tuple[int, int]) -> bytes:
+    return b"|".join((MAGIC, role, struct.pack("<IIIII", connector, acceptor, world_size,
+                                               *incarnations), nonce_c, nonce_a))
 
 
 def acceptor_mac(secret: bytes, connector: int, acceptor: int, world_size: int,
-                 nonce_c: bytes, nonce_a: bytes) -> bytes:
-    """The acceptor's proof over this connection's transcript."""
-    msg = _transcript(b"acceptor", connector, acceptor, world_size, nonce_c, nonce_a)
+                 nonce_c: bytes, nonce_a: bytes,
+                 incarnations: tuple[int, int] = (0, 0)) -> bytes:
+    """The acceptor's proof over this connection's transcript (``incarnations``: the
+    connector's and the acceptor's)."""
+    msg = _transcript(b"acceptor", connector, acceptor, world_size, nonce_c, nonce_a,
+                      incarnations)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
 def connector_mac(secret: bytes, connector: int, acceptor: int, world_size: int,
-                  nonce_c: bytes, nonce_a: bytes) -> bytes:
-    """The connector's proof over this connection's transcript."""
-    msg = _transcript(b"connector", connector, acceptor, world_size, nonce_c, nonce_a)
+                  nonce_c: bytes, nonce_a: bytes,
+                  incarnations: tuple[int, int] = (0, 0)) -> bytes:
+    """The connector's proof over this connection's transcript (``incarnations``: the
+    connector's and the acceptor's)."""
+    msg = _transcript(b"connector", connector, acceptor, world_size, nonce_c, nonce_a,
+                      incarnations)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 

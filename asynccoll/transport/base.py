@@ -84,6 +84,10 @@ class Transport(abc.ABC):
         #: its partial collectives survive losses (``survive``), where a restarted rank can be
         #: admitted again (docs/groups.md, "Joining").
         self.admit_rejoins = False
+        #: which process of its rank this one is: 0 for the first, k for its k-th restart
+        #: (``ASYNCCOLL_RESTART``; set before :meth:`listen`). Sent in the handshake.
+        self.incarnation = 0
+        self._incarnations: dict[int, int] = {}  # per peer: its connected process's
 
     @property
     @abc.abstractmethod
@@ -115,6 +119,17 @@ class Transport(abc.ABC):
     def off_peer_joined(self, callback: Callable[[int], None]) -> None:
         """Stop calling ``callback`` (:meth:`on_peer_joined`)."""
         self._join_listeners.remove(callback)
+
+    def incarnation_of(self, rank: int) -> int:
+        """Which process of ``rank`` this transport is connected to, or last was (its
+        :attr:`incarnation`, from the handshake; 0 before any). A loss notice about an
+        incarnation below it is about a process that a restart already replaced."""
+        return self._incarnations.get(rank, 0)
+
+    def _peer_incarnation(self, rank: int, incarnation: int) -> None:
+        """For the backends: an authenticated connection to ``rank``'s process
+        ``incarnation``."""
+        self._incarnations[rank] = incarnation
 
     def _peer_joined(self, rank: int) -> None:
         """For the backends: a new process is connected as lost ``rank``."""

@@ -282,6 +282,7 @@ class TcpTransport(Transport):
         self.check_peer(conn.peer)
         self._pending.discard(conn)
         self._conns[conn.peer] = conn
+        self._peer_incarnation(conn.peer, conn.incarnation)
         self.stats.connections += 1
         if self._lost.pop(conn.peer, None) is not None:
             self._peer_joined(conn.peer)  # a new process in a lost rank's place

@@ -84,6 +84,11 @@ class ConnectionOwner(Protocol):
     @property
     def handshake_timeout(self) -> float: ...
 
+    @property
+    def incarnation(self) -> int:
+        """Which process of its rank the owner is (sent in the handshake)."""
+        ...
+
     def connection_opened(self, conn: TcpConnection) -> None:
         """``conn`` is open and starts its handshake."""
 
@@ -155,6 +160,9 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._nonce_c = b""
         self._nonce_a = b""
+        self._incs = (0, 0)  # the connector's and the acceptor's incarnations
+        #: the peer's incarnation (which process of its rank), once authenticated
+        self.incarnation = 0
         # receive side: a small buffer until the peer is authenticated (an unauthenticated
         # connection must cost little), the staging buffer after
         self._buf = bytearray(_HANDSHAKE_BUF)
@@ -206,7 +214,7 @@ class TcpConnection(asyncio.BufferedProtocol):
         if self.connector:
             self._nonce_c = auth.new_nonce()
             tr.write(auth.make_hello(self.owner.rank, self.owner.world_size, self.peer,
-                                            self._nonce_c))
+                                     self._nonce_c, self.owner.incarnation))
 
     def connection_lost(self, exc: Exception | None) -> None:
         was = self._state
@@ -413,9 +421,11 @@ class TcpConnection(asyncio.BufferedProtocol):
             o.check_peer(hello.rank)
             self._nonce_c = hello.nonce
             self._nonce_a = auth.new_nonce()
+            self._incs = (hello.incarnation, o.incarnation)
             mac = auth.acceptor_mac(self._secret, self.peer, o.rank, o.world_size, self._nonce_c,
-                                    self._nonce_a)
-            tr.write(auth.make_challenge(o.rank, o.world_size, self._nonce_a, mac))
+                                    self._nonce_a, self._incs)
+            tr.write(auth.make_challenge(o.rank, o.world_size, self._nonce_a, mac,
+                                         o.incarnation))
             self._state, self._need = _PROOF, auth.PROOF_SIZE
         elif st == _CHALLENGE:
             ch = auth.parse_challenge(chunk)
@@ -424,15 +434,16 @@ class TcpConnection(asyncio.BufferedProtocol):
                     f"expected rank {self.peer} of {o.world_size}, reached rank {ch.rank} of "
                     f"{ch.world_size}")
             self._nonce_a = ch.nonce
+            self._incs = (o.incarnation, ch.incarnation)
             auth.verify(auth.acceptor_mac(self._secret, o.rank, self.peer, o.world_size,
-                                          self._nonce_c, self._nonce_a), ch.mac,
+                                          self._nonce_c, self._nonce_a, self._incs), ch.mac,
                         f"rank {self.peer}")
             tr.write(auth.connector_mac(self._secret, o.rank, self.peer, o.world_size,
-                                        self._nonce_c, self._nonce_a))
+                                        self._nonce_c, self._nonce_a, self._incs))
             self._state, self._need = _ACCEPT, auth.ACCEPT_SIZE
         elif st == _PROOF:
             auth.verify(auth.connector_mac(self._secret, self.peer, o.rank, o.world_size,
-                                           self._nonce_c, self._nonce_a), chunk,
+                                           self._nonce_c, self._nonce_a, self._incs), chunk,
                         f"connection claiming rank {self.peer}")
             # Refuse before accepting, and accept before the connection is the peer's: its
             # owner's listeners may send on it at once (a joining rank says "ready" to a rank
@@ -448,6 +459,8 @@ class TcpConnection(asyncio.BufferedProtocol):
             self._authenticated()
 
     def _ready(self) -> None:
+        # the peer's incarnation: the connector's on the accepting side, and the other way
+        self.incarnation = self._incs[0] if not self.connector else self._incs[1]
         self.owner.connection_ready(self)
         self.authed = True
 

@@ -52,12 +52,15 @@ async def test_a_new_process_takes_a_lost_ranks_place_when_rejoins_are_admitted(
             t.on_peer_joined(lambda r, me=t.rank: joined.append((me, r)))
         await lose(ts, victim)
         new = UcxTransport(victim, 3, secret=SECRET)
+        new.incarnation = 2  # its restart 2: every member learns it in the handshake
         await new.listen("ucx://127.0.0.1:0")
         others = [r for r in range(3) if r != victim]
         reached = await new.rejoin({r: addrs[r] for r in others}, timeout=10)
         assert reached == others  # the lower ranks took a dial from above too
         await asyncio.sleep(0.1)
         assert sorted(joined) == [(r, victim) for r in others]
+        assert [ts[r].incarnation_of(victim) for r in others] == [2, 2]
+        assert [new.incarnation_of(r) for r in others] == [0, 0]
         ts[victim] = new
         for r in others:  # frames both ways with the new process
             want_in = (np.arange(4, dtype=np.int64) + 100 * r + 3).tobytes()

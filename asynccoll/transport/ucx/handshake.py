@@ -77,26 +77,29 @@ class Link(NamedTuple):
     send_base: int  #: tag base of frames we send to the peer
     peer_address: bytes  #: the peer's worker address (b"": no shared-memory offer)
     same_host: bool
+    incarnation: int = 0  #: which process of its rank the peer is (0: the first)
 
 
 async def handshake_connector(progress: Progress, ep: Any, secret: bytes, rank: int, peer: int,
-                              world_size: int, offer: bytes, deadline: float) -> Link:
-    """The dialling side of :mod:`asynccoll.transport.auth`'s handshake, plus the tag bases and
-    the shared-memory offers. Raises :class:`AuthenticationError`, ``TimeoutError`` or the
-    ucxx error."""
+                              world_size: int, offer: bytes, deadline: float,
+                              incarnation: int = 0) -> Link:
+    """The dialling side of :mod:`asynccoll.transport.auth`'s handshake (``incarnation``:
+    this process's), plus the tag bases and the shared-memory offers. Raises
+    :class:`AuthenticationError`, ``TimeoutError`` or the ucxx error."""
     nonce_c = auth.new_nonce()
     await stream_io(progress, ep.stream_send,
-                    auth.make_hello(rank, world_size, peer, nonce_c), deadline)
+                    auth.make_hello(rank, world_size, peer, nonce_c, incarnation), deadline)
     raw = bytearray(auth.CHALLENGE_SIZE)
     await stream_io(progress, ep.stream_recv, raw, deadline)
     ch = auth.parse_challenge(bytes(raw))
     if ch.rank != peer or ch.world_size != world_size:
         raise AuthenticationError(f"expected rank {peer} of {world_size}, reached rank "
                                   f"{ch.rank} of {ch.world_size}")
-    auth.verify(auth.acceptor_mac(secret, rank, peer, world_size, nonce_c, ch.nonce), ch.mac,
-                f"rank {peer}")
+    incs = (incarnation, ch.incarnation)
+    auth.verify(auth.acceptor_mac(secret, rank, peer, world_size, nonce_c, ch.nonce, incs),
+                ch.mac, f"rank {peer}")
     recv_base = tag_base()
-    proof = auth.connector_mac(secret, rank, peer, world_size, nonce_c, ch.nonce)
+    proof = auth.connector_mac(secret, rank, peer, world_size, nonce_c, ch.nonce, incs)
     await stream_io(progress, ep.stream_send,
                     proof + _TAIL.pack(recv_base, len(offer), host_id()) + offer, deadline)
     ack = bytearray(auth.ACCEPT_SIZE + _TAIL.size)
@@ -107,13 +110,15 @@ async def handshake_connector(progress: Progress, ep: Any, secret: bytes, rank: 
     peer_addr = bytearray(n)
     if n:
         await stream_io(progress, ep.stream_recv, peer_addr, deadline)
-    return Link(peer, recv_base, send_base, bytes(peer_addr), host == host_id())
+    return Link(peer, recv_base, send_base, bytes(peer_addr), host == host_id(),
+                ch.incarnation)
 
 
 async def handshake_acceptor(progress: Progress, ep: Any, secret: bytes, rank: int,
                              world_size: int, offer: bytes, deadline: float,
                              admit: Callable[[Link], None],
-                             rejoin: Callable[[int], bool] = lambda _r: False) -> Link:
+                             rejoin: Callable[[int], bool] = lambda _r: False,
+                             incarnation: int = 0) -> Link:
     """The accepting side: authenticate a connector of a lower rank (or of a higher one for
     which ``rejoin(rank)`` says a new process may take its place: a restarted rank dials
     every member), call ``admit(link)`` (which raises :class:`AuthenticationError` to refuse,
@@ -131,12 +136,14 @@ async def handshake_acceptor(progress: Progress, ep: Any, secret: bytes, rank: i
         raise AuthenticationError(f"{who} may not connect to rank {rank} (lower ranks dial, "
                                   "and a higher one only in a lost rank's place)")
     nonce_a = auth.new_nonce()
-    mac = auth.acceptor_mac(secret, hello.rank, rank, world_size, hello.nonce, nonce_a)
+    incs = (hello.incarnation, incarnation)
+    mac = auth.acceptor_mac(secret, hello.rank, rank, world_size, hello.nonce, nonce_a, incs)
     await stream_io(progress, ep.stream_send,
-                    auth.make_challenge(rank, world_size, nonce_a, mac), deadline)
+                    auth.make_challenge(rank, world_size, nonce_a, mac, incarnation), deadline)
     proof = bytearray(auth.PROOF_SIZE + _TAIL.size)
     await stream_io(progress, ep.stream_recv, proof, deadline)
-    expected = auth.connector_mac(secret, hello.rank, rank, world_size, hello.nonce, nonce_a)
+    expected = auth.connector_mac(secret, hello.rank, rank, world_size, hello.nonce, nonce_a,
+                                  incs)
     try:
         auth.verify(expected, memoryview(proof)[:auth.PROOF_SIZE], who)
     except AuthenticationError:
@@ -148,7 +155,8 @@ async def handshake_acceptor(progress: Progress, ep: Any, secret: bytes, rank: i
     if n:
         await stream_io(progress, ep.stream_recv, peer_addr, deadline)
     recv_base = tag_base()
-    link = Link(hello.rank, recv_base, send_base, bytes(peer_addr), host == host_id())
+    link = Link(hello.rank, recv_base, send_base, bytes(peer_addr), host == host_id(),
+                hello.incarnation)
     admit(link)
     await stream_io(progress, ep.stream_send,
                     auth.ACCEPT + _TAIL.pack(recv_base, len(offer), host_id()) + offer, deadline)

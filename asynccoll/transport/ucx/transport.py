@@ -263,7 +263,8 @@ class UcxTransport(Transport):
                 ep = lib.UCXEndpoint.create(self._worker, host, port, True)
                 assert self._progress is not None
                 link = await handshake_connector(self._progress, ep, self._secret, self.rank,
-                                                 rank, self.world_size, self._offer(), deadline)
+                                                 rank, self.world_size, self._offer(), deadline,
+                                                 self.incarnation)
                 self._add_peer(ep, link)
                 return
             except AuthenticationError:
@@ -316,7 +317,7 @@ class UcxTransport(Transport):
             assert self._progress is not None
             await handshake_acceptor(self._progress, ep, self._secret, self.rank,
                                      self.world_size, self._offer(), deadline, admit,
-                                     self.may_rejoin)
+                                     self.may_rejoin, self.incarnation)
         except (Exception, asyncio.TimeoutError) as exc:
             if not self._closed:
                 log.warning("rank %d: refused a connection: %s", self.rank,
@@ -362,7 +363,8 @@ class UcxTransport(Transport):
                 # accept a connection and never answer it
                 step = min(deadline, loop.time() + self._handshake_timeout)
                 link = await handshake_connector(self._progress, ep, self._secret, self.rank,
-                                                 rank, self.world_size, self._offer(), step)
+                                                 rank, self.world_size, self._offer(), step,
+                                                 self.incarnation)
                 if rank in self._peers:  # it dialled this rank meanwhile
                     self._drop_ep(ep)
                     return True
@@ -396,6 +398,7 @@ class UcxTransport(Transport):
                 lib.UCXAddress.create_from_buffer(link.peer_address), False)
         p = _Peer(link.peer, ep, tx, link.recv_base, link.send_base, self._hbytes)
         self._peers[link.peer] = p
+        self._peer_incarnation(link.peer, link.incarnation)
         ep.set_close_callback(self._on_ep_error, (link.peer, ep))
         self._post_header_recv(p)
         if self._arrived is not None:
