@@ -2,7 +2,13 @@
 allreduce (sum accumulation) on 4 ranks where rank r contributes 1000**r per call; every 5 calls
 the ranks flush and take back ready ranks (asynccoll.comm.joining.admit_ready). Rank 2 SIGKILLs
 itself at call 8 on its first start; restarted, it joins the handle (join_handle) and goes on at
-the members' call index. Each rank prints the sum of every result it received and its calls."""
+the members' call index. Each rank prints the sum of every result it received and its calls.
+
+With CHURN_DIR (churn): no kill at call 8; instead, every CHURN_EVERY calls one of ranks 1-3,
+drawn from the call index, SIGKILLs itself (once per call index: a marker file in CHURN_DIR), a
+restarted process too, for CALLS calls; before it dies it writes its calls to
+CHURN_DIR/dead-RANK-RESTART. Rank 0 is never killed: the sum of every result it received is the
+job's whole account."""
 import asyncio
 import json
 import os
@@ -14,7 +20,29 @@ import asynccoll
 from asynccoll import Accumulate, Solo
 from asynccoll.comm.joining import Joiners, admit_ready, join_handle
 
-CALLS = 60
+CALLS = int(os.environ.get("CALLS", "60"))
+CHURN_DIR = os.environ.get("CHURN_DIR")
+EVERY = int(os.environ.get("CHURN_EVERY", "20"))
+
+
+def _dies_at(rank, i):
+    """Whether ``rank`` kills itself at call ``i`` (once per call index across processes)."""
+    if CHURN_DIR is None:
+        return False
+    if i % EVERY != EVERY // 2 or i > CALLS - 3 * EVERY or rank != 1 + (i * 7919) % 3:
+        return False
+    try:
+        os.close(os.open(os.path.join(CHURN_DIR, f"kill-{i}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _record_death(rank, restarted, calls):
+    """How many calls this process made, for the account (bench/churn_account.py)."""
+    with open(os.path.join(CHURN_DIR, f"dead-{rank}-{restarted}"), "w") as f:
+        f.write(str(calls))
 
 
 async def main():
@@ -29,8 +57,12 @@ async def main():
     if restarted:
         meta = await join_handle(h, comm)
         i = int(meta["i"]) + 1
+        print(f"JOINED rank {rank} at call {i}", flush=True)
     while i < CALLS:
-        if rank == 2 and not restarted and i == 8:
+        if (rank == 2 and not restarted and i == 8 and CHURN_DIR is None) or _dies_at(rank, i):
+            if CHURN_DIR is not None:
+                _record_death(rank, restarted, calls)
+            print(f"CHURN kill rank {rank} at call {i}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         await asyncio.sleep(0.05 * (1 + rank % 2))
         r = await h(x)

@@ -141,6 +141,29 @@ def test_exact_accounting_through_a_join() -> None:
 
 
 @pytest.mark.timeout(200)
+def test_exact_accounting_under_churn() -> None:
+    # bench/churn_account.py's job, short: a kill chance every 20 calls among ranks 1-3 over
+    # 170 calls (about 4 kills), each restarted and joined; rank 0's sum is the whole account
+    sys.path.insert(0, str(Path(ROOT) / "bench"))
+    import churn_account  # the bench's run and account (bench/ is not a package)
+
+    rec = churn_account.run_once(calls=170, every=20, timeout=180)
+    assert rec["code"] == 0, rec.get("tail")
+    assert rec["kills"] >= 3, rec
+    assert rec["joins"] == rec["kills"], rec  # every killed process came back and joined
+    ranks = rec["ranks"]
+    assert sum(x["deaths"] for x in ranks) == rec["kills"], rec
+    assert ranks[0]["deaths"] == 0
+    assert ranks[0]["counted"] == ranks[0]["made"], rec  # rank 0's calls exactly once
+    for x in ranks[1:]:
+        # the last process's calls every one, a dead process's at most once each
+        assert x["final_calls"] <= x["counted"] <= x["made"], rec
+    assert all(x["own_exact"] for x in ranks), rec  # each counts its own calls exactly once
+    assert all(x["size"] == 4 and x["reported_lost"] == [] for x in ranks), rec
+    assert rec["exact"], rec
+
+
+@pytest.mark.timeout(200)
 def test_torch_distributed_optimizer_around_adam_takes_a_restarted_rank_back() -> None:
     pytest.importorskip("torch")
     # 200 steps: the restarted process imports torch before it can join (seconds)

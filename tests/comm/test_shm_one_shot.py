@@ -86,7 +86,9 @@ async def _rank_main(rank: int, P: int, port: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 6, 7, 8])
+# one rank; powers of two and not; the most ranks (6 and 7 took 12 s each on CI and cover no
+# case 5 and 8 do not)
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])
 def test_both_algorithms_equal_numpy_for_every_op(P: int) -> None:
     before = _ours()
     out = spawn_world(async_child, P, (_rank_main, free_port()), 200)

@@ -42,7 +42,8 @@ def test_training_classes_end_with_equal_bytes(P: int, shm: bool) -> None:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("P", [3, 4, 5])
+# not P = 5 (44 s on CI): P = 3 is the uneven case, and the classes' test above runs P = 5
+@pytest.mark.parametrize("P", [3, 4])
 def test_torch_wrappers_end_with_equal_bytes(P: int) -> None:
     pytest.importorskip("torch")
     _check(_run(P, True, "--torch"), P)
