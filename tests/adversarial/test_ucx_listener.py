@@ -72,3 +72,32 @@ async def test_rogue_sockets_on_the_ucx_listener_cost_only_while_they_are_open()
             s.close()
         for t in ts:
             await t.close()
+
+
+@pytest.mark.timeout(90)
+async def test_a_flood_of_refused_dials_logs_a_bounded_number_of_lines(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # (a restarted rank that a member will not take back yet dials it again and again: one
+    # warning per refusal filled the log; at most 10 per 10 s now, as over tcp)
+    import logging
+
+    from asynccoll.errors import AuthenticationError
+    from asynccoll.transport.ucx import UcxTransport
+
+    caplog.set_level(logging.WARNING, "asynccoll.transport.ucx")
+    member = UcxTransport(1, 2, secret=SECRET)
+    addr = await member.listen("ucx://127.0.0.1:0")
+    try:
+        for _ in range(14):
+            stranger = UcxTransport(0, 2, secret=b"s" * 32)
+            await stranger.listen("ucx://127.0.0.1:0")
+            try:
+                with pytest.raises(AuthenticationError):
+                    await asyncio.wait_for(stranger.connect({1: addr}, timeout=5), 10)
+            finally:
+                await stranger.close()
+        await asyncio.sleep(0.2)  # the member's side of the last refusal
+        lines = [m for m in caplog.messages if "refused a connection" in m]
+        assert 1 <= len(lines) <= 10, lines
+    finally:
+        await member.close()

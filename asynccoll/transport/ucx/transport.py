@@ -61,6 +61,7 @@ from ...errors import (
 from .. import auth
 from ..base import Transport, lost
 from ..frames import Header, Limits, Message, decode_header, encode_header
+from ..logbudget import LogBudget
 from ..matching import HeldOrder, Slot
 from ..registry import parse_address
 from .device import DeviceView, byte_view, target
@@ -171,6 +172,7 @@ class UcxTransport(Transport):
         self._listener: Any = None
         self._progress: Progress | None = None
         self._peers: dict[int, _Peer] = {}
+        self._refusals = LogBudget()  # a flood of refused dials must not flood the log
         self._arrived: asyncio.Event | None = None
         self._bye_event = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -319,9 +321,11 @@ class UcxTransport(Transport):
                                      self.world_size, self._offer(), deadline, admit,
                                      self.may_rejoin, self.incarnation)
         except (Exception, asyncio.TimeoutError) as exc:
-            if not self._closed:
-                log.warning("rank %d: refused a connection: %s", self.rank,
-                            exc if isinstance(exc, AuthenticationError) else repr(exc))
+            say, quiet = self._refusals.take(asyncio.get_running_loop().time())
+            if not self._closed and say:
+                more = f" ({quiet} more refused, not logged)" if quiet else ""
+                log.warning("rank %d: refused a connection: %s%s", self.rank,
+                            exc if isinstance(exc, AuthenticationError) else repr(exc), more)
             if not any(p.ep is ep for p in self._peers.values()):
                 self._drop_ep(ep)
 
