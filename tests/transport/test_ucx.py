@@ -519,6 +519,35 @@ async def test_a_process_that_never_closes_its_transport_still_exits() -> None:
 
 # -- CuPy ------------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
+async def test_a_cupy_payload_is_sent_after_the_kernels_that_write_it() -> None:
+    # CuPy's kernels are asynchronous: an array written by a kernel still queued (here behind a
+    # long matrix product) must not be read by UCX before the kernel ran. The first GPU run
+    # over ucx sent such buffers early.
+    cp = pytest.importorskip("cupy", reason="cupy is not installed")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except cp.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    ts = await world(2)
+    try:
+        big = cp.ones((8192, 8192), dtype=cp.float32)
+        n = 4 << 20
+        for trial in range(3):
+            x = cp.zeros(n, dtype=cp.float32)
+            y = cp.full(n, -1.0, dtype=cp.float32)
+            cp.cuda.Device().synchronize()
+            big @ big  # tens of milliseconds of work queued ahead of the write
+            x += 7.0
+            r = ts[1].post_recv(0, SCHED, trial, 3, y)
+            await ts[0].post_send(1, header(0, 3, x, execution=trial), x)
+            await asyncio.wait_for(r, 10)
+            assert bool((y == 7.0).all()), (trial, float(y.min()), float(y.max()))
+    finally:
+        await close_all(ts)
+
+
+@pytest.mark.timeout(60)
 async def test_cupy_arrays_travel_as_device_memory() -> None:
     cp = pytest.importorskip("cupy", reason="cupy is not installed")
     try:

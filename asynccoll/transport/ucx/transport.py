@@ -517,6 +517,12 @@ class UcxTransport(Transport):
                               else PeerLostError(dst, "not connected"))
             return fut
         device = type(payload) is not memoryview and is_cupy(payload)
+        if device:
+            # CuPy's kernels run asynchronously: the ones that wrote ``payload`` (a reduction,
+            # the snapshot's copies, the caller's own) may still be running when UCX reads it.
+            # The first GPU run over ucx read such buffers early (ranks disagreed on a partial
+            # handle's signature, a synchronous allreduce failed). Wait for the device first.
+            payload.device.synchronize()
         enc = encode_header(header)
         size = PREFIX.size + len(enc)
         inline = not device and size + header.length <= _EAGER_BYTES

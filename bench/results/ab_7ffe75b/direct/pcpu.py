@@ -2,8 +2,17 @@
 
     PYTHONPATH=<tree> python pcpu.py P SIZE_BYTES CALLS [profile_dir]
 Prints per rank: wall per call (median), CPU s per call (process, all threads)."""
-import asyncio, os, sys, time, resource, statistics, multiprocessing as mp, socket
+import asyncio
+import multiprocessing as mp
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+
 import numpy as np
+
 
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -16,7 +25,8 @@ def csw():
 async def rank_main(rank, P, port, size, calls, prof):
     import asynccoll
     comm = await asynccoll.connect(rank=rank, world_size=P, store=f"127.0.0.1:{port}",
-                                   transport="tcp", timeout=120, progress=os.environ.get("PROG","thread"))
+                                   transport="tcp", timeout=120,
+                                   progress=os.environ.get("PROG", "thread"))
     async with comm:
         x = np.full(size // 4, rank + 1, np.float32)
         try:
@@ -24,7 +34,7 @@ async def rank_main(rank, P, port, size, calls, prof):
         except TypeError:
             h = comm.partial_allreduce(os.environ.get("KIND","solo"), like=x, name="b")
         walls = []
-        for i in range(int(os.environ.get("WARM","20"))):
+        for _ in range(int(os.environ.get("WARM", "20"))):
             await comm.barrier(timeout=60)
             await h(x, timeout=60, out=x)
         pr = None
@@ -32,15 +42,16 @@ async def rank_main(rank, P, port, size, calls, prof):
             import cProfile
             pr = cProfile.Profile()
             pr.enable()
-        c0 = cpu(); s0 = csw()
-        for i in range(calls):
+        c0, s0 = cpu(), csw()
+        for _ in range(calls):
             x[...] = rank + 1
             await comm.barrier(timeout=60)
             t0 = time.perf_counter()
             await h(x, timeout=60, out=x)
             walls.append(time.perf_counter() - t0)
-        c1 = cpu(); s1 = csw()
-        print(f"rank {rank} ctxsw/call {(s1-s0)/calls:.1f}", file=sys.stderr) if rank in (0, P-1) else None
+        c1, s1 = cpu(), csw()
+        if rank in (0, P - 1):
+            print(f"rank {rank} ctxsw/call {(s1 - s0) / calls:.1f}", file=sys.stderr)
         if pr:
             pr.disable()
             pr.dump_stats(f"{prof}/rank{rank}.prof")
@@ -58,11 +69,13 @@ def child(rank, P, port, size, calls, prof, q):
         if phase == "start":
             gcs["t0"] = time.perf_counter()
         else:
-            gcs["n"] += 1; gcs["t"] += time.perf_counter() - gcs["t0"]
+            gcs["n"] += 1
+            gcs["t"] += time.perf_counter() - gcs["t0"]
     gc.callbacks.append(cb)
     if os.environ.get("GCSTAT") and rank == 0:
         import atexit
-        atexit.register(lambda: print(f"rank0 gc {gcs['n']} collections {gcs['t']*1e3:.1f} ms", file=sys.stderr))
+        atexit.register(lambda: print(f"rank0 gc {gcs['n']} collections "
+                                      f"{gcs['t'] * 1e3:.1f} ms", file=sys.stderr))
     os.environ["ASYNCCOLL_SECRET"] = "x" * 32
     os.environ["ASYNCCOLL_SHM"] = "0"
     q.put((rank, asyncio.run(rank_main(rank, P, port, size, calls, prof))))
@@ -70,12 +83,18 @@ def child(rank, P, port, size, calls, prof, q):
 if __name__ == "__main__":
     P, size, calls = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     prof = sys.argv[4] if len(sys.argv) > 4 else ""
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-    ctx = mp.get_context("spawn"); q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
     ps = [ctx.Process(target=child, args=(r, P, port, size, calls, prof, q)) for r in range(P)]
-    for p in ps: p.start()
+    for p in ps:
+        p.start()
     res = dict(q.get(timeout=600) for _ in ps)
-    for p in ps: p.join()
-    w = [res[r][0] * 1e3 for r in range(P)]; c = [res[r][1] * 1e3 for r in range(P)]
+    for p in ps:
+        p.join()
+    w = [res[r][0] * 1e3 for r in range(P)]
+    c = [res[r][1] * 1e3 for r in range(P)]
     print(f"wall ms/call {max(w):.2f} (ranks {[round(v,2) for v in w]}), cpu ms/call "
           f"sum {sum(c):.2f} (ranks {[round(v,2) for v in c]})")
