@@ -361,8 +361,12 @@ class HierPartialAllreduce(Regrouping):
                               res.flushed,
                               -1 if expired is None else expired,
                               np.nan if res.deadline is None else res.deadline)
-            # the leaders' ranks now (fewer after a lost leader) -> their hosts
+            # the leaders' ranks now (fewer after a lost leader) -> their hosts; a result of an
+            # execution that still spanned every leader (settled by the survivors and
+            # reported with the loss already in ``lost``) names the leaders as they were
             at = [i for i in range(n) if i not in res.lost]
+            if res.world_size == n:
+                at = list(range(n))
             head[_FIELDS:_FIELDS + 2 * n] = 0
             for i in res.contributors:
                 head[_FIELDS + at[i]] = 1
