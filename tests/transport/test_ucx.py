@@ -518,17 +518,23 @@ async def test_a_process_that_never_closes_its_transport_still_exits() -> None:
 
 
 # -- CuPy ------------------------------------------------------------------------------------
-@pytest.mark.timeout(60)
-async def test_a_cupy_payload_is_sent_after_the_kernels_that_write_it() -> None:
-    # CuPy's kernels are asynchronous: an array written by a kernel still queued (here behind a
-    # long matrix product) must not be read by UCX before the kernel ran. The first GPU run
-    # over ucx sent such buffers early.
+def _cupy_with_a_device() -> Any:
+    """CuPy, or skip the test where it or a CUDA device is missing."""
     cp = pytest.importorskip("cupy", reason="cupy is not installed")
     try:
         if cp.cuda.runtime.getDeviceCount() < 1:
             pytest.skip("no CUDA device")
     except cp.cuda.runtime.CUDARuntimeError:
         pytest.skip("no CUDA device")
+    return cp
+
+
+@pytest.mark.timeout(60)
+async def test_a_cupy_payload_is_sent_after_the_kernels_that_write_it() -> None:
+    # CuPy's kernels are asynchronous: an array written by a kernel still queued (here behind a
+    # long matrix product) must not be read by UCX before the kernel ran. The first GPU run
+    # over ucx sent such buffers early.
+    cp = _cupy_with_a_device()
     ts = await world(2)
     try:
         big = cp.ones((8192, 8192), dtype=cp.float32)
@@ -549,12 +555,7 @@ async def test_a_cupy_payload_is_sent_after_the_kernels_that_write_it() -> None:
 
 @pytest.mark.timeout(60)
 async def test_cupy_arrays_travel_as_device_memory() -> None:
-    cp = pytest.importorskip("cupy", reason="cupy is not installed")
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except cp.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
+    cp = _cupy_with_a_device()
     ts = await world(2)
     try:
         for n in (3, 5000, 1 << 20):
