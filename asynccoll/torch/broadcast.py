@@ -25,12 +25,17 @@ def broadcast_parameters(module_or_state_dict: torch.nn.Module | Mapping[str, to
     ``comm``: a :class:`~asynccoll.Communicator` (progress thread) or :func:`asynccoll.init`'s
     communicator. Tensors are fused per dtype into one broadcast each (a copy in and out of
     the fused buffer), so it costs one collective per dtype, not per tensor. Collective: every
-    rank calls it. Raises ``ExecutionError`` when ranks disagree on the tensors.
+    rank calls it. Raises ``ExecutionError`` when ranks disagree on the tensors. On a process
+    that took a lost rank's place in a running job (``comm.joined``) it does nothing: the
+    members are far past their start, and its state arrives when they take it back
+    (:mod:`.hook_events`, :mod:`.joining`), so one script serves first starts and restarts.
     """
     sd = module_or_state_dict.state_dict() if isinstance(module_or_state_dict,
                                                          torch.nn.Module) \
         else module_or_state_dict
     c = blocking(comm)
+    if c.comm.joined:
+        return
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for name in sorted(sd):
         t = sd[name]
@@ -51,9 +56,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0, *
     The state dict is serialised with ``torch.save`` on ``root`` and read back with
     ``torch.load(weights_only=True)`` elsewhere (tensors, numbers, lists, dicts only), so
     ranks whose optimizer has not stepped yet get root's state too. Collective. Costs two
-    broadcasts (length, bytes) of the serialised size.
+    broadcasts (length, bytes) of the serialised size. Does nothing on a process that took
+    a lost rank's place (``comm.joined``), as :func:`broadcast_parameters`.
     """
     c = blocking(comm)
+    if c.comm.joined:
+        return
     data = b""
     if c.rank == root:
         bio = io.BytesIO()
@@ -74,12 +82,23 @@ def init_process_group(comm: Any, backend: str = "gloo") -> None:
     run``) rank 0 picks a free port on the host of the job's store (``ASYNCCOLL_STORE``, else
     127.0.0.1) and broadcasts it. Does nothing when torch.distributed is already initialised.
     Collective.
+
+    In a job that takes lost ranks back (``comm.survive``: ``asynccoll run --max-failures``)
+    every process gets a one-rank group of its own instead, without a collective: a process
+    restarted in a lost rank's place cannot enter the first processes' Gloo group, and DDP
+    needs its group only for its setup when :func:`~.hook.partial_hook` moves the gradients
+    (``torch.distributed.get_world_size()`` is then 1: give ``DistributedSampler`` the
+    communicator's ``size`` and ``rank``, and keep ``broadcast_buffers=False``).
     """
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     c = blocking(comm)
+    if c.comm.survive:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        return
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
         dist.init_process_group(backend, init_method="env://", rank=c.rank,
                                 world_size=c.size)

@@ -70,6 +70,7 @@ from ..comm.blocking import BlockingCollectives
 from ..results import PartialResult
 from ._comm import blocking, by_world, pieces, world_accumulate
 from .broadcast import broadcast_parameters
+from .hook_events import HookEvents
 
 __all__ = ["BucketStep", "PartialHookState", "partial_hook"]
 
@@ -101,14 +102,16 @@ class BucketStep:
     deadline_expired: bool | None = None
 
 
-class PartialHookState:
+class PartialHookState(HookEvents):
     """The state of :func:`partial_hook` (the ``state`` DDP passes to the hook).
 
     ``buckets``: bucket index -> :class:`BucketStep` of its latest step (updated on the
     progress thread as each future resolves). ``steps``: backward passes seen (counted at
-    bucket 0, which DDP always reduces first). ``calls``: buckets handed to the hook so far
-    (this rank's contributions: over all ranks, the ``count`` of every result plus what
-    :meth:`finish` drains adds up to P times this).
+    bucket 0, which DDP always reduces first); ``step_count``: the same, the members' global
+    step on a process that took a lost rank's place (loop on it: :mod:`.hook_events`).
+    ``calls``: buckets handed to the hook so far (this rank's contributions: over all ranks,
+    the ``count`` of every result plus what :meth:`finish` drains adds up to P times this).
+    ``syncs``: the sync events so far (only in a surviving job: :mod:`.hook_events`).
     """
 
     def __init__(self, comm: BlockingCollectives, policy: Policy, accumulate: bool, name: str,
@@ -127,12 +130,13 @@ class PartialHookState:
         self._handles: dict[tuple[int, int, str], Any] = {}
         self._params: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self._events_init()  # sync events and joining, in a surviving job (.hook_events)
 
     def __repr__(self) -> str:
         return (f"PartialHookState({self.policy!r}, name={self.name!r}, steps={self.steps}, "
                 f"buckets={len(self._params)})")
 
-    def _handle(self, index: int, buf: torch.Tensor) -> Any:
+    def _bucket_handle(self, index: int, buf: torch.Tensor) -> Any:
         key = (index, buf.numel(), str(buf.dtype))
         h = self._handles.get(key)
         if h is None:
@@ -155,8 +159,13 @@ class PartialHookState:
         if index == 0:  # DDP reduces its buckets in index order: 0 opens a backward pass
             self.steps += 1
         step = self.steps - 1
-        self.calls += 1
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        if self._joining:
+            # a restarted process's first backward: nothing to reduce with the members yet;
+            # its step applies its own gradient, then the state arrives (.hook_events)
+            fut.set_result(buf)
+            return fut
+        self.calls += 1
         P = self.comm.size
         if not self.policy.partial or step == 0:
             cf: concurrent.futures.Future[Any] = self.comm.submit(
@@ -171,7 +180,7 @@ class PartialHookState:
             return fut
         # the result into the bucket itself (out=, read after the call took buf's data), as
         # the default hook's in-place allreduce: no fresh tensor per bucket and step
-        h = self._handle(index, buf)
+        h = self._bucket_handle(index, buf)
         cf = self.comm.submit(h(buf, out=buf))
 
         def done(f: concurrent.futures.Future[Any]) -> None:
@@ -181,6 +190,8 @@ class PartialHookState:
         return fut
 
     def _result(self, index: int, step: int, res: PartialResult, h: Any) -> torch.Tensor:
+        if res.flushed:
+            self._saw_flushed()
         prev = self.buckets.get(index)
         stale = 0 if res.included else (prev.staleness + 1 if prev is not None else 1)
         self._record(index, BucketStep(step, res.round, res.included, res.contributors,
@@ -212,6 +223,30 @@ class PartialHookState:
                             "state.finish(opt) applies the gradients still in flight and "
                             "leaves every replica equal; state.finish(None) only writes them "
                             "into .grad for a step of your own")
+        if self._joiners is not None and self._handles:
+            if optimizer is None:
+                raise TypeError("in a job that takes lost ranks back (asynccoll run "
+                                "--max-failures), finish() needs the optimizer: its sync "
+                                "events apply what they drain (asynccoll.torch.hook_events)")
+            held = self._finish_events(optimizer)
+        else:
+            self._stop_watching()
+            held, flushed = self._flush_all()
+            self._write_grads(flushed)
+            if optimizer is None:
+                return held
+            if held:
+                optimizer.step()
+        # one rank computes, the others receive: ranks that applied the same rounds grouped
+        # differently hold the same model up to rounding, and rounding must not split them;
+        # over the ranks training now (the survivors' after a lost rank: the lowest sends)
+        now = [h.communicator for h in self._handles.values() if h.communicator is not None]
+        params = [p for index in sorted(self._params) for p in self._params[index]]
+        broadcast_parameters({str(i): p.data for i, p in enumerate(params)}, 0,
+                             comm=now[0] if now else self.comm)
+        return held
+
+    def _flush_all(self) -> tuple[int, dict[int, torch.Tensor]]:
         held = 0
         flushed: dict[int, torch.Tensor] = {}
         # All at once: a rank still in its last backward may wait on a bucket whose
@@ -227,6 +262,11 @@ class PartialHookState:
                 flushed[key[0]] = flushed[key[0]] + value
             else:
                 flushed[key[0]] = value
+        return held, flushed
+
+    def _write_grads(self, flushed: dict[int, torch.Tensor]) -> None:
+        """Each bucket's drained gradient into its parameters' ``.grad`` (zeros where nothing
+        was drained)."""
         for index, params in self._params.items():
             flat = flushed.get(index)
             if flat is None:
@@ -235,18 +275,6 @@ class PartialHookState:
                 continue
             for p, piece in pieces(flat, params):
                 p.grad = piece.to(p.dtype).clone()
-        if optimizer is None:
-            return held
-        if held:
-            optimizer.step()
-        # one rank computes, the others receive: ranks that applied the same rounds grouped
-        # differently hold the same model up to rounding, and rounding must not split them;
-        # over the ranks training now (the survivors' after a lost rank: the lowest sends)
-        now = [h.communicator for h in self._handles.values() if h.communicator is not None]
-        params = [p for index in sorted(self._params) for p in self._params[index]]
-        broadcast_parameters({str(i): p.data for i, p in enumerate(params)}, 0,
-                             comm=now[0] if now else self.comm)
-        return held
 
 
 def _complete(fut: torch.futures.Future[torch.Tensor], f: concurrent.futures.Future[Any],

@@ -25,7 +25,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), comm,
-                               policy=POLICY, broadcast=not restarted)
+                               policy=POLICY)  # (on a restart its broadcast does nothing)
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(64, 16, generator=gen)
     y = x.sum(dim=1, keepdim=True) * 0.1

@@ -12,7 +12,8 @@ restarted; a restarted rank killed again while it joins (before and after the me
 back); and exact accounting through a join in a bare partial handle (rank r contributes
 1000**r: every member's calls counted exactly once, the restarted rank's new calls exactly once
 and its old process's at most as many as it made). And the torch ``DistributedOptimizer``
-around Adam: parameters and Adam's state equal to the bit on every rank at the end. Losses that
+around Adam, and DDP with ``partial_hook`` around Adam (rank 0 the victim, two buckets):
+parameters and Adam's state equal to the bit on every rank at the end. Losses that
 overlap an admission (a restarted rank that learns of a loss before it is taken back, then a
 loss in the world it joined), and churn: a random rank killed every few seconds, ten times.
 """
@@ -164,14 +165,25 @@ def test_exact_accounting_under_churn() -> None:
 
 
 @pytest.mark.timeout(200)
-def test_torch_distributed_optimizer_around_adam_takes_a_restarted_rank_back() -> None:
+@pytest.mark.parametrize(("job", "policy", "victim"), [("_rejoin_torch_job.py", "solo", 2),
+                                                       ("_rejoin_ddp_job.py", "majority", 0)],
+                         ids=["optimizer", "ddp-hook"])
+def test_torch_around_adam_takes_a_restarted_rank_back(job: str, policy: str,
+                                                       victim: int) -> None:
+    # The DistributedOptimizer, and DDP with partial_hook (two buckets: both handles grown;
+    # rank 0, the lowest member, the victim). One script for first starts and restarts: the
+    # broadcasts do nothing on the joiner, the hook's job has a one-rank Gloo group per
+    # process, both loop on step_count. 200 steps: the restarted process imports torch first.
     pytest.importorskip("torch")
-    # 200 steps: the restarted process imports torch before it can join (seconds)
-    code, out = _run("solo", "2", 1, job=JOB.with_name("_rejoin_torch_job.py"), N="200")
+    code, out = _run(policy, str(victim), 1, job=JOB.with_name(job), N="200")
     assert code == 0, out[-4000:]
     finals = _all_equal_at(out, 200)  # the digest covers Adam's state too
-    assert [r for r, _, _, k in finals if k == 1] == [2], finals
-    assert "rank 2 joined at step" in out, out[-3000:]
+    assert [r for r, _, _, k in finals if k == 1] == [victim], finals
+    joined = re.search(rf"rank {victim} joined at step (\d+)", out)
+    assert joined is not None, out[-3000:]
+    assert int(joined.group(1)) < 200, out[-3000:]  # taken back while the others train
+    if job == "_rejoin_ddp_job.py":
+        assert re.findall(r"buckets=(\d+)", out) == ["2"] * 4, out[-3000:]
 
 
 @pytest.mark.timeout(170)

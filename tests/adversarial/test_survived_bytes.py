@@ -55,7 +55,10 @@ def _run(part: str, victim: int, shm: bool) -> subprocess.CompletedProcess[str]:
     p = subprocess.run([sys.executable, "-m", "asynccoll.cli", "run", "-n", "4",
                         "--max-failures", "1", RANK, part], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-4000:]
+    # every rank's word on losses first: the tail alone once hid why a rank went on alone
+    events = "\n".join(ln for ln in p.stderr.splitlines()
+                       if re.search(r"lost|dropped|liveness|goodbye|agree", ln))[-6000:]
+    assert p.returncode == 0, events + "\n---\n" + p.stdout[-6000:] + p.stderr[-4000:]
     assert f"rank {victim} was killed by SIGKILL; failure 1 of at most 1" in p.stderr
     return p
 
