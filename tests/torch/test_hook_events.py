@@ -79,10 +79,9 @@ async def test_a_rank_that_finishes_first_holds_events_the_others_join() -> None
             t.start()
         await asyncio.gather(*(asyncio.to_thread(t.join, 100) for t in threads))
     assert sorted(out) == list(range(P)), out
-    held, syncs, counts, params, moms = zip(*(out[r] for r in range(P)), strict=True)
+    _, syncs, counts, params, moms = zip(*(out[r] for r in range(P)), strict=True)
     assert counts == (4, 12, 12)
     assert len(set(syncs)) == 1, syncs  # every rank entered the same events
-    assert len(set(held)) == 1, held  # and drained the same gradients there
     assert syncs[0] >= 2, syncs  # rank 0's finish ran some while the others stepped
     for r in range(1, P):
         assert torch.equal(params[r], params[0]), (r, params)  # equal to the bit
