@@ -35,6 +35,7 @@ rank, first start or restart.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,34 @@ from ._comm import pieces
 from .broadcast import broadcast_optimizer_state
 
 __all__ = ["HookEvents"]
+
+#: the states that watch the optimizers' steps. One global step hook per process, registered
+#: once and never removed, hands each step to them: a state that finishes leaves this set
+#: instead of removing a hook of its own, which would change torch's hook table while another
+#: thread's step reads it (three ranks of one process did: "OrderedDict mutated")
+_watching: weakref.WeakSet[HookEvents] = weakref.WeakSet()
+_watch_lock = threading.Lock()
+_hooked: list[bool] = []
+
+
+def _after_any_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    with _watch_lock:
+        states = list(_watching)
+    for state in states:
+        state._after_step(opt)
+
+
+def _watch(state: HookEvents) -> None:
+    with _watch_lock:
+        _watching.add(state)
+        if not _hooked:
+            register_optimizer_step_post_hook(_after_any_step)
+            _hooked.append(True)
+
+
+def _unwatch(state: HookEvents) -> None:
+    with _watch_lock:
+        _watching.discard(state)
 
 
 class _Buckets:
@@ -88,7 +117,6 @@ class HookEvents(JoinSide):
     _sync_wanted: bool = False
     _in_event: bool = False
     _opt: torch.optim.Optimizer | None = None
-    _unhook: Any = None
     _buckets: _Buckets | None = None
 
     def _bucket_handle(self, index: int, buf: torch.Tensor) -> Any:
@@ -118,19 +146,10 @@ class HookEvents(JoinSide):
         self._buckets = _Buckets(self)
         self._joiners = joining.Joiners(c.job, self._buckets.name)
         self._joining = bool(c.joined)
-        me = weakref.ref(self)
-
-        def after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            state = me()
-            if state is not None:
-                state._after_step(opt)
-
-        self._unhook = register_optimizer_step_post_hook(after_step)
+        _watch(self)
 
     def _stop_watching(self) -> None:
-        if self._unhook is not None:
-            self._unhook.remove()
-            self._unhook = None
+        _unwatch(self)
 
     def _owns(self, opt: torch.optim.Optimizer) -> bool:
         mine = {id(p) for ps in self._params.values() for p in ps}
