@@ -56,6 +56,10 @@ class Grouping:
     #: process restarted by ``asynccoll run --max-restarts``): its training classes receive
     #: the state from the members before they contribute (:mod:`.joining`)
     joined: bool = False
+    #: called once, on the runtime's loop, with a line that says how this process was taken
+    #: back, when its first admission ends (a restarted process under ``asynccoll run``: the
+    #: launcher prints it, :mod:`asynccoll.launch.joined`)
+    joined_report: Callable[[str], None] | None = None
 
     @property
     def rank(self) -> int:

@@ -449,6 +449,11 @@ async def join(comm: Any, name: str, state: Sequence[Any],
                 "%d bytes: from ranks %s through shared memory, from %s over the network)",
                 job.rank, name, len(members), first, sum(int(v.size) for v in views), shared,
                 [r for r in donors if r not in shared])
+    report, job.joined_report = job.joined_report, None
+    if report is not None:  # the first admission of a restarted process: its launcher says so
+        text = (f"taken back by ranks {donors} into {name!r} from execution {first} "
+                f"({sum(int(v.size) for v in views)} bytes of state)")
+        job.in_runtime(lambda: report(text))
     return grown, first, dict(head["meta"])
 
 

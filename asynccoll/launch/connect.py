@@ -16,7 +16,7 @@ from ..comm import Communicator, ProgressEngine
 from ..comm.shm import install_cleanup
 from ..comm.stall import DEFAULT_STALL_WARN
 from ..transport.base import Transport
-from . import errorfile
+from . import errorfile, joined
 from .env import ConfigError, JobSpec, resolve, say_if_alone
 from .rendezvous import rendezvous
 from .unresponsive import Reporter
@@ -151,6 +151,9 @@ async def connect(rank: int | None = None, world_size: int | None = None,
         # training classes ask to be taken back (asynccoll.comm.joining). No clock exchange
         # (arrival stamps here are this host's clock) and no host layout (network paths).
         comm.joined = True
+        if os.environ.get("ASYNCCOLL_STORE_HOSTED") == "1" and spec.store is not None:
+            comm.joined_report = joined.Reporter(spec.store, spec.secret, spec.rank,
+                                                 spec.restart)
         return comm
     try:
         await comm.sync_clocks()  # so that arrival times compare across hosts

@@ -68,13 +68,13 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from ..comm.shm import SHM_DIR, new_job_tag, unlink_job
-from . import errorfile, nodes, unresponsive
+from . import errorfile, joined, nodes, unresponsive
 from .env import free_port
 from .store import StoreClient, StoreError, StoreServer
 
@@ -271,6 +271,9 @@ class _Ranks:
         self.can_restart = cfg.max_restarts > 0
         #: once the store is gone: tells a new node 0 that it cannot take the job over
         self.orphan: asyncio.Task[None] | None = None
+        #: ``watch_joined(rank, restart)``: says when a restarted process joined the job
+        self.watch_joined: Callable[[int, int], Coroutine[Any, Any, None]] | None = None
+        self.joins: list[asyncio.Task[None]] = []
 
     async def start(self, rank: int) -> asyncio.subprocess.Process:
         """Start ``rank``'s process: its first, or a restart (``ASYNCCOLL_RESTART=k`` for the
@@ -287,6 +290,8 @@ class _Ranks:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True)
         self.procs[rank] = p
+        if n > 1 and self.watch_joined is not None:
+            self.joins.append(asyncio.create_task(self.watch_joined(rank, n - 1)))
         if self.reaper is not None and self.reaper.stdin is not None:
             self.reaper.stdin.write(f"{p.pid}\n".encode())
         prefix = f"[{rank}] ".encode()
@@ -372,12 +377,12 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             assert cfg.rdzv is not None
             store = cfg.rdzv
         if cfg.nnodes > 1:
-            joined = await _unless_stopped(nodes.join(cfg, store, server, say), stop_sig)
-            if joined is None:
+            met = await _unless_stopped(nodes.join(cfg, store, server, say), stop_sig)
+            if met is None:
                 got = stop_sig.result()
                 _say(err, f"got {_signame(got)} while the nodes met; no rank started")
                 return 128 + got
-            client, restart = joined
+            client, restart = met
             ranks.client = client
             if restart:
                 say(f"node {cfg.node_rank}'s launcher is gone: this one replaces it and "
@@ -387,6 +392,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             if cfg.node_rank == 0:
                 followed = [asyncio.create_task(nodes.follow(cfg, client, k, say))
                             for k in range(1, cfg.nnodes)]
+        ranks.watch_joined = functools.partial(joined.watch, store, cfg.secret, say)
         master = await _master(cfg, store, client)
         tag = await _job_tag(cfg, client)
         reaper = ranks.reaper = await _start_reaper(cfg, tag)
@@ -419,7 +425,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        for task in (abort_task, silent, ranks.orphan, *followed):
+        for task in (abort_task, silent, ranks.orphan, *followed, *ranks.joins):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):

@@ -71,6 +71,9 @@ def test_a_killed_rank_is_restarted_joins_and_ends_equal(policy: str, victim: in
     assert [r for r, _, _, k in finals if k == 1] == [victim], finals
     assert f"rank {victim} joined at step" in out, out[-3000:]
     assert "took rank(s) [" in out  # the members say they took it back
+    # and the launcher, in one line: left, restarted, joined (asynccoll/launch/joined.py)
+    assert re.search(rf"asynccoll run: rank {victim} joined the job \(restart 1\): taken back "
+                     rf"by ranks \[[\d, ]+\] into '[^']+' from execution \d+", out), out[-3000:]
     assert "did not close within" not in out  # the restarted rank closes with the others
 
 
