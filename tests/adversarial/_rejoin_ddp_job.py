@@ -1,10 +1,10 @@
 """A DDP job for tests/adversarial/test_rejoin.py: an MLP under ``DistributedDataParallel``
 with asynccoll's ``partial_hook`` (POLICY) on 4 ranks, Adam stepping it, small buckets (two
-after DDP's first step: two bucket handles take the joiner back). Rank VICTIM SIGKILLs itself
-at step KILL_AT of N on its first start and comes back under ``asynccoll run --max-restarts``.
-One script for first starts and restarts: nothing in it asks whether this process is a restart
-but the kill. Every rank prints its global step and a digest of its parameters and of Adam's
-state."""
+after DDP's first step: two bucket handles take the joiner back). Each rank of VICTIMS
+SIGKILLs itself at step KILL_AT of N on its first start and comes back under ``asynccoll run
+--max-restarts``. One script for first starts and restarts: nothing in it asks whether this
+process is a restart but the kill. Every rank prints its global step and a digest of its
+parameters and of Adam's state."""
 import hashlib
 import os
 import signal
@@ -18,7 +18,7 @@ import asynccoll
 from asynccoll.torch import broadcast_parameters, init_process_group, partial_hook
 
 N, KILL_AT = int(os.environ.get("N", 60)), int(os.environ.get("KILL_AT", 10))
-VICTIM = int(os.environ.get("VICTIMS", "2"))
+VICTIMS = [int(v) for v in os.environ.get("VICTIMS", "2").split(",")]
 POLICY = os.environ.get("POLICY", "solo")
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     y = x.sum(dim=1, keepdim=True) * 0.1
     joined_at = None
     while state.step_count < N:
-        if rank == VICTIM and not restarted and state.step_count == KILL_AT:
+        if rank in VICTIMS and not restarted and state.step_count == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
