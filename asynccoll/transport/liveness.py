@@ -119,8 +119,6 @@ class Liveness:
                 # silence)
                 self._silent[r] = 0.0
                 continue
-                self._silent[r] = 0.0
-                continue
             self._silent[r] += elapsed
             if self._silent[r] >= self.seconds:
                 t.drop_peer(r, SilentPeerError(r, self._silent[r], self.seconds))
