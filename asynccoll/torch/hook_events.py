@@ -35,6 +35,7 @@ rank, first start or restart.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -45,11 +46,14 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..comm import joining
+from ..errors import PeerLostError
 from ..train.joining import JoinSide
 from ._comm import pieces
 from .broadcast import broadcast_optimizer_state
 
 __all__ = ["HookEvents"]
+
+log = logging.getLogger("asynccoll.torch")
 
 #: the states that watch the optimizers' steps. One global step hook per process, registered
 #: once and never removed, hands each step to them: a state that finishes leaves this set
@@ -233,15 +237,37 @@ class HookEvents(JoinSide):
         buf[:n] = flat
         buf[n] = 1.0 if finished else 0.0
         buf[n + 1:] = self._joiners.flags(now.members)
-        tot = self.comm.submit(now.allreduce(buf, timeout=self.timeout)).result()
+        try:
+            tot = self.comm.submit(now.allreduce(buf, timeout=self.timeout)).result()
+        except PeerLostError as exc:
+            self._lost_in_event(exc, "its parameters' allreduce")
+            return False, held
         self._load(params, tot[:n] / now.size)
         self.syncs += 1
         done = bool(tot[n] >= now.size)
         if not done:
             admitted = self._joiners.agreed(tot[n + 1:], now.members)
             if admitted:
-                self._admit(opt, now, admitted)
+                try:
+                    self._admit(opt, now, admitted)
+                except PeerLostError as exc:
+                    self._lost_in_event(exc, f"taking {admitted} back")
         return done, held
+
+    def _lost_in_event(self, exc: PeerLostError, where: str) -> None:
+        """A rank was lost in the synchronous part of an event (the parameters' allreduce,
+        an admission's broadcast or digests): the survivors go on, as their partial handles
+        do. This rank starts another event after its next step (the others join it: a flushed
+        result), whose flush recovers every bucket's handle over the survivors and whose
+        allreduce averages the parameters again; in :meth:`_finish_events`, at once. Ranks
+        that completed the failed part meanwhile (a collective can end on some ranks before
+        a loss fails it on others) hold averaged parameters, the others not yet: the next
+        event evens them out. A joiner whose admission failed raises in its ``join`` and is
+        restarted again; one that completed it goes on in the grown membership, where the
+        loss is recovered like any other."""
+        log.warning("rank %d: rank %d lost during the DDP hook's sync event (%s): the "
+                    "survivors go on, another event follows", self.comm.rank, exc.rank, where)
+        self._sync_wanted = True
 
     def _finish_events(self, opt: torch.optim.Optimizer) -> int:
         """:meth:`~.hook.PartialHookState.finish` in a surviving job: events until every rank

@@ -4,10 +4,13 @@ after DDP's first step: two bucket handles take the joiner back). Each rank of V
 SIGKILLs itself at step KILL_AT of N on its first start and comes back under ``asynccoll run
 --max-restarts``. One script for first starts and restarts: nothing in it asks whether this
 process is a restart but the kill. Every rank prints its global step and a digest of its
-parameters and of Adam's state."""
+parameters and of Adam's state. ``CHURN=k``: instead, kill number j = 1, 2, ... (up to
+``KILLS``) at global step j * k takes rank j % 4 (each process kills itself once at most, at the
+first such step past its start)."""
 import hashlib
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -40,8 +43,14 @@ def main() -> None:
     x = torch.randn(64, 16, generator=gen)
     y = x.sum(dim=1, keepdim=True) * 0.1
     joined_at = None
+    churn, kills = int(os.environ.get("CHURN", 0)), int(os.environ.get("KILLS", 5))
+    die_at = None
     while state.step_count < N:
-        if rank in VICTIMS and not restarted and state.step_count == KILL_AT:
+        if churn and die_at is None and state.step_count > 0:  # (on a joiner: the members')
+            die_at = next((j * churn for j in range(1, kills + 1)
+                           if j % 4 == rank and j * churn > state.step_count), N + 1)
+        if (rank in VICTIMS and not restarted and state.step_count == KILL_AT) or \
+                (die_at is not None and state.step_count >= die_at):
             os.kill(os.getpid(), signal.SIGKILL)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
@@ -67,4 +76,10 @@ def main() -> None:
     comm.close()
 
 
-main()
+try:
+    main()
+except BaseException:  # to stdout as well: under asynccoll run only the cause's is printed
+    import traceback
+
+    traceback.print_exc(file=sys.stdout)
+    raise

@@ -189,6 +189,25 @@ def test_torch_around_adam_takes_a_restarted_rank_back(job: str, policy: str,
         assert re.findall(r"buckets=(\d+)", out) == ["2"] * 4, out[-3000:]
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.xdist_group("churn")  # not beside the other churn test: restarts take seconds
+def test_the_ddp_hook_under_churn() -> None:
+    # Three kills at global steps 30, 60 and 90 of 250, of ranks 1, 2 and 3 (restarts overlap:
+    # a rank dies while another joins; rank 0 as the victim is the test above): every rank
+    # comes back and ends equal to the bit. A kill that lands in a sync event's synchronous
+    # part (the parameters' allreduce, an admission) is survived too: the survivors hold
+    # another event (hook_events.py).
+    pytest.importorskip("torch")
+    code, out = _run("majority", "-1", 3, job=JOB.with_name("_rejoin_ddp_job.py"), N="250",
+                     CHURN="30", KILLS="3")
+    assert code == 0, out[-4000:]
+    assert out.count("was killed by SIGKILL; restarting it") == 3, out[-4000:]
+    finals = _all_equal_at(out, 250)
+    assert sorted(r for r, _, _, k in finals if k == 1) == [1, 2, 3], finals
+    assert sorted(set(re.findall(r"rank (\d) joined the job", out))) == ["1", "2", "3"], \
+        out[-4000:]
+
+
 @pytest.mark.timeout(170)
 def test_a_loss_learned_before_the_admission_and_one_after_it() -> None:
     # Rank 2 restarts; rank 3 dies once rank 2's new process connected, which learns that loss
@@ -208,6 +227,7 @@ def test_a_loss_learned_before_the_admission_and_one_after_it() -> None:
 
 
 @pytest.mark.timeout(170)
+@pytest.mark.xdist_group("churn")  # not beside the DDP churn test: restarts take seconds
 def test_churn_a_random_rank_killed_and_restarted_ten_times(tmp_path: Path) -> None:
     # every 80 steps a rank drawn from the step number kills itself (once per step number,
     # never the last member); each comes back and joins, often while another is lost or
