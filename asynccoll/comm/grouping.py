@@ -210,6 +210,13 @@ class Grouping:
                  self.rank, len(members), sorted(lost), shrunk.rank)
         return shrunk
 
+    def report_joined(self, text: str) -> None:
+        """The first time: hand ``text`` (how this restarted process was taken back) to
+        :attr:`joined_report`, on the runtime's loop; later, or without one, nothing."""
+        report, self.joined_report = self.joined_report, None
+        if report is not None:
+            self.in_runtime(lambda: report(text))
+
     def in_runtime(self, fn: Callable[[], T]) -> T:
         """Run the plain function ``fn`` on the runtime's loop (for objects bound to it:
         futures of the transport, handles' membership side) and return what it returns; from

@@ -445,15 +445,13 @@ async def join(comm: Any, name: str, state: Sequence[Any],
                 os.unlink(Ring.path(token, sid, src, first))
     grown = job.rejoined_group(members, str(head["key"]))
     await check(grown, sums.value(), timeout)
+    nbytes = sum(int(v.size) for v in views)
     log.warning("rank %d: joined partial allreduce %r: %d ranks from execution %d (state of "
                 "%d bytes: from ranks %s through shared memory, from %s over the network)",
-                job.rank, name, len(members), first, sum(int(v.size) for v in views), shared,
+                job.rank, name, len(members), first, nbytes, shared,
                 [r for r in donors if r not in shared])
-    report, job.joined_report = job.joined_report, None
-    if report is not None:  # the first admission of a restarted process: its launcher says so
-        text = (f"taken back by ranks {donors} into {name!r} from execution {first} "
-                f"({sum(int(v.size) for v in views)} bytes of state)")
-        job.in_runtime(lambda: report(text))
+    job.report_joined(f"taken back by ranks {donors} into {name!r} from execution {first} "
+                      f"({nbytes} bytes of state)")  # (its launcher says so, the first time)
     return grown, first, dict(head["meta"])
 
 
