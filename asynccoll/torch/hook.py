@@ -45,6 +45,12 @@ unapplied); ``finish(None)`` writes them there for a step of your own.
 DDP's ``broadcast_buffers`` re-synchronises buffers through its own process group at every
 forward: pass ``broadcast_buffers=False`` for models with buffers, or stragglers make everyone
 wait there.
+
+In a job that survives losses (``asynccoll run --max-failures``/``--max-restarts``) the state
+also has **sync events** at the optimizer's step boundary, where restarted ranks are taken back
+with the parameters, the optimizer's state and the bucket layout; ``state.step_count`` is the
+global step to loop on, and ``finish(opt)`` repeats events until every rank has called it
+(``finish(None)`` refuses there): :mod:`.hook_events`.
 """
 
 from __future__ import annotations
