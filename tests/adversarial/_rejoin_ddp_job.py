@@ -5,8 +5,8 @@ SIGKILLs itself at step KILL_AT of N on its first start and comes back under ``a
 --max-restarts``. One script for first starts and restarts: nothing in it asks whether this
 process is a restart but the kill. Every rank prints its global step and a digest of its
 parameters and of Adam's state. ``CHURN=k``: instead, kill number j = 1, 2, ... (up to
-``KILLS``) at global step j * k takes rank j % 4 (each process kills itself once at most, at the
-first such step past its start)."""
+``KILLS``) at global step j * k takes rank (j - 1) % 4 (each process kills itself once at
+most, at the first such step past its start)."""
 import hashlib
 import os
 import signal
@@ -48,7 +48,7 @@ def main() -> None:
     while state.step_count < N:
         if churn and die_at is None and state.step_count > 0:  # (on a joiner: the members')
             die_at = next((j * churn for j in range(1, kills + 1)
-                           if j % 4 == rank and j * churn > state.step_count), N + 1)
+                           if (j - 1) % 4 == rank and j * churn > state.step_count), N + 1)
         if (rank in VICTIMS and not restarted and state.step_count == KILL_AT) or \
                 (die_at is not None and state.step_count >= die_at):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -12,10 +12,11 @@ restarted; a restarted rank killed again while it joins (before and after the me
 back); and exact accounting through a join in a bare partial handle (rank r contributes
 1000**r: every member's calls counted exactly once, the restarted rank's new calls exactly once
 and its old process's at most as many as it made). And the torch ``DistributedOptimizer``
-around Adam, and DDP with ``partial_hook`` around Adam (rank 0 the victim, two buckets):
-parameters and Adam's state equal to the bit on every rank at the end. Losses that
-overlap an admission (a restarted rank that learns of a loss before it is taken back, then a
-loss in the world it joined), and churn: a random rank killed every few seconds, ten times.
+around Adam, and DDP with ``partial_hook`` around Adam (ranks 0, 1 and 2 killed at steps 30,
+60 and 90, two buckets): parameters and Adam's state equal to the bit on every rank at the
+end. Losses that overlap an admission (a restarted rank that learns of a loss before it is
+taken back, then a loss in the world it joined), and churn: a random rank killed every few
+seconds, ten times.
 """
 
 from __future__ import annotations
@@ -168,33 +169,29 @@ def test_exact_accounting_under_churn() -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("job", "policy", "victim"), [("_rejoin_torch_job.py", "solo", 2),
-                                                       ("_rejoin_ddp_job.py", "majority", 0)],
-                         ids=["optimizer", "ddp-hook"])
-def test_torch_around_adam_takes_a_restarted_rank_back(job: str, policy: str,
-                                                       victim: int) -> None:
-    # The DistributedOptimizer, and DDP with partial_hook (two buckets: both handles grown;
-    # rank 0, the lowest member, the victim). One script for first starts and restarts: the
-    # broadcasts do nothing on the joiner, the hook's job has a one-rank Gloo group per
-    # process, both loop on step_count. 200 steps: the restarted process imports torch first.
+def test_torch_distributed_optimizer_around_adam_takes_a_restarted_rank_back() -> None:
+    # One script for first starts and restarts: the constructor's broadcast does nothing on
+    # the joiner, the loop runs on step_count. 200 steps: the restarted process imports torch
+    # before it can join (seconds). DDP with partial_hook: the churn test below.
     pytest.importorskip("torch")
-    code, out = _run(policy, str(victim), 1, job=JOB.with_name(job), N="200")
+    code, out = _run("solo", "2", 1, job=JOB.with_name("_rejoin_torch_job.py"), N="200")
     assert code == 0, out[-4000:]
     finals = _all_equal_at(out, 200)  # the digest covers Adam's state too
-    assert [r for r, _, _, k in finals if k == 1] == [victim], finals
-    joined = re.search(rf"rank {victim} joined at step (\d+)", out)
+    assert [r for r, _, _, k in finals if k == 1] == [2], finals
+    joined = re.search(r"rank 2 joined at step (\d+)", out)
     assert joined is not None, out[-3000:]
     assert int(joined.group(1)) < 200, out[-3000:]  # taken back while the others train
-    if job == "_rejoin_ddp_job.py":
-        assert re.findall(r"buckets=(\d+)", out) == ["2"] * 4, out[-3000:]
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.xdist_group("churn")  # not beside the other churn test: restarts take seconds
-def test_the_ddp_hook_under_churn() -> None:
-    # Three kills at global steps 30, 60 and 90 of 250, of ranks 1, 2 and 3 (restarts overlap:
-    # a rank dies while another joins; rank 0 as the victim is the test above): every rank
-    # comes back and ends equal to the bit. A kill that lands in a sync event's synchronous
+def test_the_ddp_hook_takes_restarted_ranks_back_under_churn() -> None:
+    # DDP with partial_hook (majority) around Adam, two buckets (both handles grown), one
+    # script for first starts and restarts (a one-rank Gloo group per process, the broadcasts
+    # no-ops on a joiner, the loop on state.step_count). Three kills at global steps 30, 60
+    # and 90 of 250, of ranks 0 (the lowest member), 1 and 2 (restarts overlap: a rank dies
+    # while another joins): each is taken back while the others train and every rank ends
+    # equal to the bit, Adam's state included. A kill that lands in a sync event's synchronous
     # part (the parameters' allreduce, an admission) is survived too: the survivors hold
     # another event (hook_events.py).
     pytest.importorskip("torch")
@@ -203,9 +200,13 @@ def test_the_ddp_hook_under_churn() -> None:
     assert code == 0, out[-4000:]
     assert out.count("was killed by SIGKILL; restarting it") == 3, out[-4000:]
     finals = _all_equal_at(out, 250)
-    assert sorted(r for r, _, _, k in finals if k == 1) == [1, 2, 3], finals
-    assert sorted(set(re.findall(r"rank (\d) joined the job", out))) == ["1", "2", "3"], \
+    assert sorted(r for r, _, _, k in finals if k == 1) == [0, 1, 2], finals
+    assert sorted(set(re.findall(r"rank (\d) joined the job", out))) == ["0", "1", "2"], \
         out[-4000:]
+    joined = [int(s) for s in re.findall(r"rank \d joined at step (\d+)", out)]
+    assert len(joined) == 3, out[-3000:]
+    assert max(joined) < 250, joined  # taken back while the others train
+    assert re.findall(r"buckets=(\d+)", out) == ["2"] * 4, out[-3000:]
 
 
 @pytest.mark.timeout(170)
