@@ -3,7 +3,7 @@ three ranks of one process over loopback tcp, each a thread that hands its gradi
 hook state as DDP would (a bucket object with ``index``, ``buffer`` and ``parameters``) and
 steps its own optimizer. All ranks' optimizers step in one process, so torch's global step
 hook fires for each: every state must keep to its own. The real-process join is in
-tests/adversarial/test_rejoin.py (``ddp-hook``)."""
+tests/adversarial/test_rejoin.py (``test_the_ddp_hook_takes_restarted_ranks_back_under_churn``)."""
 
 from __future__ import annotations
 
