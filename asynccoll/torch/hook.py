@@ -246,10 +246,9 @@ class PartialHookState(HookEvents):
         # one rank computes, the others receive: ranks that applied the same rounds grouped
         # differently hold the same model up to rounding, and rounding must not split them;
         # over the ranks training now (the survivors' after a lost rank: the lowest sends)
-        now = [h.communicator for h in self._handles.values() if h.communicator is not None]
         params = [p for index in sorted(self._params) for p in self._params[index]]
         broadcast_parameters({str(i): p.data for i, p in enumerate(params)}, 0,
-                             comm=now[0] if now else self.comm)
+                             comm=self._comm_now())
         return held
 
     def _flush_all(self) -> tuple[int, dict[int, torch.Tensor]]:

@@ -48,8 +48,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..comm import joining
 from ..errors import PeerLostError
 from ..train.joining import JoinSide
-from ._comm import pieces
 from .broadcast import broadcast_optimizer_state
+from .joining import flat64, load_flat64, state_tensors
 
 __all__ = ["HookEvents"]
 
@@ -189,17 +189,6 @@ class HookEvents(JoinSide):
     def _write_grads(self, flushed: dict[int, torch.Tensor]) -> None:
         raise NotImplementedError
 
-    def _flat(self, tensors: list[torch.Tensor]) -> Any:
-        if not tensors:
-            return np.zeros(0, np.float64)
-        return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]).numpy()
-
-    def _load(self, tensors: list[torch.Tensor], flat: Any) -> None:
-        src = torch.from_numpy(np.ascontiguousarray(flat))
-        with torch.no_grad():
-            for t, piece in pieces(src, tensors):
-                t.copy_(piece.to(t.dtype))
-
     def _all_params(self) -> list[torch.Tensor]:
         """The DDP model's parameters in the optimizer's order (the same on every rank; the
         buckets' order is not: a restarted process has seen DDP's first buckets only)."""
@@ -231,7 +220,7 @@ class HookEvents(JoinSide):
         held = self._apply_drained(opt)
         now = self._comm_now()
         params = self._all_params()
-        flat = self._flat(params)
+        flat = flat64(params)
         n = flat.size
         buf = np.zeros(n + 1 + self.comm.comm.size, np.float64)
         buf[:n] = flat
@@ -242,7 +231,7 @@ class HookEvents(JoinSide):
         except PeerLostError as exc:
             self._lost_in_event(exc, "its parameters' allreduce")
             return False, held
-        self._load(params, tot[:n] / now.size)
+        load_flat64(params, tot[:n] / now.size)
         self.syncs += 1
         done = bool(tot[n] >= now.size)
         if not done:
@@ -283,19 +272,10 @@ class HookEvents(JoinSide):
         return held
 
     # -- joining -----------------------------------------------------------------------------
-    def _state_tensors(self, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-        out = []
-        for p in self._all_params():
-            st = opt.state.get(p, {})
-            for k in sorted(st):
-                if isinstance(st[k], torch.Tensor):
-                    out.append(st[k])
-        return out
-
     def _admit(self, opt: torch.optim.Optimizer, now: Any, admitted: list[int]) -> None:
         broadcast_optimizer_state(opt, 0, comm=now)  # equal on every member
         assert self._buckets is not None
-        state = [self._flat(self._all_params()), self._flat(self._state_tensors(opt))]
+        state = [flat64(self._all_params()), flat64(state_tensors(opt, self._all_params()))]
         at = {id(p): i for i, p in enumerate(self._all_params())}
         buckets = [[i, n, dtype, h.completed + 1, [at[id(p)] for p in self._params[i]]]
                    for (i, n, dtype), h in sorted(self._handles.items())]
@@ -309,12 +289,12 @@ class HookEvents(JoinSide):
         self._joining = False
         assert self._buckets is not None
         params = self._all_params()
-        flat, flat_state = self._flat(params), self._flat(self._state_tensors(opt))
+        flat, flat_state = flat64(params), flat64(state_tensors(opt, self._all_params()))
         c = self.comm.comm
         grown, _, meta = self.comm.submit(
             joining.join(c, self._buckets.name, [flat, flat_state], self.timeout)).result()
-        self._load(params, flat)
-        self._load(self._state_tensors(opt), flat_state)
+        load_flat64(params, flat)
+        load_flat64(state_tensors(opt, params), flat_state)
         members = list(grown.members)
         ranks = [members.index(m) if m in members else -1 for m in range(c.size)]
         grows: list[Callable[[], None]] = []

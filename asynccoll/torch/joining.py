@@ -31,10 +31,38 @@ from ..comm import joining
 from ..results import PartialResult
 from ..train.info import StepInfo
 from ..train.joining import JoinSide
-from ._comm import blocking
+from ._comm import blocking, pieces
 from .broadcast import broadcast_optimizer_state
 
-__all__ = ["SyncEvents"]
+__all__ = ["SyncEvents", "flat64", "load_flat64", "state_tensors"]
+
+
+def state_tensors(optimizer: torch.optim.Optimizer,
+                  params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor of ``optimizer``'s state for ``params``, in their order, each
+    parameter's keys sorted: the same list on every rank (the state a joiner receives)."""
+    out = []
+    for p in params:
+        st = optimizer.state.get(p, {})
+        for k in sorted(st):
+            if isinstance(st[k], torch.Tensor):
+                out.append(st[k])
+    return out
+
+
+def flat64(tensors: list[torch.Tensor]) -> Any:
+    """``tensors`` as one float64 NumPy array (a copy; empty for none)."""
+    if not tensors:
+        return np.zeros(0, np.float64)
+    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]).numpy()
+
+
+def load_flat64(tensors: list[torch.Tensor], flat: Any) -> None:
+    """Copy the float64 array ``flat`` (:func:`flat64`'s layout) back into ``tensors``."""
+    src = torch.from_numpy(np.ascontiguousarray(flat))
+    with torch.no_grad():
+        for t, piece in pieces(src, tensors):
+            t.copy_(piece.to(t.dtype))
 
 
 class SyncEvents(JoinSide):
@@ -139,27 +167,8 @@ class SyncEvents(JoinSide):
         for p, g in zip(self.params, saved, strict=True):
             p.grad = g
 
-    def _state_tensors(self) -> list[torch.Tensor]:
-        out = []
-        for p in self.params:
-            st = self.optimizer.state.get(p, {})
-            for k in sorted(st):
-                v = st[k]
-                if isinstance(v, torch.Tensor):
-                    out.append(v)
-        return out
-
     def _flat_state(self) -> Any:
-        ts = self._state_tensors()
-        if not ts:
-            return np.zeros(0, np.float64)
-        return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in ts]).numpy()
+        return flat64(state_tensors(self.optimizer, self.params))
 
     def _load_flat_state(self, flat: Any) -> None:
-        at = 0
-        src = torch.from_numpy(flat)
-        with torch.no_grad():
-            for t in self._state_tensors():
-                n = t.numel()
-                t.copy_(src[at:at + n].reshape(t.shape).to(t.dtype))
-                at += n
+        load_flat64(state_tensors(self.optimizer, self.params), flat)
