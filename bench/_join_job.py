@@ -243,7 +243,7 @@ def _phases(spans: list[tuple[str, float, float]]) -> None:
         _spans(spans, Communicator, op, op)
     _spans(spans, Communicator, "rejoined_group", "make_comm")
     _spans(spans, MemberSide, "grow", "grow")
-    for fn, name in (("admit_sent", "admit"), ("digest", "digest"), ("_give", "give"),
+    for fn, name in (("admit_sent", "admit"), ("digest", "digest"), ("give", "give"),
                      ("check", "check")):
         _spans(spans, joining, fn, name)
     _spans(spans, joining.DigestCheck, "settle", "settle")

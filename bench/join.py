@@ -3,7 +3,7 @@ process's time to its first contribution, the members' step during the join, tra
 churn.
 
     python bench/join.py [--quick | --full] [--out F.json] [--plot F.png] [--parts LIST]
-                         [--path shm,tcp] [--sizes 64M,1G] [--repeat N] [--churn-runs N]
+                         [--path read,ring,tcp] [--sizes 64M,1G] [--repeat N] [--churn-runs N]
 
 P = 4 real rank processes under ``asynccoll run -n 4 --max-restarts N`` over loopback tcp;
 a rank dies by SIGKILL, the launcher restarts it (``ASYNCCOLL_RESTART``), it joins the
@@ -12,13 +12,14 @@ running job. The rank programs are in ``bench/_join_job.py``. Parts:
 * ``transfer``: the state (two uint32 arrays, as parameters and momentum, of ``size`` bytes
   together) striped by the three members to the joiner through
   :func:`asynccoll.comm.joining.admit` / :func:`~asynccoll.comm.joining.join` (a tiny solo
-  handle beside it, so the handle's rebuild costs nothing), by each ``--path``: ``shm`` (the
-  members hand their stripes over through rings in shared memory at every size, though by
-  default only stripes of ``ASYNCCOLL_JOIN_RING_MIN`` (128 MiB) or more take it: every rank is on
-  this host;
-  the job's segments in a private directory, counted after the job: ``segments_left``) and
-  ``tcp`` (``ASYNCCOLL_SHM=0``), in turn. Transfer time: from the first member entering
-  ``admit`` to the joiner having every stripe and its digest (its ``check`` starting);
+  handle beside it, so the handle's rebuild costs nothing), by each ``--path``: ``read`` (the
+  default on one host: the joiner reads each member's stripe straight out of its memory,
+  :mod:`asynccoll.comm.state_send`), ``ring`` (``ASYNCCOLL_CMA=0``: the members hand their
+  stripes over through rings in shared memory at every size, though by default only stripes
+  of ``ASYNCCOLL_JOIN_RING_MIN`` (128 MiB) or more take it) and ``tcp`` (``ASYNCCOLL_SHM=0``),
+  in turn; the job's segments in a private directory, counted after the job:
+  ``segments_left``. Transfer time: from the first member entering ``admit`` to the joiner
+  having every stripe and its digest (its ``check`` starting);
   ``effective``: to the last rank through the digest comparison that ends the join (the
   members hash their whole state meanwhile). The peers, measured in the same run right after
   each repeat: raw loopback TCP, one stream of ``size`` bytes from one process to another
@@ -86,7 +87,7 @@ JOB = Path(__file__).with_name("_join_job.py")
 P = 4
 MiB = 1 << 20
 ANCHOR_GBPS = 2.4  # torchft's process-group transfer: 12 GB in about 5 s (issue 32)
-SHM_GOAL_GBPS = 5.0  # the goal through shared memory (issue 32)
+SHM_GOAL_GBPS = 5.0  # the goal through shared memory (issue 32): read in place or a ring
 GOAL_STEP_RATIO = 1.5
 #: resident bytes per rank of the EagerSGD job: about 9.5 x the state plus 150 MiB (measured:
 #: 559 MiB at a 64 MiB state, 2484 MiB at 256 MiB: parameters, momentum, the sync buffer, the
@@ -219,15 +220,17 @@ def _label(n: int) -> str:
 
 # -- part 1: state transfer --------------------------------------------------------------------
 def transfer_once(size: int, victim: int, path: str, sample: bool = False) -> dict[str, Any]:
-    """One job: the victim killed, restarted, its state received through ``path`` (``shm``:
-    the members on its host hand it over in shared memory; ``tcp``: ``ASYNCCOLL_SHM=0``).
+    """One job: the victim killed, restarted, its state received through ``path`` (``read``:
+    read in place out of the members' memory; ``ring``: the members hand it over through
+    rings in shared memory, ``ASYNCCOLL_CMA=0``; ``tcp``: ``ASYNCCOLL_SHM=0``).
     The job's segments go to a private directory, counted when the job has ended."""
     cfg: dict[str, Any] = {"bytes": size, "timeout": 300, "victim": victim, "kill_at": 3,
                            "step_s": 0.02, "max_s": 120, "sample": sample}
-    if path == "shm":
+    if path == "ring":
         cfg["ring_min"] = 0  # the ring at every size (by default from 128 MiB per stripe)
     with tempfile.TemporaryDirectory(prefix="join-shm-", dir="/dev/shm") as shm_dir:
-        env = {"ASYNCCOLL_SHM_DIR": shm_dir, "ASYNCCOLL_SHM": "1" if path == "shm" else "0"}
+        env = {"ASYNCCOLL_SHM_DIR": shm_dir, "ASYNCCOLL_SHM": "0" if path == "tcp" else "1",
+               "ASYNCCOLL_CMA": "1" if path == "read" else "0"}
         job = Job("transfer", cfg, 1, env).run(timeout=300)
         left = os.listdir(shm_dir)
     joiner, members = job.by(True), job.by(False)
@@ -246,6 +249,59 @@ def transfer_once(size: int, victim: int, path: str, sample: bool = False) -> di
             "fell_back": FELL_BACK in job.log,
             "profiles": {f"rank {r['rank']}{' (joiner)' if r['restart'] else ''}": r["profile"]
                          for r in job.reports if "profile" in r}}
+
+
+def hash_rate(size: int, reps: int) -> list[float]:
+    """GB/s of ``reps`` 64-bit XXH3 hashes of ``size`` touched bytes on one thread (the
+    digest's hash, :mod:`asynccoll.comm.state_digest`): every rank hashes its whole state in a
+    join, so P of them bound the transfer on a machine with fewer cores than ranks."""
+    import xxhash
+
+    a = np.ones(size, np.uint8)
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        xxhash.xxh3_64_intdigest(a)
+        rates.append(size / (time.perf_counter() - t0) / 1e9)
+    return rates
+
+
+def _holder(size: int, q: Any, ev: Any) -> None:
+    """:func:`cma_read`'s other process: a touched array of ``size`` bytes, its address put on
+    ``q``, held until ``ev``."""
+    a = np.arange(size // 4, dtype=np.uint32)
+    q.put(int(a.__array_interface__["data"][0]))
+    ev.wait(600)
+
+
+def cma_read(size: int, reps: int) -> list[float]:
+    """GB/s of ``reps`` reads of ``size`` bytes out of another process's touched array into a
+    touched one of this process (``process_vm_readv`` in 8 MiB units on one thread): the copy
+    that a read in place makes, and its cost per core."""
+    import multiprocessing as mp
+
+    from asynccoll.comm.cma import read_remote
+
+    ctx = mp.get_context("spawn")
+    q, ev = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_holder, args=(size, q, ev), daemon=True)
+    proc.start()
+    try:
+        there = q.get(timeout=120)
+        dst = np.full(size, 1, np.uint8)
+        here = int(dst.__array_interface__["data"][0])
+        unit, rates = 8 << 20, []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for lo in range(0, size, unit):
+                read_remote(proc.pid, there + lo, here + lo, min(unit, size - lo))
+            rates.append(size / (time.perf_counter() - t0) / 1e9)
+        return rates
+    finally:
+        ev.set()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
 
 
 def memcpy(size: int, reps: int) -> list[float]:
@@ -344,6 +400,8 @@ def part_transfer(sizes: list[int], repeat: int, paths: list[str], rng: random.R
         fails: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
         raw: dict[str, list[float]] = {name: [] for name, _ in loops}
         copies: list[float] = []
+        hashes: list[float] = []
+        reads: list[float] = []
         for _ in range(repeat):  # the paths and the peers in turn: the same load on each
             for path in paths:
                 res = transfer_once(size, rng.randrange(P), path, sample)
@@ -351,6 +409,8 @@ def part_transfer(sizes: list[int], repeat: int, paths: list[str], rng: random.R
             for name, uv in loops:
                 raw[name] += raw_tcp(size, 3, uv)
             copies += memcpy(size, 3)
+            hashes += hash_rate(size, 3)
+            reads += cma_read(size, 3)
         here = []
         for path in paths:
             row: dict[str, Any] = {"case": "state transfer", "impl": "asynccoll",
@@ -377,6 +437,21 @@ def part_transfer(sizes: list[int], repeat: int, paths: list[str], rng: random.R
                          "size": size, "runs": len(raw[name]), **stats("GBps", raw[name])})
         here.append({"case": "one copy", "impl": "numpy-copyto", "size": size,
                      "runs": len(copies), **stats("GBps", copies)})
+        here.append({"case": "one hash", "impl": "xxh3-64", "size": size,
+                     "runs": len(hashes), **stats("GBps", hashes)})
+        here.append({"case": "one read in place", "impl": "process_vm_readv", "size": size,
+                     "runs": len(reads), **stats("GBps", reads)})
+        # what this machine's cores allow a join that copies each byte once and hashes the
+        # whole state on every one of the P ranks (the digest check): with a copy at one
+        # np.copyto's rate, and at one read in place's (the copy the default path makes)
+        cores = os.cpu_count() or 1
+        h, c, r = (float(np.median(v)) for v in (hashes, copies, reads))
+        here.append({"case": "cpu ceiling", "impl": "model", "size": size, "cores": cores,
+                     "formula": "cores / (P / one hash + 1 / one copy)",
+                     "GBps_median": cores / (P / h + 1 / c)})
+        here.append({"case": "cpu ceiling, read in place", "impl": "model", "size": size,
+                     "cores": cores, "formula": "cores / (P / one hash + 1 / one read in place)",
+                     "GBps_median": cores / (P / h + 1 / r)})
         _say_transfer(here)
         rows += here
     return rows
@@ -396,7 +471,11 @@ def _say_transfer(rows: list[dict[str, Any]]) -> None:
               f"over the 4 ranks; {len(a['failures'])} failed; segments left "
               f"{sum(a['segments_left'])}", file=sys.stderr)
     print(f"  peers: one raw tcp stream uvloop {peers['uvloop']:.2f}, asyncio "
-          f"{peers['asyncio']:.2f} GB/s; one copy {peers['one copy']:.2f} GB/s",
+          f"{peers['asyncio']:.2f} GB/s; one copy {peers['one copy']:.2f} GB/s; one hash "
+          f"{peers['one hash']:.2f} GB/s; one read in place {peers['one read in place']:.2f} "
+          f"GB/s; so this machine's cores allow at most {peers['cpu ceiling']:.2f} GB/s to a "
+          "join that copies once and hashes on every rank, "
+          f"{peers['cpu ceiling, read in place']:.2f} with the copy a read in place",
           file=sys.stderr)
 
 
@@ -511,8 +590,9 @@ def part_restart(sizes: list[int], repeat: int, step_s: float, rng: random.Rando
         for _ in range(repeat):
             res = restart_once(size, rng.randrange(P), step_s, sync_every)
             (fails if "failed" in res else runs).append(res)
-        base = {"impl": "asynccoll", "transport": "tcp", "state_path": "shm", "P": P,
-                "size": size, "sync_every": sync_every,
+        base = {"impl": "asynccoll", "transport": "tcp",
+                "state_path": "default (read in place on one host)", "P": P, "size": size,
+                "sync_every": sync_every,
                 "step_compute_s": step_s, "runs": len(runs),
                 "failures": [f["failed"] for f in fails]}
         row: dict[str, Any] = {"case": "restart to first contribution", **base}
@@ -696,36 +776,54 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def _plot_transfer(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """Grouped bars, one group per size: each path (transfer; hatched: with the digest
+    check), the raw streams, one copy, and the CPU ceiling; the goals as lines."""
     def ours(path: str) -> Callable[[dict[str, Any]], bool]:
         return lambda r: r["impl"] == "asynccoll" and r.get("transport") == path
 
-    series = [("asynccoll shm, 3 donors (transfer)", "GBps", ours("shm"), "o-"),
-              ("asynccoll shm, with the digest check", "effective_GBps", ours("shm"), "o--"),
-              ("asynccoll tcp, 3 donors (transfer)", "GBps", ours("tcp"), "D-"),
-              ("asynccoll tcp, with the digest check", "effective_GBps", ours("tcp"), "D--"),
-              ("raw tcp stream, uvloop", "GBps", lambda r: r.get("loop") == "uvloop", "s-"),
-              ("raw tcp stream, asyncio", "GBps", lambda r: r.get("loop") == "asyncio", "s:"),
-              ("one copy in one process", "GBps", lambda r: r.get("case") == "one copy", "^:")]
-    for label, key, pick, style in series:
-        sel = [r for r in rows if r.get("case") in ("state transfer", "one tcp stream",
-                                                    "one copy")
-               and pick(r) and f"{key}_median" in r]
-        if not sel:
+    series = [("read in place", "GBps", ours("read"), "tab:blue", ""),
+              ("read in place, with the digest check", "effective_GBps", ours("read"),
+               "tab:blue", "//"),
+              ("ring in shm", "GBps", ours("ring"), "tab:orange", ""),
+              ("ring in shm, with the digest check", "effective_GBps", ours("ring"),
+               "tab:orange", "//"),
+              ("tcp", "GBps", ours("tcp"), "tab:green", ""),
+              ("tcp, with the digest check", "effective_GBps", ours("tcp"), "tab:green", "//"),
+              ("raw tcp stream, uvloop", "GBps", lambda r: r.get("loop") == "uvloop",
+               "tab:grey", ""),
+              ("raw tcp stream, asyncio", "GBps", lambda r: r.get("loop") == "asyncio",
+               "tab:grey", ".."),
+              ("CPU ceiling: copy once, hash on every rank", "GBps",
+               lambda r: r.get("case") == "cpu ceiling", "tab:purple", ""),
+              ("CPU ceiling, the copy a read in place", "GBps",
+               lambda r: r.get("case") == "cpu ceiling, read in place", "tab:purple", "//"),
+              ("one copy in one process", "GBps", lambda r: r.get("case") == "one copy",
+               "tab:brown", "")]
+    cases = ("state transfer", "one tcp stream", "one copy", "cpu ceiling",
+             "cpu ceiling, read in place")
+    sizes = sorted({r["size"] for r in rows if r.get("case") == "one tcp stream"})
+    width = 0.8 / len(series)
+    for k, (label, key, pick, colour, hatch) in enumerate(series):
+        sel = {r["size"]: r for r in rows if r.get("case") in cases and pick(r)
+               and f"{key}_median" in r}
+        xs = [i + (k - len(series) / 2 + 0.5) * width for i, n in enumerate(sizes) if n in sel]
+        if not xs:
             continue
-        x = [r["size"] / MiB for r in sel]
-        med = np.array([r[f"{key}_median"] for r in sel])
-        err = [med - [r[f"{key}_min"] for r in sel], [r[f"{key}_max"] for r in sel] - med]
-        ax.errorbar(x, med, yerr=err, fmt=style, capsize=3, label=label)
+        got = [sel[n] for n in sizes if n in sel]
+        med = np.array([r[f"{key}_median"] for r in got])
+        lo = np.array([r.get(f"{key}_min", r[f"{key}_median"]) for r in got])
+        hi = np.array([r.get(f"{key}_max", r[f"{key}_median"]) for r in got])
+        ax.bar(xs, med, width, yerr=[med - lo, hi - med], capsize=2, color=colour,
+               hatch=hatch, edgecolor="white" if not hatch else "black", linewidth=0.3,
+               label=label)
     ax.axhline(ANCHOR_GBPS, color="grey", linestyle="--", label="goal over tcp: torchft's 2.4 GB/s")
     ax.axhline(SHM_GOAL_GBPS, color="grey", linestyle=":", label="goal through shm: 5 GB/s")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    sizes = sorted({r["size"] for r in rows if r.get("case") == "one tcp stream"})
-    ax.set_xticks([n / MiB for n in sizes], [_label(n) for n in sizes])
-    ax.set_xlabel("state moved to the joiner")
+    ax.set_xticks(range(len(sizes)), [_label(n) for n in sizes])
+    ax.set_xlabel("state moved to the joiner (3 donors)")
     ax.set_ylabel("GB/s (median, min-max)")
-    ax.set_title("State to a joiner, P = 4, one host (shm; tcp on loopback)", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.set_title("State to a joiner, P = 4, one host (read, ring; tcp on loopback)",
+                 fontsize=10)
+    ax.legend(fontsize=6, ncol=2, loc="upper left")
 
 
 def _plot_steps(ax: Any, rows: list[dict[str, Any]]) -> None:
@@ -772,7 +870,8 @@ def _plot_churn(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=7)
 
 
-PART_CASES = {"transfer": ("state transfer", "one tcp stream", "one copy"),
+PART_CASES = {"transfer": ("state transfer", "one tcp stream", "one copy", "one hash",
+                          "one read in place", "cpu ceiling", "cpu ceiling, read in place"),
               "restart": ("restart to first contribution", "members' step during the join"),
               "churn": ("churn", "no churn")}
 
@@ -799,8 +898,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="transfer,restart,churn")
     ap.add_argument("--sample", action="store_true", help="sample the transfer's threads "
                     "(the joiner's and rank 0's) every 2 ms; in the JSON")
-    ap.add_argument("--path", default="shm,tcp", help="the transfer's state paths: shm, tcp "
-                    "or both (shm,tcp)")
+    ap.add_argument("--path", default="read,ring,tcp", help="the transfer's state paths, "
+                    "any of read, ring, tcp")
     ap.add_argument("--sizes", default=None, help="transfer sizes, e.g. 64M,256M,1G")
     ap.add_argument("--restart-sizes", default=None, help="e.g. 1M,256M (default: 1M and the "
                     "largest that fits)")
@@ -824,8 +923,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--parts: unknown {sorted(unknown)}; known: transfer, restart, churn")
     paths = a.path.split(",")
-    if not paths or set(paths) - {"shm", "tcp"}:
-        ap.error(f"--path: {a.path!r}; known: shm, tcp, shm,tcp")
+    if not paths or set(paths) - {"read", "ring", "tcp"}:
+        ap.error(f"--path: {a.path!r}; known: read, ring, tcp")
     level = "quick" if a.quick else "full" if a.full else "default"
     sizes = [_size(s) for s in a.sizes.split(",")] if a.sizes else \
         {"quick": [64 * MiB], "default": [64 * MiB, 1 << 30],
@@ -853,9 +952,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r.get("case") == "state transfer" and "GBps_median" in r:
             for peer in rows:
-                if peer.get("impl") in ("asyncio-raw", "numpy-copyto") \
+                if peer.get("impl") in ("asyncio-raw", "numpy-copyto", "model",
+                                        "process_vm_readv") \
                         and peer["size"] == r["size"]:
-                    what = f"raw {peer['loop']}" if "loop" in peer else "one copy"
+                    what = f"raw {peer['loop']}" if "loop" in peer else peer["case"]
                     ratios[f"{_label(r['size'])} {r['transport']} / {what}"] = \
                         r["GBps_median"] / peer["GBps_median"]
     params = {"command": "python " + " ".join([os.path.relpath(__file__, ROOT),

@@ -25,13 +25,15 @@ contribution: after a flush, as the training classes' sync events have it.
    small header first (the new membership, the first execution, the caller's meta data such as
    the global step, the arrays' sizes). The joiner then posts a receive for every unit of every
    stripe (:func:`.state_digest.units`: at most 8 MiB, straight into its own arrays) and only
-   then tells every member ``GO`` (its host, a random token, whether it takes shared memory); a
+   then tells every member ``GO`` (its host, a random token, what it can take); a
    member sends nothing before it: a stripe that arrived before its receive was posted would be
    held and copied by the matcher (it was: 1.9 GiB resident at the joiner for 1 GiB of state). A
-   member on the joiner's host hands a large stripe over through a ring of slots in a
-   shared-memory segment (the route decides: :func:`.route.state_route`, with the switches the
-   communicator read once; :mod:`.state_ring`: names, cleanup on any death, the fallback to the
-   network with one warning when the segment cannot be made); the others send one frame per unit
+   member on the joiner's host lets the joiner read its stripe straight out of its arrays (one
+   copy, cross-memory attach) or, where the kernel refuses that, hands a large stripe over
+   through a ring of slots in a shared-memory segment; the route decides
+   (:func:`.route.state_route`, with the switches the communicator read once; the paths,
+   their fallbacks and cleanup: :mod:`.state_send`, :mod:`.state_ring`); the others send one
+   frame per unit
    over the connection. Each member's first frame (``PLAN``) says which. A stripe of at most 1
    MiB (:data:`.state_digest.INLINE_BYTES`) that cannot take a ring goes at once, before the
    ``GO`` (held and copied once at the joiner: nothing at that size), saving the members the
@@ -40,8 +42,8 @@ contribution: after a flush, as the training classes' sync events have it.
    of its state with the others' (:func:`.state_digest.digest`, one allgather): replicas are
    equal to the bit, checked, or every rank raises :class:`StateMismatchError` naming the ranks
    that differ. The digest costs no pass of its own where there are cores to spare: a member
-   hashes its state on other threads while it sends, the joiner each unit as it lands (from the
-   ring: while it is in the caches). A member may leave the comparison in flight
+   hashes its state on other threads while it sends, the joiner each unit as it lands (while it
+   is in the caches). A member may leave the comparison in flight
    (:func:`admit_sent`, a :class:`DigestCheck`): its digest is taken and its stripes are sent,
    so it may change its state at once, and it settles the comparison at an agreed later point
    before any other collective of the grown communicator (the training classes: their next sync
@@ -77,20 +79,18 @@ from ..errors import CollectiveTimeoutError, PeerLostError
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 from .partial_member import stable_id
-from .route import SHM, Switches, state_route
-from .shm import host_hash, new_token
-from .state_digest import INLINE_BYTES, Digest, StateMismatchError, check, digest, pool, units
-from .state_ring import Ring, Unit, chunks
+from .route import SHM, state_route
+from .shm import new_token
+from .state_digest import INLINE_BYTES, Digest, StateMismatchError, check, digest, units
+from .state_ring import Ring
+from .state_send import GO, HEADER, READY, _all, give, take_all
 
 __all__ = ["DigestCheck", "Joinable", "Joiners", "StateMismatchError", "admit", "admit_ready",
            "admit_sent", "join", "join_handle"]
 
 log = logging.getLogger("asynccoll.comm")
 
-# tags on a handle's joining channel
-_READY, _HEADER, _STRIPE, _GO, _PLAN, _FILLED, _FREED = range(7)
 _NOTHING = memoryview(b"")
-_warned: list[str] = []  # the one warning per process of a state that took the network
 
 
 class Joinable(Protocol):
@@ -158,7 +158,7 @@ class Joiners:
                 self._listen(r)
 
     def _listen(self, rank: int) -> None:
-        fut = self.job.transport.post_recv(rank, self.sid, 0, _READY)
+        fut = self.job.transport.post_recv(rank, self.sid, 0, READY)
         fut.add_done_callback(lambda f, r=rank: self._on_ready(r, f))
 
     def _on_lost(self, rank: int) -> None:  # on the runtime's loop
@@ -254,13 +254,13 @@ async def admit_sent(h: Joinable, now: Any, joiners: list[int], state: Sequence[
     ranks = [members.index(m) for m in old]
 
     def start() -> list[asyncio.Future[Any]]:  # on the runtime's loop
-        gos = [t.post_recv(r, sid, 0, _GO) for r in joiners]  # before the header: no wait
+        gos = [t.post_recv(r, sid, 0, GO) for r in joiners]  # before the header: no wait
         if i == 0:
             head = msgpack.packb({"members": members, "key": key, "first": first,
                                   "donors": old, "meta": meta or {},
                                   "sizes": [int(v.size) for v in views]})
             for r in joiners:
-                t.post_frame(r, int(Kind.DATA), sid, 0, _HEADER, head
+                t.post_frame(r, int(Kind.DATA), sid, 0, HEADER, head
                              ).add_done_callback(ignore_outcome)
         if at_once:
             for g in gos:  # the GO still comes: taken whenever (a loss fails the receive)
@@ -278,12 +278,12 @@ async def admit_sent(h: Joinable, now: Any, joiners: list[int], state: Sequence[
     else:
         mine = asyncio.get_running_loop().run_in_executor(None, digest, state, d)
 
-    async def give(r: int, go_fut: asyncio.Future[Any]) -> None:  # on the runtime's loop
+    async def give_to(r: int, go_fut: asyncio.Future[Any]) -> None:  # on the runtime's loop
         go = None if at_once else msgpack.unpackb(bytes((await go_fut).payload))
-        await _give(t, sid, r, first, views, mine_units, go, switches)
+        await give(t, sid, r, first, views, mine_units, go, switches)
 
     try:
-        await _bounded(job, lambda: _all([give(r, g) for r, g in zip(joiners, gos,
+        await _bounded(job, lambda: _all([give_to(r, g) for r, g in zip(joiners, gos,
                                                                       strict=True)]),
                        h.timeout, "send the state to the joining ranks")
         value = await mine
@@ -345,41 +345,6 @@ class DigestCheck:
                 raise
 
 
-async def _give(t: Any, sid: int, r: int, first: int, views: list[Any], mine: list[Unit],
-                go: dict[str, Any] | None, switches: Switches) -> None:
-    """A member's units ``mine`` of ``views`` (:func:`units`) to joiner ``r`` once it said
-    ``go`` (on the runtime's loop): through a ring in shared memory where the route says so
-    (:func:`~.route.state_route`: the joiner's host and ask, the stripe's size, this member's
-    ``switches``) and the segment can be made (:mod:`.state_ring`), else one frame per unit
-    over the connection, into the receives the joiner posted before its ``GO`` (``go`` None:
-    a small stripe sent without waiting for it, :func:`admit_sent`)."""
-    ring = None
-    nbytes = sum(hi - lo for _, lo, hi in mine)
-    if go is not None and state_route(switches, host_hash(), int(go.get("host", -1)), nbytes,
-                                      bool(go.get("shm"))) == SHM:
-        try:
-            ring = Ring.create(Ring.path(int(go["token"]), sid, t.rank, first), mine)
-        except (OSError, ValueError) as exc:
-            _warn_once(f"rank {t.rank}: the state for joining rank {r} goes over the network: "
-                       f"no shared-memory segment ({exc})")
-    if ring is None:
-        futs = [t.post_frame(r, int(Kind.DATA), sid, 0, _PLAN, msgpack.packb({}))]
-        futs += [t.post_frame(r, int(Kind.DATA), sid, k, _STRIPE, views[j][lo:hi])
-                 for k, (j, lo, hi) in enumerate(mine)]
-        await asyncio.gather(*futs)
-        return
-    freed = [t.post_recv(r, sid, k, _FREED) for k in range(len(chunks(mine, ring.slot)))]
-    try:
-        await t.post_frame(r, int(Kind.DATA), sid, 0, _PLAN,
-                           msgpack.packb({"slot": ring.slot, "slots": ring.slots}))
-        await ring.send(views, mine, lambda k: t.post_frame(r, int(Kind.DATA), sid, k, _FILLED,
-                                                            _NOTHING), freed)
-    finally:
-        for f in freed:
-            f.cancel()
-        ring.close()
-
-
 async def join(comm: Any, name: str, state: Sequence[Any],
                timeout: float | None) -> tuple[Any, int, dict[str, Any]]:
     """Steps 1 and 4 (module doc) on the joiner, for the handle ``name``: say ready, receive
@@ -397,9 +362,9 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     heads: list[asyncio.Future[Any]] = []
 
     def say(r: int) -> None:  # on the runtime's loop: "ready" to r, and its header awaited
-        t.post_frame(r, int(Kind.DATA), sid, 0, _READY, _NOTHING
+        t.post_frame(r, int(Kind.DATA), sid, 0, READY, _NOTHING
                      ).add_done_callback(ignore_outcome)
-        head = t.post_recv(r, sid, 0, _HEADER)
+        head = t.post_recv(r, sid, 0, HEADER)
         head.add_done_callback(lambda f: _deliver(loop_box[0], f))
         heads.append(head)
 
@@ -436,9 +401,9 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     token = new_token()
     sums = Digest(views, d)
     try:
-        shared = await _bounded(job, lambda: _take_all(t, sid, donors, first, views, token,
-                                                       sums, job.switches.shm),
-                                timeout, f"receive the state of {name!r}")
+        by = await _bounded(job, lambda: take_all(t, sid, donors, first, views, token, sums,
+                                                  job.switches),
+                            timeout, f"receive the state of {name!r}")
     finally:
         for src in donors:  # a donor's ring this rank has not mapped (module doc)
             with contextlib.suppress(OSError):
@@ -447,85 +412,12 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     await check(grown, sums.value(), timeout)
     nbytes = sum(int(v.size) for v in views)
     log.warning("rank %d: joined partial allreduce %r: %d ranks from execution %d (state of "
-                "%d bytes: from ranks %s through shared memory, from %s over the network)",
-                job.rank, name, len(members), first, nbytes, shared,
-                [r for r in donors if r not in shared])
+                "%d bytes: from ranks %s through shared memory, from %s over the network; "
+                "read in place from %s)", job.rank, name, len(members), first, nbytes,
+                sorted(by["ring"] + by["read"]), by["network"], by["read"])
     job.report_joined(f"taken back by ranks {donors} into {name!r} from execution {first} "
                       f"({nbytes} bytes of state)")  # (its launcher says so, the first time)
     return grown, first, dict(head["meta"])
-
-
-async def _take_all(t: Any, sid: int, donors: list[int], first: int, views: list[Any],
-                    token: int, sums: Digest, ring: bool) -> list[int]:
-    """The joiner's step 4 on the runtime's loop: post every receive (each donor's ``PLAN``
-    and its units, into the state's arrays), then ``GO`` to every donor (saying whether it
-    takes a ring: ``ring``, its ``ASYNCCOLL_SHM``), then take each
-    donor's part (over the connection, or through its ring: :class:`.state_ring.Ring`), hashing each
-    unit as soon as it is in. Returns the donors whose part came through shared memory."""
-    d = len(donors)
-    shared: list[int] = []
-    go = msgpack.packb({"host": host_hash(), "token": token, "shm": ring})
-    sizes = [int(v.size) for v in views]
-    parts = [units(sizes, i, d) for i in range(d)]
-    plans = [t.post_recv(src, sid, 0, _PLAN) for src in donors]
-    frames = [[t.post_recv(src, sid, k, _STRIPE, views[j][lo:hi])
-               for k, (j, lo, hi) in enumerate(parts[i])] for i, src in enumerate(donors)]
-    for src in donors:
-        t.post_frame(src, int(Kind.DATA), sid, 0, _GO, go).add_done_callback(ignore_outcome)
-    loop = asyncio.get_running_loop()
-
-    async def hashed(f: asyncio.Future[Any], u: Unit) -> None:
-        await f
-        if u[2] - u[1] <= INLINE_BYTES:
-            sums.take(u)  # (on the loop: a thread's hand-off would cost more)
-        else:
-            await loop.run_in_executor(pool(), sums.take, u)
-
-    async def take(i: int, src: int) -> None:
-        plan = msgpack.unpackb(bytes((await plans[i]).payload))
-        if not plan.get("slot"):
-            await asyncio.gather(*(hashed(f, u) for f, u in zip(frames[i], parts[i],
-                                                                strict=True)))
-            return
-        for f in frames[i]:
-            f.cancel()
-        shared.append(src)
-        ring = Ring.attach(Ring.path(token, sid, src, first), int(plan["slot"]),
-                           int(plan["slots"]))
-        filled = [t.post_recv(src, sid, k, _FILLED)
-                  for k in range(len(chunks(parts[i], ring.slot)))]
-
-        def freed(k: int) -> None:
-            t.post_frame(src, int(Kind.DATA), sid, k, _FREED, _NOTHING
-                         ).add_done_callback(ignore_outcome)
-
-        try:
-            await ring.receive(views, parts[i], filled, freed, sums.take)
-        finally:
-            for f in filled:
-                f.cancel()
-            ring.close()
-
-    try:
-        await _all([take(i, src) for i, src in enumerate(donors)])
-    finally:
-        for f in (*plans, *(f for fs in frames for f in fs)):
-            f.cancel()
-    return sorted(shared)
-
-
-async def _all(coros: list[Any]) -> None:
-    """Await every one of ``coros`` (each ends, whatever the others do: their ``finally``
-    clean up), then raise the first error."""
-    for res in await asyncio.gather(*coros, return_exceptions=True):
-        if isinstance(res, BaseException):
-            raise res
-
-
-def _warn_once(text: str) -> None:
-    if not _warned:
-        _warned.append(text)
-        log.warning("%s", text)
 
 
 async def admit_ready(h: Any, watch: Joiners, state: Sequence[Any] = (),

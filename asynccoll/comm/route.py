@@ -14,8 +14,9 @@ memory** (:mod:`asynccoll.collectives.sparse.shm`). A :class:`Router` decides wh
   default off shared memory, ``ASYNCCOLL_CMA=0`` the single-copy allreduce (:mod:`.cma`),
   ``ASYNCCOLL_JOIN_RING_MIN`` sets the smallest stripe of a joiner's state that takes a ring.
 
-A joiner's state (:mod:`.joining`) has its route too, one stripe per member: through a ring
-in shared memory (:mod:`.state_ring`) or over the connection (:func:`state_route`).
+A joiner's state (:mod:`.joining`) has its route too, one stripe per member: read in place by
+the joiner, through a ring in shared memory, or over the connection (:func:`state_route`,
+:mod:`.state_send`).
 
 It runs no collective. When the chosen path cannot be set up (segments refused: a name taken,
 too little free space, a foreign file), the caller falls back to the network on every rank
@@ -43,11 +44,13 @@ from ..transport.base import Transport
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 
-__all__ = ["RING_MIN", "DataPath", "Layout", "Router", "Switches", "agree_flags", "shm_flag",
-           "state_route"]
+__all__ = ["READ", "RING_MIN", "DataPath", "Layout", "Router", "Switches", "agree_flags",
+           "shm_flag", "state_route"]
 
 #: the paths a plan names
 NETWORK, SHM, HIER = "network", "shm", "hier"
+#: a joiner's state read in place out of a member's memory (:mod:`.state_send`)
+READ = "read"
 #: the default smallest stripe of a joiner's state that goes through the shared-memory ring
 #: (``Switches.ring_min``); a smaller one goes over the connection even on the joiner's host.
 #: Measured on the 2-core machine of docs/benchmarks.md ("join"): the ring copies a byte for
@@ -317,17 +320,23 @@ class Router:
         return layout.token
 
 
-def state_route(switches: Switches, here: int, joiner: int, nbytes: int, asked: bool) -> str:
-    """How a member sends its stripe of ``nbytes`` bytes of a joiner's state (:mod:`.joining`):
-    :data:`SHM` (a ring in shared memory, :mod:`.state_ring`) when the joiner asked for it
-    (``asked``: its own ``switches.shm``, sent with its ``GO``), its host ``joiner`` is this
-    member's ``here`` (:func:`~.shm.host_hash`), this member's ``switches.shm`` is on and the
-    stripe has ``switches.ring_min`` bytes at least (an empty stripe never); else
-    :data:`NETWORK`. Only the member decides, so it says which in its first frame to the
-    joiner; a ring that cannot be made then goes over the network after all (one warning)."""
-    if asked and switches.shm and here == joiner and nbytes > 0 and nbytes >= switches.ring_min:
-        return SHM
-    return NETWORK
+def state_route(switches: Switches, here: int, joiner: int, nbytes: int, asked: bool,
+                read: bool = False) -> str:
+    """How a member sends its stripe of ``nbytes`` bytes of a joiner's state (:mod:`.joining`,
+    the paths: :mod:`.state_send`). On the joiner's host (its host ``joiner`` is this member's
+    ``here``, :func:`~.shm.host_hash`), when the joiner asked for shared memory (``asked``: its
+    own ``switches.shm``, sent with its ``GO``) and this member's ``switches.shm`` is on, and
+    the stripe is not empty: :data:`READ` (the joiner reads it in place) when the joiner may
+    (``read``: its ``ASYNCCOLL_CMA``, with its ``GO``) and this member's ``switches.cma`` is
+    on; else :data:`SHM` (a ring, :mod:`.state_ring`) when the stripe has ``switches.ring_min``
+    bytes at least. Else :data:`NETWORK`. Only the member decides, so it says which in its
+    first frame to the joiner; a read the joiner's kernel refuses, or a ring that cannot be
+    made, then takes the next path after all (one warning)."""
+    if not (asked and switches.shm and here == joiner and nbytes > 0):
+        return NETWORK
+    if read and switches.cma:
+        return READ
+    return SHM if nbytes >= switches.ring_min else NETWORK
 
 
 async def agree_flags(transport: Transport, sched_id: int, ok: bool,

@@ -118,7 +118,6 @@ class HookEvents(JoinSide):
     syncs: int = 0
     _params: dict[int, list[torch.Tensor]]
     _handles: dict[tuple[int, int, str], Any]
-    _sync_wanted: bool = False
     _in_event: bool = False
     _opt: torch.optim.Optimizer | None = None
     _buckets: _Buckets | None = None
@@ -242,21 +241,6 @@ class HookEvents(JoinSide):
                 except PeerLostError as exc:
                     self._lost_in_event(exc, f"taking {admitted} back")
         return done, held
-
-    def _lost_in_event(self, exc: PeerLostError, where: str) -> None:
-        """A rank was lost in the synchronous part of an event (the parameters' allreduce,
-        an admission's broadcast or digests): the survivors go on, as their partial handles
-        do. This rank starts another event after its next step (the others join it: a flushed
-        result), whose flush recovers every bucket's handle over the survivors and whose
-        allreduce averages the parameters again; in :meth:`_finish_events`, at once. Ranks
-        that completed the failed part meanwhile (a collective can end on some ranks before
-        a loss fails it on others) hold averaged parameters, the others not yet: the next
-        event evens them out. A joiner whose admission failed raises in its ``join`` and is
-        restarted again; one that completed it goes on in the grown membership, where the
-        loss is recovered like any other."""
-        log.warning("rank %d: rank %d lost during the DDP hook's sync event (%s): the "
-                    "survivors go on, another event follows", self.comm.rank, exc.rank, where)
-        self._sync_wanted = True
 
     def _finish_events(self, opt: torch.optim.Optimizer) -> int:
         """:meth:`~.hook.PartialHookState.finish` in a surviving job: events until every rank

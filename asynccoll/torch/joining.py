@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..comm import joining
+from ..errors import PeerLostError
 from ..results import PartialResult
 from ..train.info import StepInfo
 from ..train.joining import JoinSide
@@ -111,7 +112,12 @@ class SyncEvents(JoinSide):
         buf[n + 1] = 0.0 if average else 1.0
         if self._joiners is not None:
             buf[n + 2:] = self._joiners.flags(now.members)
-        tot = self.comm.submit(now.allreduce(buf, timeout=self.timeout)).result()
+        self._sync_wanted = False
+        try:
+            tot = self.comm.submit(now.allreduce(buf, timeout=self.timeout)).result()
+        except PeerLostError as exc:  # (in a job that survives losses: another event follows)
+            self._lost_in_event(exc, "its parameters' allreduce")
+            return False, res.count
         averaged = bool(tot[n + 1] == 0)
         if averaged:
             self._load(torch.from_numpy(tot[:n] / now.size).to(self._dtype))
@@ -119,7 +125,10 @@ class SyncEvents(JoinSide):
         if not done and self._joiners is not None:
             admitted = self._joiners.agreed(tot[n + 2:], now.members)
             if admitted:
-                self._admit(now, admitted, equal=averaged)
+                try:
+                    self._admit(now, admitted, equal=averaged)
+                except PeerLostError as exc:
+                    self._lost_in_event(exc, f"taking {admitted} back")
         return done, res.count
 
     def _admit(self, now: Any, admitted: list[int], *, equal: bool) -> None:

@@ -359,7 +359,8 @@ class DistributedOptimizer(SyncEvents):
             lr = self._apply_result(res)
             # Sync events where the job takes restarted ranks back (.joining); elsewhere a
             # flushed result is just a result, as before
-            synced = self._joiners is not None and (res.flushed or self._join_wanted())
+            synced = self._joiners is not None and (res.flushed or self._join_wanted()
+                                                     or self._sync_wanted)
             drained = 0
             if synced:  # a sync event another rank started, or one to take a joiner back
                 drained = self._sync(finished=False)[1]  # (applied in this step too)

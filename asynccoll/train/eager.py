@@ -62,6 +62,7 @@ from ..collectives.policy import (
     moved_arguments,
 )
 from ..comm.communicator import Communicator
+from ..errors import PeerLostError
 from ..results import PartialResult
 from .bucket import ParamBucket
 from .info import StepInfo
@@ -223,7 +224,7 @@ class EagerSGD(TakesJoinersBack):
         synced = False
         if res.flushed or (self.sync_every is not None and self._since_sync >= self.sync_every) \
                 or (self.max_staleness is not None and stale > self.max_staleness) \
-                or self._join_wanted():
+                or self._join_wanted() or self._sync_wanted:
             await self._sync(finished=False)
             synced = True
         return StepInfo(res.round, res.included, res.contributors, res.count, stale, lr,
@@ -249,8 +250,13 @@ class EagerSGD(TakesJoinersBack):
         self._sync_buf[n] = 1.0 if finished else 0.0
         self._sync_buf[n + 1] = 0.0 if average else 1.0
         self._join_flags(self._sync_buf[n + 2:])
-        await self._settle_join()  # the last admission's digests compared (.joining)
-        tot = await self._comm_now().allreduce(self._sync_buf, timeout=self.timeout)
+        self._sync_wanted = False
+        try:
+            await self._settle_join()  # the last admission's digests compared (.joining)
+            tot = await self._comm_now().allreduce(self._sync_buf, timeout=self.timeout)
+        except PeerLostError as exc:  # (in a job that survives losses: another event follows)
+            self._lost_in_event(exc, "its parameters' allreduce")
+            return False
         self._averaged = bool(tot[n + 1] == 0)
         if self._averaged:
             np.divide(tot[:n], self.world_size, out=self.params)
@@ -259,7 +265,10 @@ class EagerSGD(TakesJoinersBack):
         self.syncs += 1
         done = bool(tot[n] >= self.world_size)
         if not done:  # take restarted ranks back, ready on every member (.joining)
-            await self._admit_agreed(tot[n + 2:], equal=self._averaged)
+            try:
+                await self._admit_agreed(tot[n + 2:], equal=self._averaged)
+            except PeerLostError as exc:
+                self._lost_in_event(exc, "taking ranks back")
         return done
 
     async def finish(self, average: bool = True) -> None:

@@ -23,6 +23,12 @@ parameters. So:
   next step on it contributes, and ``step_count`` is the members' global step, so a loop
   ``while opt.step_count < N`` runs unchanged on every rank, first start or restart.
 
+A rank lost during the synchronous part of a sync event (the parameters' allreduce, an
+admission's broadcasts, stripes or digests) does not end a job that survives losses: the event
+ends there on the ranks it failed on, and another follows at their next step
+(:meth:`JoinSide._lost_in_event`), whose flush recovers the partial allreduce over the
+survivors and whose allreduce averages the parameters again.
+
 The members' pause is one sync event plus one stripe of the state each (measured:
 ``bench/join.py``, docs/benchmarks.md "join").
 
@@ -35,11 +41,13 @@ state is what :meth:`TakesJoinersBack._state` returns through the hooks ``_repli
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..comm import joining
+from ..errors import PeerLostError
 from .info import StepInfo
 
 if TYPE_CHECKING:
@@ -47,6 +55,8 @@ if TYPE_CHECKING:
     from ..comm.partial import PartialAllreduce
 
 __all__ = ["JoinSide", "TakesJoinersBack"]
+
+log = logging.getLogger("asynccoll.train")
 
 
 class JoinSide:
@@ -58,6 +68,7 @@ class JoinSide:
     steps: int
     _joiners: joining.Joiners | None = None
     _joining: bool = False
+    _sync_wanted: bool = False  # a loss cut the last sync event short: another follows
 
     def _job_comm(self) -> Any:
         """The (async) communicator the class was made with."""
@@ -90,6 +101,25 @@ class JoinSide:
     def _join_wanted(self) -> bool:
         """Whether a restarted rank is ready here and not yet admitted (trigger a sync)."""
         return self._joiners is not None and self._joiners.waiting(self._comm_now().members)
+
+    def _lost_in_event(self, exc: PeerLostError, where: str) -> None:
+        """A rank was lost in the synchronous part of a sync event (``where``: the
+        parameters' allreduce, an admission's broadcasts, stripes or digests). In a job that
+        survives losses the survivors go on, as their partial handle does: this rank starts
+        another event at its next step (the others join it: a flushed result; a finish loop
+        at once), whose flush recovers the handle over the survivors and whose allreduce
+        averages the parameters again. Ranks that completed the failed part meanwhile (a
+        collective can end on some ranks before a loss fails it on others) hold averaged
+        parameters, the others not yet: the next event evens them out. A joiner whose
+        admission failed raises in its join and is restarted again; one that completed it
+        goes on in the grown membership, where the loss is recovered like any other. In a
+        job that does not survive losses, ``exc`` is raised: the loss ends it."""
+        if self._joiners is None:
+            raise exc
+        log.warning("rank %d: rank %d lost during %s's sync event (%s): the survivors go on, "
+                    "another event follows", self._job_comm().rank, exc.rank,
+                    type(self).__name__, where)
+        self._sync_wanted = True
 
 
 class TakesJoinersBack(JoinSide):

@@ -6,7 +6,11 @@ at call 8 on its first start; restarted, it joins (:func:`~asynccoll.comm.joinin
 receiving the state into arrays of zeros) and goes on at the members' call index. The restart
 numbered ``DIE_IN`` (0: none) SIGKILLs itself mid-transfer: at ``DIE_AT=attach``, before it maps
 the first donor's ring (the donors' segments exist, unmapped), or ``DIE_AT=chunk``, once it
-copied the first chunk out of a ring. With ``NO_ROOM`` set, no member can make a ring's segment
+copied the first chunk out of a ring, or ``DIE_AT=read``, once it read the first unit out of a
+donor's memory (the path taken by default on one host; the rings with ``ASYNCCOLL_CMA=0``).
+With ``NO_READ`` set, the restarted process's reads of the donors' memory are refused, as a
+kernel whose Yama ``ptrace_scope`` forbids them refuses (the donors' fallback to the rings).
+With ``NO_ROOM`` set, no member can make a ring's segment
 (as in a full tmpfs). The ring is taken from 1 MiB stripes (``ASYNCCOLL_JOIN_RING_MIN``;
 128 MiB by default). A member prints whether each ring it closed is gone from the directory
 when it did. The members call until the restarts they expect were
@@ -22,7 +26,7 @@ import numpy as np
 
 import asynccoll
 from asynccoll import Solo
-from asynccoll.comm import state_ring
+from asynccoll.comm import state_ring, state_send
 from asynccoll.comm.joining import Joiners, admit_ready, join_handle
 
 CALLS = 40
@@ -38,6 +42,16 @@ def die() -> None:
 
 def die_mid_transfer(where: str) -> None:
     ring = state_ring.Ring
+    if where == "read":
+        read, done = state_send.read_remote, []
+
+        def reading(*args):  # the first unit read out of a donor's memory, then dead
+            if done:
+                die()
+            read(*args)
+            done.append(1)
+        state_send.read_remote = reading
+        return
     if where == "attach":
         def attach(*args):  # the first donor's ring is there, not mapped yet
             die()
@@ -76,6 +90,14 @@ def no_room_for_rings() -> None:
     state_ring.Segment = Full
 
 
+def no_reads() -> None:
+    """Every read of a donor's memory refused, as under Yama's ``ptrace_scope`` 1 or more."""
+    def refused(pid, *args):
+        raise PermissionError(1, f"reading process {pid}: Operation not permitted")
+
+    state_send.read_remote = refused
+
+
 async def main():
     # the ring for this test's 16 MiB stripes (default: 128 MiB; read once, by connect())
     os.environ["ASYNCCOLL_JOIN_RING_MIN"] = str(1 << 20)
@@ -97,6 +119,8 @@ async def main():
         if os.environ.get("NO_ROOM"):
             no_room_for_rings()
     if RESTART:
+        if os.environ.get("NO_READ"):
+            no_reads()
         if RESTART == DIE_IN:
             die_mid_transfer(os.environ["DIE_AT"])
         meta = await join_handle(h, comm, state, timeout=60)

@@ -10,6 +10,9 @@ With OVERLAP=1 (and VICTIMS=2), losses overlap an admission: rank 3 SIGKILLs its
 rank 1 SIGKILLs itself once rank 2 is taken back (a loss in the world rank 2 joined).
 With MARK_DIR, a victim does not kill itself at KILL_AT: it touches MARK_DIR/at-RANK and waits
 there for the test to SIGKILL its node (launcher and ranks; tests/launch/test_replacement_node.py).
+With SYNC_EVERY=k the members sync every k steps; with KILL_IN_SYNC=1 a victim SIGKILLs itself
+not at KILL_AT but as it enters its first sync event's parameter allreduce after it (the
+survivors, in that allreduce, lose it inside the event's synchronous part).
 Every rank prints one FINAL line with its global step and a digest of its parameters."""
 import asyncio
 import hashlib
@@ -48,7 +51,25 @@ def optimizer(comm, w0):
                         quorum=3 if POLICY == "quorum" else None)
     from asynccoll import Majority, Quorum, Solo
     policy = {"solo": Solo(), "majority": Majority(), "quorum": Quorum(3)}[POLICY]
-    return EagerSGD(comm, w0, 0.1, policy, momentum=0.5)
+    every = os.environ.get("SYNC_EVERY")
+    return EagerSGD(comm, w0, 0.1, policy, momentum=0.5,
+                    sync_every=int(every) if every else None)
+
+
+def die_in_sync_allreduce(opt):
+    """Once past KILL_AT: SIGKILL this process as it enters the next sync event's allreduce
+    (the one over the sync buffer; started, its part could reach the others before the kill:
+    they would complete it and learn of the loss after the event)."""
+    from asynccoll.comm.communicator import Communicator
+    allreduce = Communicator.allreduce
+
+    async def dying(self, x, *args, **kwargs):
+        if x is opt._sync_buf and opt.step_count >= KILL_AT:
+            print(f"rank {self.rank} dies in its sync event's allreduce", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await allreduce(self, x, *args, **kwargs)
+
+    Communicator.allreduce = dying
 
 
 async def main():
@@ -63,6 +84,9 @@ async def main():
     w0 = np.zeros(1000, np.float32)
     target = np.linspace(-1, 1, 1000, dtype=np.float32) * (rank + 1)
     opt = optimizer(comm, w0)
+    in_sync = os.environ.get("KILL_IN_SYNC") == "1"
+    if in_sync and rank in VICTIMS and not restarted:
+        die_in_sync_allreduce(opt)
     t0 = time.time()
     joined = None
     churn = int(os.environ.get("CHURN", "0"))  # kills: one every CHURN_EVERY steps
@@ -84,7 +108,7 @@ async def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             if rank == 1 and opt._comm_now().members == (0, 1, 2):  # 2 back, 3 not yet:
                 os.kill(os.getpid(), signal.SIGKILL)  # a loss in the world 2 joined
-        if rank in VICTIMS and not restarted and opt.step_count == KILL_AT:
+        if rank in VICTIMS and not restarted and opt.step_count == KILL_AT and not in_sync:
             if os.environ.get("MARK_DIR"):  # the test kills this rank's whole node
                 mark = os.path.join(os.environ["MARK_DIR"], f"at-{rank}")
                 os.close(os.open(mark, os.O_CREAT | os.O_WRONLY))

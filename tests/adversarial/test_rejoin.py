@@ -16,7 +16,8 @@ around Adam, and DDP with ``partial_hook`` around Adam (ranks 0, 1 and 2 killed 
 60 and 90, two buckets): parameters and Adam's state equal to the bit on every rank at the
 end. Losses that overlap an admission (a restarted rank that learns of a loss before it is
 taken back, then a loss in the world it joined), and churn: a random rank killed every few
-seconds, ten times.
+seconds, ten times. And a rank killed inside a sync event's parameter allreduce: the survivors
+go on (another event follows), it comes back and joins.
 """
 
 from __future__ import annotations
@@ -92,6 +93,19 @@ def test_over_ucx_killed_ranks_are_restarted_and_join(victims: str) -> None:
     assert sorted(r for r, _, _, k in finals if k == 1) == want, finals
     for v in want:
         assert f"rank {v} joined at step" in out, out[-3000:]
+
+
+@pytest.mark.timeout(170)
+def test_a_rank_lost_inside_a_sync_events_allreduce_ends_nobody_and_comes_back() -> None:
+    code, out = _run("solo", "1", 1, KILL_IN_SYNC="1", SYNC_EVERY="5")
+    assert code == 0, out[-4000:]
+    assert "rank 1 dies in its sync event's allreduce" in out, out[-4000:]
+    said = re.findall(r"rank (\d): rank 1 lost during EagerSGD's sync event \(its parameters' "
+                      r"allreduce\): the survivors go on, another event follows", out)
+    assert said, out[-4000:]
+    assert set(said) <= {"0", "2", "3"}, out[-4000:]
+    assert "rank 1 joined at step" in out, out[-4000:]
+    _all_equal_at(out)
 
 
 @pytest.mark.timeout(170)

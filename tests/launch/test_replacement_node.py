@@ -128,7 +128,7 @@ def test_a_replacement_node_takes_its_ranks_back_and_they_rejoin_training(
         # first, hands its stripe over on host B: through shared memory, or the network)
         got = re.search(rf"rank {r}: joined partial allreduce 'eager-sgd': .*from ranks "
                         r"\[([\d, ]*)\] through shared memory, from \[([\d, ]*)\] over the "
-                        r"network\)", out1)
+                        r"network;", out1)
         assert got is not None, _tails(logs)
         assert {0, 1} <= {int(x) for x in got[2].split(",") if x.strip()}, got[0]
         assert not {0, 1} & {int(x) for x in got[1].split(",") if x.strip()}, got[0]
