@@ -57,9 +57,10 @@ class Grouping:
     #: the state from the members before they contribute (:mod:`.joining`)
     joined: bool = False
     #: called once, on the runtime's loop, with a line that says how this process was taken
-    #: back, when its first admission ends (a restarted process under ``asynccoll run``: the
-    #: launcher prints it, :mod:`asynccoll.launch.joined`)
-    joined_report: Callable[[str], None] | None = None
+    #: back, when its first admission ends, or (``ended``) why it was not, the job having ended
+    #: first (a restarted process under ``asynccoll run``: the launcher prints it,
+    #: :mod:`asynccoll.launch.joined`); returns the report's future
+    joined_report: Callable[[str, bool], Any] | None = None
 
     @property
     def rank(self) -> int:
@@ -210,12 +211,14 @@ class Grouping:
                  self.rank, len(members), sorted(lost), shrunk.rank)
         return shrunk
 
-    def report_joined(self, text: str) -> None:
-        """The first time: hand ``text`` (how this restarted process was taken back) to
-        :attr:`joined_report`, on the runtime's loop; later, or without one, nothing."""
+    def report_joined(self, text: str, ended: bool = False) -> Any:
+        """The first time: hand ``text`` (how this restarted process was taken back; with
+        ``ended``, why it was not) to :attr:`joined_report`, on the runtime's loop, and return
+        the report's future there; later, or without one, nothing (None)."""
         report, self.joined_report = self.joined_report, None
-        if report is not None:
-            self.in_runtime(lambda: report(text))
+        if report is None:
+            return None
+        return self.in_runtime(lambda: report(text, ended))
 
     def in_runtime(self, fn: Callable[[], T]) -> T:
         """Run the plain function ``fn`` on the runtime's loop (for objects bound to it:

@@ -78,6 +78,7 @@ import numpy as np
 from ..errors import CollectiveTimeoutError, PeerLostError
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
+from .membership import CLOSE_SCHED
 from .partial_member import stable_id
 from .route import SHM, state_route
 from .shm import new_token
@@ -360,13 +361,18 @@ async def join(comm: Any, name: str, state: Sequence[Any],
 
     loop_box: list[asyncio.Future[Any]] = []
     heads: list[asyncio.Future[Any]] = []
+    byes: list[asyncio.Future[Any]] = []
 
     def say(r: int) -> None:  # on the runtime's loop: "ready" to r, and its header awaited
         t.post_frame(r, int(Kind.DATA), sid, 0, READY, _NOTHING
                      ).add_done_callback(ignore_outcome)
         head = t.post_recv(r, sid, 0, HEADER)
-        head.add_done_callback(lambda f: _deliver(loop_box[0], f))
+        head.add_done_callback(lambda f: _deliver(loop_box[0], f, heads))
         heads.append(head)
+        # a member that closes first will never take this rank back (the job ended)
+        bye = t.post_recv(r, CLOSE_SCHED, 0, 0)
+        bye.add_done_callback(lambda f: _closed(loop_box[0], f, r))
+        byes.append(bye)
 
     def ready() -> int:
         loop_box.append(asyncio.get_running_loop().create_future())
@@ -381,7 +387,7 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     def done() -> None:
         with contextlib.suppress(ValueError):
             job.membership.join_listeners.remove(say)
-        for f in heads:
+        for f in (*heads, *byes):
             f.cancel()
 
     if not await job.on_runtime(ready):
@@ -390,6 +396,12 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     try:
         got = await _bounded(job, lambda: loop_box[0], timeout,
                              f"be taken back by the members for {name!r}")
+    except _EndedFirst as exc:  # its launcher hears why first, and counts no failure
+        report = job.report_joined(f"{exc.reason} (partial allreduce {name!r})", ended=True)
+        if report is not None:
+            with contextlib.suppress(Exception):
+                await _bounded(job, lambda: report, 5.0, "tell the launcher")
+        raise
     finally:
         await job.on_runtime(done)
     head = msgpack.unpackb(bytes(got.payload))
@@ -472,9 +484,33 @@ async def _settled(job: Any, futs: list[asyncio.Future[Any]], timeout: float | N
     await _bounded(job, lambda: asyncio.gather(*futs), timeout, what)
 
 
-def _deliver(box: asyncio.Future[Any], fut: asyncio.Future[Any]) -> None:
-    if not box.done() and not fut.cancelled() and fut.exception() is None:
+def _deliver(box: asyncio.Future[Any], fut: asyncio.Future[Any],
+             heads: list[asyncio.Future[Any]]) -> None:
+    """A member's header in ``fut``: the first one is the joiner's. Once every rank it awaits
+    one from is lost (the job ended before this rank was taken back: its members exited),
+    the join fails at once with :class:`~asynccoll.PeerLostError`, not at its timeout."""
+    if box.done() or fut.cancelled():
+        return
+    exc = fut.exception()
+    if exc is None:
         box.set_result(fut.result())
+    elif all(h.done() and not h.cancelled() and h.exception() is not None for h in heads):
+        rank = exc.rank if isinstance(exc, PeerLostError) else -1
+        box.set_exception(_EndedFirst(rank, "every member of the job was gone before taking "
+                                            "it back: the job ended"))
+
+
+class _EndedFirst(PeerLostError):
+    """A joiner's members ended the job before they took it back (:func:`join`)."""
+
+
+def _closed(box: asyncio.Future[Any], fut: asyncio.Future[Any], r: int) -> None:
+    """Member ``r`` said it is closing before it took the joiner back: the join fails at once
+    (its goodbye is taken here; the joiner's own close, if it makes one, finds ``r`` gone or
+    waits for it to go)."""
+    if not box.done() and not fut.cancelled() and fut.exception() is None:
+        box.set_exception(_EndedFirst(r, f"rank {r} closed before taking it back: the job "
+                                         "ended"))
 
 
 async def _bounded(job: Any, wait: Any, timeout: float | None, what: str) -> Any:

@@ -271,9 +271,20 @@ class _Ranks:
         self.can_restart = cfg.max_restarts > 0
         #: once the store is gone: tells a new node 0 that it cannot take the job over
         self.orphan: asyncio.Task[None] | None = None
-        #: ``watch_joined(rank, restart)``: says when a restarted process joined the job
-        self.watch_joined: Callable[[int, int], Coroutine[Any, Any, None]] | None = None
-        self.joins: list[asyncio.Task[None]] = []
+        #: ``watch_joined(rank, restart)``: says when a restarted process joined the job (True:
+        #: it was not taken back, the job having ended first)
+        self.watch_joined: Callable[[int, int], Coroutine[Any, Any, bool]] | None = None
+        self.joins: dict[int, asyncio.Task[bool]] = {}  # by rank: its latest restart's
+
+    async def ended_first(self, rank: int) -> bool:
+        """Whether ``rank``'s latest restart reported that the job ended before it was taken
+        back (its report is set before it exits; the watch that reads it gets a moment)."""
+        task = self.joins.get(rank)
+        if task is None:
+            return False
+        await asyncio.wait([task], timeout=2.0)
+        return task.done() and not task.cancelled() and task.exception() is None \
+            and task.result()
 
     async def start(self, rank: int) -> asyncio.subprocess.Process:
         """Start ``rank``'s process: its first, or a restart (``ASYNCCOLL_RESTART=k`` for the
@@ -291,7 +302,7 @@ class _Ranks:
             start_new_session=True)
         self.procs[rank] = p
         if n > 1 and self.watch_joined is not None:
-            self.joins.append(asyncio.create_task(self.watch_joined(rank, n - 1)))
+            self.joins[rank] = asyncio.create_task(self.watch_joined(rank, n - 1))
         if self.reaper is not None and self.reaper.stdin is not None:
             self.reaper.stdin.write(f"{p.pid}\n".encode())
         prefix = f"[{rank}] ".encode()
@@ -425,7 +436,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        for task in (abort_task, silent, ranks.orphan, *followed, *ranks.joins):
+        for task in (abort_task, silent, ranks.orphan, *followed, *ranks.joins.values()):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -568,6 +579,12 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
                 how = f"was killed by {_signame(-rc)}" if rc < 0 else f"exited with code {code}"
                 if not code:
                     finished.append(rank)
+                elif await ranks.ended_first(rank):
+                    # Its restart said the job ended before the members took it back (they
+                    # closed while it waited): nothing failed, and nobody is left to join.
+                    _say(err, f"rank {rank} {how}: the job ended before its restart was taken "
+                              "back; not counted as a failure")
+                    continue
                 elif cfg.max_restarts and finished:
                     # A rank exits 0 after its training's collective finish: the job is done,
                     # and a restart would find nobody to take it back. Its result stands.

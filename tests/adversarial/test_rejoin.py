@@ -17,7 +17,8 @@ around Adam, and DDP with ``partial_hook`` around Adam (ranks 0, 1 and 2 killed 
 end. Losses that overlap an admission (a restarted rank that learns of a loss before it is
 taken back, then a loss in the world it joined), and churn: a random rank killed every few
 seconds, ten times. And a rank killed inside a sync event's parameter allreduce: the survivors
-go on (another event follows), it comes back and joins.
+go on (another event follows), it comes back and joins. And a restart that the members end
+the job without taking back: it fails at once, the launcher says why and counts no failure.
 """
 
 from __future__ import annotations
@@ -106,6 +107,26 @@ def test_a_rank_lost_inside_a_sync_events_allreduce_ends_nobody_and_comes_back()
     assert set(said) <= {"0", "2", "3"}, out[-4000:]
     assert "rank 1 joined at step" in out, out[-4000:]
     _all_equal_at(out)
+
+
+@pytest.mark.timeout(170)
+def test_a_restart_the_members_end_without_taking_back_fails_at_once_and_fails_no_job() -> None:
+    job = Path(__file__).with_name("_rejoin_late_job.py")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "asynccoll.cli", "run", "-n", "4",
+                        "--max-failures", "0", "--max-restarts", "1", str(job)],
+                       capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]  # no failure counted (--max-failures 0)
+    assert sorted(re.findall(r"MEMBER (\d) ends with rank 2's restart waiting", out)) == \
+        ["0", "1", "3"], out[-4000:]
+    gave_up = re.findall(r"LATE gave up after ([\d.]+) s: peer rank (\d) lost: rank \2 closed "
+                         r"before taking it back: the job ended", out)
+    assert len(gave_up) == 1, out[-4000:]
+    assert float(gave_up[0][0]) < 20, out[-4000:]  # not its 60 s timeout, nor 30 s of close
+    assert "asynccoll run: rank 2 (restart 1) was not taken back: rank " in out, out[-4000:]
+    assert "asynccoll run: rank 2 exited with code 1: the job ended before its restart was " \
+           "taken back; not counted as a failure" in out, out[-4000:]
 
 
 @pytest.mark.timeout(170)
