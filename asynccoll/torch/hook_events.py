@@ -228,7 +228,7 @@ class HookEvents(JoinSide):
         try:
             tot = self.comm.submit(now.allreduce(buf, timeout=self.timeout)).result()
         except PeerLostError as exc:
-            self._lost_in_event(exc, "its parameters' allreduce")
+            self._lost_in_event(exc, "its parameters' allreduce", now)
             return False, held
         load_flat64(params, tot[:n] / now.size)
         self.syncs += 1

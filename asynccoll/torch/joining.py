@@ -116,7 +116,7 @@ class SyncEvents(JoinSide):
         try:
             tot = self.comm.submit(now.allreduce(buf, timeout=self.timeout)).result()
         except PeerLostError as exc:  # (in a job that survives losses: another event follows)
-            self._lost_in_event(exc, "its parameters' allreduce")
+            self._lost_in_event(exc, "its parameters' allreduce", now)
             return False, res.count
         averaged = bool(tot[n + 1] == 0)
         if averaged:

@@ -251,11 +251,12 @@ class EagerSGD(TakesJoinersBack):
         self._sync_buf[n + 1] = 0.0 if average else 1.0
         self._join_flags(self._sync_buf[n + 2:])
         self._sync_wanted = False
+        now = self._comm_now()
         try:
             await self._settle_join()  # the last admission's digests compared (.joining)
-            tot = await self._comm_now().allreduce(self._sync_buf, timeout=self.timeout)
+            tot = await now.allreduce(self._sync_buf, timeout=self.timeout)
         except PeerLostError as exc:  # (in a job that survives losses: another event follows)
-            self._lost_in_event(exc, "its parameters' allreduce")
+            self._lost_in_event(exc, "its parameters' allreduce", now)
             return False
         self._averaged = bool(tot[n + 1] == 0)
         if self._averaged:

@@ -102,22 +102,26 @@ class JoinSide:
         """Whether a restarted rank is ready here and not yet admitted (trigger a sync)."""
         return self._joiners is not None and self._joiners.waiting(self._comm_now().members)
 
-    def _lost_in_event(self, exc: PeerLostError, where: str) -> None:
+    def _lost_in_event(self, exc: PeerLostError, where: str, comm: Any = None) -> None:
         """A rank was lost in the synchronous part of a sync event (``where``: the
-        parameters' allreduce, an admission's broadcasts, stripes or digests). In a job that
-        survives losses the survivors go on, as their partial handle does: this rank starts
-        another event at its next step (the others join it: a flushed result; a finish loop
-        at once), whose flush recovers the handle over the survivors and whose allreduce
-        averages the parameters again. Ranks that completed the failed part meanwhile (a
-        collective can end on some ranks before a loss fails it on others) hold averaged
-        parameters, the others not yet: the next event evens them out. A joiner whose
-        admission failed raises in its join and is restarted again; one that completed it
-        goes on in the grown membership, where the loss is recovered like any other. In a
+        parameters' allreduce over ``comm``, an admission's broadcasts, stripes or digests).
+        In a job that survives losses the survivors go on, as their partial handle does: this
+        rank starts another event at its next step (the others join it: a flushed result; a
+        finish loop at once), whose flush recovers the handle over the survivors and whose
+        allreduce averages the parameters again. Ranks that completed the failed part
+        meanwhile (a collective can end on some ranks before a loss fails it on others) hold
+        averaged parameters, the others not yet: the next event evens them out. A joiner
+        whose admission failed raises in its join and is restarted again; one that completed
+        it goes on in the grown membership, where the loss is recovered like any other. In a
         job that does not survive losses, ``exc`` is raised: the loss ends it."""
         if self._joiners is None:
             raise exc
-        log.warning("rank %d: rank %d lost during %s's sync event (%s): the survivors go on, "
-                    "another event follows", self._job_comm().rank, exc.rank,
+        # exc names the rank in the numbering of the collective that failed: the job's rank
+        # where that is ``comm`` (the ranks training now), else the error as it says it
+        members = list(getattr(comm, "members", ()))
+        who = f"rank {members[exc.rank]}" if 0 <= exc.rank < len(members) else f"a rank ({exc})"
+        log.warning("rank %d: %s lost during %s's sync event (%s): the survivors go on, "
+                    "another event follows", self._job_comm().rank, who,
                     type(self).__name__, where)
         self._sync_wanted = True
 

@@ -65,7 +65,7 @@ def die_in_sync_allreduce(opt):
 
     async def dying(self, x, *args, **kwargs):
         if x is opt._sync_buf and opt.step_count >= KILL_AT:
-            print(f"rank {self.rank} dies in its sync event's allreduce", flush=True)
+            print(f"rank {opt.comm.rank} dies in its sync event's allreduce", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return await allreduce(self, x, *args, **kwargs)
 

@@ -1,8 +1,10 @@
 """A torch job for tests/adversarial/test_rejoin.py: an MLP trained with the
 DistributedOptimizer around Adam over a partial policy (POLICY) on 4 ranks; rank VICTIM
 SIGKILLs itself at step KILL_AT of N on its first start and comes back under ``asynccoll run
---max-restarts``. Every rank prints its global step and a digest of its parameters and of
-Adam's state."""
+--max-restarts``. With KILL_IN_SYNC=R, rank R SIGKILLs itself (once, on its first start) as it
+enters the first sync event's parameter allreduce after step KILL_AT (the one that takes the
+victim's restart back): the others lose it inside the event. Every rank prints its global step
+and a digest of its parameters and of Adam's state."""
 import hashlib
 import os
 import signal
@@ -18,6 +20,21 @@ VICTIM = int(os.environ.get("VICTIMS", "2"))
 POLICY = os.environ.get("POLICY", "solo")
 
 
+def die_in_sync_allreduce(opt, rank) -> None:
+    """Past KILL_AT: SIGKILL this process as it enters a sync event's allreduce (the job's only
+    ``Communicator.allreduce`` calls)."""
+    from asynccoll.comm.communicator import Communicator
+    allreduce = Communicator.allreduce
+
+    async def dying(self, x, *args, **kwargs):
+        if opt.step_count >= KILL_AT:
+            print(f"rank {rank} dies in its sync event's allreduce", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await allreduce(self, x, *args, **kwargs)
+
+    Communicator.allreduce = dying
+
+
 def main() -> None:
     restarted = int(os.environ.get("ASYNCCOLL_RESTART", "0"))
     comm = asynccoll.init()
@@ -26,6 +43,8 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), comm,
                                policy=POLICY)  # (on a restart its broadcast does nothing)
+    if os.environ.get("KILL_IN_SYNC") == str(rank) and not restarted:
+        die_in_sync_allreduce(opt, rank)
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(64, 16, generator=gen)
     y = x.sum(dim=1, keepdim=True) * 0.1

@@ -17,8 +17,10 @@ around Adam, and DDP with ``partial_hook`` around Adam (ranks 0, 1 and 2 killed 
 end. Losses that overlap an admission (a restarted rank that learns of a loss before it is
 taken back, then a loss in the world it joined), and churn: a random rank killed every few
 seconds, ten times. And a rank killed inside a sync event's parameter allreduce: the survivors
-go on (another event follows), it comes back and joins. And a restart that the members end
-the job without taking back: it fails at once, the launcher says why and counts no failure.
+go on (another event follows), it comes back and joins; the same for the torch
+``DistributedOptimizer``, a rank killed inside the event that takes another's restart back.
+And a restart that the members end the job without taking back: it fails at once, the
+launcher says why and counts no failure.
 """
 
 from __future__ import annotations
@@ -216,6 +218,23 @@ def test_torch_distributed_optimizer_around_adam_takes_a_restarted_rank_back() -
     joined = re.search(r"rank 2 joined at step (\d+)", out)
     assert joined is not None, out[-3000:]
     assert int(joined.group(1)) < 200, out[-3000:]  # taken back while the others train
+
+
+@pytest.mark.timeout(200)
+def test_the_distributed_optimizer_survives_a_rank_lost_inside_the_event_that_admits() -> None:
+    # rank 2 killed at step 10 and restarted; rank 3 killed as it enters the sync event's
+    # allreduce that takes rank 2 back: the others go on, take both back, end equal
+    pytest.importorskip("torch")
+    code, out = _run("solo", "2", 2, job=JOB.with_name("_rejoin_torch_job.py"), N="200",
+                     KILL_IN_SYNC="3")
+    assert code == 0, out[-4000:]
+    assert "rank 3 dies in its sync event's allreduce" in out, out[-4000:]
+    said = re.findall(r"rank (\d): rank 3 lost during DistributedOptimizer's sync event \(its "
+                      r"parameters' allreduce\)", out)
+    assert said, out[-4000:]
+    assert set(said) <= {"0", "1"}, out[-4000:]
+    finals = _all_equal_at(out, 200)
+    assert sorted(r for r, _, _, k in finals if k == 1) == [2, 3], finals
 
 
 @pytest.mark.timeout(200)
