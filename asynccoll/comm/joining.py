@@ -210,6 +210,13 @@ class Joiners:
             self._asked.discard(r)
         return got
 
+    def again(self, ranks: Sequence[int]) -> None:
+        """An admission of ``ranks`` (:meth:`agreed`) failed on this member before it took them
+        back (a loss in the event): they are ready still, until they are lost or a new process
+        takes their place, and a later event asks again (a joiner says it is ready once)."""
+        self.job.in_runtime(lambda: self._ready.update(
+            r for r in ranks if r not in self.job.membership.gone))
+
 
 async def admit(h: Joinable, now: Any, joiners: list[int], state: Sequence[Any],
                 meta: dict[str, Any] | None = None) -> Any:
@@ -359,23 +366,16 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     sid = channel(name)
     views = [_bytes(a) for a in state]
 
-    loop_box: list[asyncio.Future[Any]] = []
-    heads: list[asyncio.Future[Any]] = []
-    byes: list[asyncio.Future[Any]] = []
+    box: list[_Awaited] = []
 
     def say(r: int) -> None:  # on the runtime's loop: "ready" to r, and its header awaited
         t.post_frame(r, int(Kind.DATA), sid, 0, READY, _NOTHING
                      ).add_done_callback(ignore_outcome)
-        head = t.post_recv(r, sid, 0, HEADER)
-        head.add_done_callback(lambda f: _deliver(loop_box[0], f, heads))
-        heads.append(head)
-        # a member that closes first will never take this rank back (the job ended)
-        bye = t.post_recv(r, CLOSE_SCHED, 0, 0)
-        bye.add_done_callback(lambda f: _closed(loop_box[0], f, r))
-        byes.append(bye)
+        # its header, or its goodbye (a rank that closes first will never send one)
+        box[0].wait_for(r, t.post_recv(r, sid, 0, HEADER), t.post_recv(r, CLOSE_SCHED, 0, 0))
 
     def ready() -> int:
-        loop_box.append(asyncio.get_running_loop().create_future())
+        box.append(_Awaited(asyncio.get_running_loop().create_future()))
         reachable = [r for r in range(job.size) if r != job.rank and not t.matcher.is_lost(r)]
         for r in reachable:
             say(r)
@@ -387,14 +387,13 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     def done() -> None:
         with contextlib.suppress(ValueError):
             job.membership.join_listeners.remove(say)
-        for f in (*heads, *byes):
-            f.cancel()
+        box[0].cancel()
 
     if not await job.on_runtime(ready):
         await job.on_runtime(done)
         raise PeerLostError(job.rank, f"no member of the job is reachable to join {name!r}")
     try:
-        got = await _bounded(job, lambda: loop_box[0], timeout,
+        got = await _bounded(job, lambda: box[0].header, timeout,
                              f"be taken back by the members for {name!r}")
     except _EndedFirst as exc:  # its launcher hears why first, and counts no failure
         report = job.report_joined(f"{exc.reason} (partial allreduce {name!r})", ended=True)
@@ -484,33 +483,54 @@ async def _settled(job: Any, futs: list[asyncio.Future[Any]], timeout: float | N
     await _bounded(job, lambda: asyncio.gather(*futs), timeout, what)
 
 
-def _deliver(box: asyncio.Future[Any], fut: asyncio.Future[Any],
-             heads: list[asyncio.Future[Any]]) -> None:
-    """A member's header in ``fut``: the first one is the joiner's. Once every rank it awaits
-    one from is lost (the job ended before this rank was taken back: its members exited),
-    the join fails at once with :class:`~asynccoll.PeerLostError`, not at its timeout."""
-    if box.done() or fut.cancelled():
-        return
-    exc = fut.exception()
-    if exc is None:
-        box.set_result(fut.result())
-    elif all(h.done() and not h.cancelled() and h.exception() is not None for h in heads):
-        rank = exc.rank if isinstance(exc, PeerLostError) else -1
-        box.set_exception(_EndedFirst(rank, "every member of the job was gone before taking "
-                                            "it back: the job ended"))
-
-
 class _EndedFirst(PeerLostError):
     """A joiner's members ended the job before they took it back (:func:`join`)."""
 
 
-def _closed(box: asyncio.Future[Any], fut: asyncio.Future[Any], r: int) -> None:
-    """Member ``r`` said it is closing before it took the joiner back: the join fails at once
-    (its goodbye is taken here; the joiner's own close, if it makes one, finds ``r`` gone or
-    waits for it to go)."""
-    if not box.done() and not fut.cancelled() and fut.exception() is None:
-        box.set_exception(_EndedFirst(r, f"rank {r} closed before taking it back: the job "
-                                         "ended"))
+class _Awaited:
+    """A joiner's wait for its header (on the runtime's loop): the first header any rank
+    sends is the one (``header``). A rank that is lost, or says goodbye (it closes: it will
+    never send one), is silent; once every rank awaited is, the job has ended without taking
+    this rank back, and the wait fails at once with :class:`_EndedFirst`, not at its timeout.
+    One silent rank is not enough: another restarted rank that gives up and closes, or a
+    rank lost meanwhile, says nothing about the members."""
+
+    def __init__(self, header: asyncio.Future[Any]) -> None:
+        self.header = header
+        self._futs: dict[int, tuple[asyncio.Future[Any], asyncio.Future[Any]]] = {}
+        self._silent: dict[int, str] = {}  # rank -> "closed" or "lost"
+
+    def wait_for(self, r: int, head: asyncio.Future[Any], bye: asyncio.Future[Any]) -> None:
+        """Await rank ``r``'s header ``head`` or goodbye ``bye`` (again: a new process)."""
+        for f in self._futs.get(r, ()):
+            f.cancel()
+        self._futs[r] = (head, bye)
+        self._silent.pop(r, None)
+        head.add_done_callback(lambda f: self._heard(r, f, "lost"))
+        bye.add_done_callback(lambda f: self._heard(r, f, "closed"))
+
+    def _heard(self, r: int, fut: asyncio.Future[Any], silent: str) -> None:
+        if self.header.done() or fut.cancelled() or self._futs.get(r, ()).count(fut) == 0:
+            return
+        exc = fut.exception()
+        if silent == "lost" and exc is None:
+            self.header.set_result(fut.result())
+            return
+        if silent == "closed" and exc is not None:
+            return  # (the goodbye's receive failed: the rank is lost, its header says so too)
+        self._silent[r] = silent
+        if len(self._silent) == len(self._futs):
+            closed = sorted(q for q, how in self._silent.items() if how == "closed")
+            lost = sorted(q for q, how in self._silent.items() if how == "lost")
+            why = " and ".join(f"ranks {ranks} {what}" for what, ranks in
+                               (("closed", closed), ("were lost", lost)) if ranks)
+            self.header.set_exception(_EndedFirst(
+                (closed or lost)[0], f"{why} before taking it back: the job ended"))
+
+    def cancel(self) -> None:
+        for pair in self._futs.values():
+            for f in pair:
+                f.cancel()
 
 
 async def _bounded(job: Any, wait: Any, timeout: float | None, what: str) -> Any:

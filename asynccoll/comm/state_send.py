@@ -29,12 +29,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 
-from ..errors import PeerLostError
+from ..errors import PeerLostError, TransportError
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 from .cma import cma_enabled, read_remote
@@ -50,8 +52,9 @@ log = logging.getLogger("asynccoll.comm")
 # tags on a handle's joining channel
 READY, HEADER, _STRIPE, GO, _PLAN, _FILLED, _FREED, _DONE = range(8)
 _NOTHING = memoryview(b"")
-_YES, _NO = b"\x01", b"\x00"
+_YES, _NO, _FAILED = b"\x01", b"\x00", b"\x02"  # a read in place's verdicts
 _warned: set[str] = set()  # the one warning per process and kind
+_pid = os.getpid  # the process a member offers to be read in (a test names another here)
 
 
 def go_frame(token: int, switches: Switches) -> bytes:
@@ -109,53 +112,84 @@ async def give(t: Any, sid: int, r: int, first: int, views: list[Any], mine: lis
 
 
 async def _lend(t: Any, sid: int, r: int, views: list[Any]) -> bool:
-    """The member's side of a read in place: ``PLAN`` with this process's id and the
-    addresses of ``views``, then wait for the joiner's verdict (its ``DONE``): True when it
-    read the whole stripe, False when it could not read (the member sends it another way)."""
+    """The member's side of a read in place: ``PLAN`` with this process's id, the addresses
+    of ``views`` and of a marker of random bytes (which the joiner reads first: a pid that
+    names another process, as from another pid namespace on a host that looks the same, then
+    reads no marker), then wait for the joiner's verdict (its ``DONE``): True when it read the
+    whole stripe, False when it could not read (the member sends it another way). Raises
+    :class:`~asynccoll.PeerLostError` naming the joiner when its read failed part-way (its
+    join fails: the admission goes on without it)."""
+    nonce = secrets.token_bytes(16)
+    mark = np.frombuffer(nonce, np.uint8).copy()  # (alive until the verdict)
     verdict = t.post_recv(r, sid, 0, _DONE)
     try:
         await t.post_frame(r, int(Kind.DATA), sid, 0, _PLAN, msgpack.packb(
-            {"pid": os.getpid(), "addrs": [_address(v) for v in views]}))
-        got = await verdict
+            {"pid": _pid(), "addrs": [_address(v) for v in views],
+             "mark": _address(mark), "nonce": nonce}))
+        got = bytes((await verdict).payload[:1])
     finally:
         verdict.cancel()
-    return bytes(got.payload[:1]) == _YES
+    if got == _FAILED:
+        raise PeerLostError(r, "its read of this rank's stripe failed part-way")
+    return got == _YES
 
 
 async def _read(t: Any, sid: int, src: int, plan: dict[str, Any], views: list[Any],
-                mine: list[Unit], sums: Digest) -> bool:
-    """The joiner's side of a read in place from donor ``src`` (module doc): its units
-    ``mine`` out of its process into ``views``, each hashed into ``sums`` as it lands, then
-    the verdict. False (and ``NO`` said) when the first read is refused."""
+                mine: list[Unit], sums: Digest, may: bool) -> bool:
+    """The joiner's side of a read in place from donor ``src`` (module doc): its marker
+    first, then its units ``mine`` out of its process into ``views``, each hashed into
+    ``sums`` as it lands, then the verdict. False (and ``NO`` said) when this joiner may not
+    read (``may``: what its ``GO`` said) or the first read is refused, fails or finds no
+    marker; a read that fails later says so (``FAILED``) and raises
+    :class:`~asynccoll.TransportError`."""
     pid, there = int(plan["pid"]), [int(a) for a in plan["addrs"]]
     if len(there) != len(views):
         raise ValueError(f"rank {src} offered {len(there)} arrays to read; the state has "
                          f"{len(views)}")
     here = [_address(v) for v in views]
 
+    def say(verdict: bytes) -> None:
+        t.post_frame(src, int(Kind.DATA), sid, 0, _DONE, verdict
+                     ).add_done_callback(ignore_outcome)
+
+    def probe() -> None:  # the marker, then the first unit (on an executor thread)
+        nonce = bytes(plan.get("nonce", b""))
+        got = np.zeros(len(nonce), np.uint8)
+        read_remote(pid, int(plan.get("mark", 0)), _address(got), got.size)
+        if not nonce or got.tobytes() != nonce:
+            raise OSError(f"process {pid} does not hold rank {src}'s marker (another process "
+                          "of that number: a separate pid namespace?)")
+        one(mine[0])
+
     def one(u: Unit) -> None:  # on an executor thread (the read and the hash release the GIL)
         j, lo, hi = u
-        try:
-            read_remote(pid, there[j] + lo, here[j] + lo, hi - lo)
-        except ProcessLookupError as exc:
-            raise PeerLostError(src, f"its process {pid} is gone ({exc.strerror})") from exc
+        read_remote(pid, there[j] + lo, here[j] + lo, hi - lo)
         sums.take(u)
 
     loop = asyncio.get_running_loop()
     try:
-        await loop.run_in_executor(None, one, mine[0])
-    except (OSError, RuntimeError) as exc:
+        if not may:
+            raise RuntimeError("this rank did not offer to read (ASYNCCOLL_CMA=0)")
+        await loop.run_in_executor(None, probe)
+    except (OSError, RuntimeError) as exc:  # (ProcessLookupError too: an OSError)
         _warn_once("read", f"rank {t.rank}: cannot read the state out of rank {src}'s memory "
                    f"({exc}); it comes through a shared-memory ring or over the network")
-        t.post_frame(src, int(Kind.DATA), sid, 0, _DONE, _NO).add_done_callback(ignore_outcome)
+        say(_NO)
         return False
 
     async def lane(us: Sequence[Unit]) -> None:
         for u in us:
             await loop.run_in_executor(None, one, u)
 
-    await _all([lane(mine[1 + k::2]) for k in range(2)])
-    t.post_frame(src, int(Kind.DATA), sid, 0, _DONE, _YES).add_done_callback(ignore_outcome)
+    try:
+        await _all([lane(mine[1 + k::2]) for k in range(2)])
+    except (OSError, RuntimeError) as exc:
+        say(_FAILED)
+        if isinstance(exc, ProcessLookupError):
+            raise PeerLostError(src, f"its process {pid} is gone") from exc
+        raise TransportError(f"rank {t.rank}: reading rank {src}'s stripe out of its memory "
+                             f"failed part-way: {exc}") from exc
+    say(_YES)
     return True
 
 
@@ -188,7 +222,8 @@ async def take_all(t: Any, sid: int, donors: list[int], first: int, views: list[
     async def take(i: int, src: int) -> None:
         plan = msgpack.unpackb(bytes((await plans[i]).payload))
         if "pid" in plan:
-            if await _read(t, sid, src, plan, views, parts[i], sums):
+            if await _read(t, sid, src, plan, views, parts[i], sums,
+                           switches.cma and cma_enabled()):
                 for f in frames[i]:
                     f.cancel()
                 by["read"].append(src)

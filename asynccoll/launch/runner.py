@@ -544,6 +544,7 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
     extra: set[asyncio.Future[Any]] = {stop_sig}
     failed = 0
     finished: list[int] = []  # ranks whose latest process exited 0
+    excused: dict[int, int] = {}  # ranks whose restart the job ended without: their codes
     if abort_task is not None:
         extra.add(abort_task)
     try:
@@ -581,7 +582,9 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
                     finished.append(rank)
                 elif await ranks.ended_first(rank):
                     # Its restart said the job ended before the members took it back (they
-                    # closed while it waited): nothing failed, and nobody is left to join.
+                    # closed while it waited): nothing failed, and nobody is left to join;
+                    # unless no rank here finishes with 0 (checked at the end)
+                    excused[rank] = code
                     _say(err, f"rank {rank} {how}: the job ended before its restart was taken "
                               "back; not counted as a failure")
                     continue
@@ -609,6 +612,10 @@ async def _watch(cfg: LaunchConfig, ranks: _Ranks, stop_sig: asyncio.Future[int]
                                              .encode(), timeout=2.0)
                     await ranks.stop()
                     return code
+        if excused and not finished:  # the job did not end here after all: nothing exited 0
+            rank, code = min(excused.items())
+            _say(err, f"no rank finished; rank {rank}'s exit code {code} is the job's")
+            return code
         return 0
     finally:
         for w in waits:

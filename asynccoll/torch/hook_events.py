@@ -239,6 +239,7 @@ class HookEvents(JoinSide):
                 try:
                     self._admit(opt, now, admitted)
                 except PeerLostError as exc:
+                    self._joiners.again(admitted)
                     self._lost_in_event(exc, f"taking {admitted} back")
         return done, held
 

@@ -128,6 +128,7 @@ class SyncEvents(JoinSide):
                 try:
                     self._admit(now, admitted, equal=averaged)
                 except PeerLostError as exc:
+                    self._joiners.again(admitted)
                     self._lost_in_event(exc, f"taking {admitted} back")
         return done, res.count
 

@@ -199,14 +199,18 @@ class TakesJoinersBack(JoinSide):
         admitted = self._joiners.agreed(summed, now.members)
         if not admitted:
             return
-        if not equal:
-            np.copyto(self.params, await now.broadcast(self.params, 0, self.timeout))
-        if self._has_momentum():  # equal too: the lowest member's (one broadcast)
-            v = self.updater._v
-            np.copyto(v, await now.broadcast(v, 0, self.timeout))
-        assert self._h is not None
-        _, self._check = await joining.admit_sent(self._h, now, admitted, self._state(),
-                                                  self._join_meta())
+        try:
+            if not equal:
+                np.copyto(self.params, await now.broadcast(self.params, 0, self.timeout))
+            if self._has_momentum():  # equal too: the lowest member's (one broadcast)
+                v = self.updater._v
+                np.copyto(v, await now.broadcast(v, 0, self.timeout))
+            assert self._h is not None
+            _, self._check = await joining.admit_sent(self._h, now, admitted, self._state(),
+                                                      self._join_meta())
+        except PeerLostError:
+            self._joiners.again(admitted)  # (those still waiting: asked at the next event)
+            raise
 
     async def _settle_join(self) -> None:
         """At a sync event, before its allreduce (the grown communicator's next collective):

@@ -10,7 +10,9 @@ copied the first chunk out of a ring, or ``DIE_AT=read``, once it read the first
 donor's memory (the path taken by default on one host; the rings with ``ASYNCCOLL_CMA=0``).
 With ``NO_READ`` set, the restarted process's reads of the donors' memory are refused, as a
 kernel whose Yama ``ptrace_scope`` forbids them refuses (the donors' fallback to the rings).
-With ``NO_ROOM`` set, no member can make a ring's segment
+With ``WRONG_PID`` set, every member offers its parent's process id (the launcher's: another
+process of the same user, as a pid from another pid namespace would name) for the joiner to
+read its stripe in. With ``NO_ROOM`` set, no member can make a ring's segment
 (as in a full tmpfs). The ring is taken from 1 MiB stripes (``ASYNCCOLL_JOIN_RING_MIN``;
 128 MiB by default). A member prints whether each ring it closed is gone from the directory
 when it did. The members call until the restarts they expect were
@@ -45,8 +47,8 @@ def die_mid_transfer(where: str) -> None:
     if where == "read":
         read, done = state_send.read_remote, []
 
-        def reading(*args):  # the first unit read out of a donor's memory, then dead
-            if done:
+        def reading(*args):  # a donor's marker and first unit read, then dead
+            if len(done) == 2:
                 die()
             read(*args)
             done.append(1)
@@ -116,6 +118,8 @@ async def main():
     i = 0
     if not RESTART:
         report_ring_closes(rank)
+        if os.environ.get("WRONG_PID"):
+            state_send._pid = os.getppid
         if os.environ.get("NO_ROOM"):
             no_room_for_rings()
     if RESTART:

@@ -16,7 +16,8 @@ unlinked the job's files at its end). Then the restarted process SIGKILLs itself
 chunk out; or after reading the first unit out of a member), the members go on without it
 (they say so), its next restart joins, and still nothing is left. Members that cannot make a
 segment (a full tmpfs) send over the network, each saying so in one warning; a joiner whose
-reads are refused (as under Yama) says so once and takes the members' rings.
+reads are refused (as under Yama), or whose members name another process to read in (its
+marker is not there), says so once and takes the members' rings.
 """
 
 from __future__ import annotations
@@ -91,6 +92,16 @@ def test_a_joiner_whose_reads_are_refused_says_so_once_and_takes_the_rings() -> 
         out[-4000:]
     assert re.findall(r"RING rank=\d gone=(\w+)", out) == ["True"] * 3, out[-4000:]
     _ends_equal(out, left, None)
+
+
+@pytest.mark.timeout(170)
+def test_a_member_that_names_another_process_is_not_read_and_sends_through_its_ring() -> None:
+    code, out, left = _run(1, cma=True, WRONG_PID="1")
+    assert code == 0, out[-4000:]
+    assert _joined_through_shm(out), out[-4000:]  # through the rings, nothing read in place
+    assert len(re.findall(r"rank 2: cannot read the state out of rank \d's memory \(", out)) \
+        == 1, out[-4000:]
+    _ends_equal(out, left)
 
 
 @pytest.mark.timeout(170)
