@@ -3,18 +3,23 @@ of three paths, which the member chooses (:func:`~.route.state_route`) and names
 frame (``PLAN``), and the joiner's side of each.
 
 * **Read in place** (the joiner's host; cross-memory attach, :mod:`.cma`): the member's
-  ``PLAN`` carries its process id and the addresses of its arrays; the joiner reads each unit
-  of the stripe straight out of the member's arrays into its own (``process_vm_readv``: one
-  copy, made by the kernel, on the joiner's executor threads, two units in flight per member),
-  hashes it while it is still in the caches, and says ``DONE``. The member holds its state
-  unchanged until then, and writes nothing anywhere: the joiner reads, bounded by its own
-  arrays, at the addresses a member gave (a member is trusted with the state anyway; one that
-  lies gets the joiner the wrong bytes, which the digest comparison then reports). The first
-  read is the probe: where it is refused (a kernel whose Yama ``ptrace_scope`` forbids it, a
-  container's seccomp profile, ``ASYNCCOLL_CMA=0`` on either side), the joiner says ``NO``
-  (one warning per process) and the member sends a second ``PLAN`` and its stripe by one of
-  the two other paths. Measured (docs/benchmarks.md, "join"): the path that copies each byte
-  once, where the two others copy it twice (ring) or through the kernel's socket buffers.
+  ``PLAN`` carries its process id, the addresses of its arrays and of a marker of random bytes
+  (sent in the ``PLAN`` too, which the joiner reads first: a process id that names another
+  process, as one from another pid namespace on a host that hashes the same would, finds no
+  marker and is refused); the joiner then reads each unit of the stripe straight out of the
+  member's arrays into its own (``process_vm_readv``: one copy, made by the kernel, on the
+  joiner's executor threads, two units in flight per member), hashes it while it is still in
+  the caches, and says ``DONE``. The member holds its state unchanged until then, and writes
+  nothing anywhere: the joiner reads, bounded by its own arrays, at the addresses a member
+  gave (a member is trusted with the state anyway; one that lies gets the joiner the wrong
+  bytes, which the digest comparison then reports). The first read is the probe: where it is
+  refused or fails (a kernel whose Yama ``ptrace_scope`` forbids it, a container's seccomp
+  profile, no marker, ``ASYNCCOLL_CMA=0`` on either side), the joiner says ``NO`` (one warning
+  per process) and the member sends a second ``PLAN`` and its stripe by one of the two other
+  paths. A read that fails part-way says ``FAILED``: the joiner's join raises, and the
+  member's admission goes on without it. Measured (docs/benchmarks.md, "join"): the path that
+  copies each byte once, where the two others copy it twice (ring) or through the kernel's
+  socket buffers: 1.6x either at 1 GiB on the 2-core machine, at 0.64x their CPU.
 * **Ring** (the joiner's host, a stripe of ``ASYNCCOLL_JOIN_RING_MIN`` bytes or more): a ring
   of slots in a segment the member makes (:mod:`.state_ring`).
 * **Network**: one frame per unit over the connection, into the receives the joiner posted
