@@ -210,15 +210,17 @@ def test_exact_accounting_under_churn() -> None:
 def test_torch_distributed_optimizer_around_adam_takes_a_restarted_rank_back() -> None:
     # One script for first starts and restarts: the constructor's broadcast does nothing on
     # the joiner, the loop runs on step_count. 200 steps: the restarted process imports torch
-    # before it can join (seconds). DDP with partial_hook: the churn test below.
+    # before it can join (seconds). DDP with partial_hook: the churn test below. 300 steps:
+    # under the suite's load the restart once took 6.9 s from connect() to joined, and 200
+    # steps were over by then (joined at the members' finish, equal, but not while training).
     pytest.importorskip("torch")
-    code, out = _run("solo", "2", 1, job=JOB.with_name("_rejoin_torch_job.py"), N="200")
+    code, out = _run("solo", "2", 1, job=JOB.with_name("_rejoin_torch_job.py"), N="300")
     assert code == 0, out[-4000:]
-    finals = _all_equal_at(out, 200)  # the digest covers Adam's state too
+    finals = _all_equal_at(out, 300)  # the digest covers Adam's state too
     assert [r for r, _, _, k in finals if k == 1] == [2], finals
     joined = re.search(r"rank 2 joined at step (\d+)", out)
     assert joined is not None, out[-3000:]
-    assert int(joined.group(1)) < 200, out[-3000:]  # taken back while the others train
+    assert int(joined.group(1)) < 300, out[-3000:]  # taken back while the others train
 
 
 @pytest.mark.timeout(200)
