@@ -67,8 +67,9 @@ from ..collectives._plan import block_bounds
 from ..errors import PeerLostError
 from ..sched import BUILTIN_KERNELS, BufRef, KernelRegistry, Schedule, SlotSpec
 
-__all__ = ["CMA_KERNELS", "CMA_MIN_BLOCK", "CMA_OWN_KERNELS", "CMA_PIECE", "build_cma_allreduce",
-           "cma_enabled", "cma_size", "hold", "read_remote", "write_remote"]
+__all__ = ["CMA_KERNELS", "CMA_MIN_BLOCK", "CMA_OWN_KERNELS", "CMA_PIECE", "address",
+           "build_cma_allreduce", "cma_enabled", "cma_size", "hold", "read_remote",
+           "write_remote"]
 
 #: bytes of each piece of the reduce (read from each peer into scratch and added, then written
 #: into every peer): measured at P = 4, 16 MiB (alternated, 2026-11-24): 1 MiB pieces 8.2-10.2
@@ -169,7 +170,8 @@ def _peer(peer: int, pid: int, fn: Any, remote: int, local: int, nbytes: int) ->
         raise PeerLostError(peer, f"its process {pid} is gone ({exc.strerror})") from exc
 
 
-def _address(a: np.ndarray[Any, Any]) -> int:
+def address(a: np.ndarray[Any, Any]) -> int:
+    """Where ``a``'s data starts in this process (what a peer reads or writes at)."""
     return int(a.__array_interface__["data"][0])
 
 
@@ -177,7 +179,7 @@ def _address(a: np.ndarray[Any, Any]) -> int:
 def _k_address(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
                msgs: Sequence[Any]) -> None:
     """``out[0]`` = the address of the caller's whole array (``inputs[0]``)."""
-    out[0] = _address(inputs[0])
+    out[0] = address(inputs[0])
 
 
 def _k_reduce(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
@@ -201,11 +203,11 @@ def _k_reduce(out: Any, inputs: Sequence[Any], params: Mapping[str, Any],
     for lo in range(0, flat.size, per):
         mine = flat[lo:lo + per]
         part = piece[:mine.size]
-        local, nbytes = _address(part), mine.nbytes
+        local, nbytes = address(part), mine.nbytes
         for peer, pid, base in peers:
             _peer(peer, pid, read_remote, base + lo * out.itemsize, local, nbytes)
             fn(mine, part, out=mine)
-        at = _address(mine)  # the piece reduced, still in the caches: into every peer
+        at = address(mine)  # the piece reduced, still in the caches: into every peer
         for peer, pid, base in peers:
             _peer(peer, pid, write_remote, base + lo * out.itemsize, at, nbytes)
 

@@ -44,7 +44,7 @@ import numpy as np
 from ..errors import PeerLostError, TransportError
 from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
-from .cma import cma_enabled, read_remote
+from .cma import address, cma_enabled, read_remote
 from .route import READ, SHM, Switches, state_route
 from .shm import host_hash
 from .state_digest import INLINE_BYTES, Digest, pool, units
@@ -67,10 +67,6 @@ def go_frame(token: int, switches: Switches) -> bytes:
     out: bytes = msgpack.packb({"host": host_hash(), "token": token, "shm": switches.shm,
                                 "read": switches.cma and cma_enabled()})
     return out
-
-
-def _address(v: Any) -> int:
-    return int(v.__array_interface__["data"][0])
 
 
 async def give(t: Any, sid: int, r: int, first: int, views: list[Any], mine: list[Unit],
@@ -129,8 +125,8 @@ async def _lend(t: Any, sid: int, r: int, views: list[Any]) -> bool:
     verdict = t.post_recv(r, sid, 0, _DONE)
     try:
         await t.post_frame(r, int(Kind.DATA), sid, 0, _PLAN, msgpack.packb(
-            {"pid": _pid(), "addrs": [_address(v) for v in views],
-             "mark": _address(mark), "nonce": nonce}))
+            {"pid": _pid(), "addrs": [address(v) for v in views],
+             "mark": address(mark), "nonce": nonce}))
         got = bytes((await verdict).payload[:1])
     finally:
         verdict.cancel()
@@ -151,7 +147,7 @@ async def _read(t: Any, sid: int, src: int, plan: dict[str, Any], views: list[An
     if len(there) != len(views):
         raise ValueError(f"rank {src} offered {len(there)} arrays to read; the state has "
                          f"{len(views)}")
-    here = [_address(v) for v in views]
+    here = [address(v) for v in views]
 
     def say(verdict: bytes) -> None:
         t.post_frame(src, int(Kind.DATA), sid, 0, _DONE, verdict
@@ -160,7 +156,7 @@ async def _read(t: Any, sid: int, src: int, plan: dict[str, Any], views: list[An
     def probe() -> None:  # the marker, then the first unit (on an executor thread)
         nonce = bytes(plan.get("nonce", b""))
         got = np.zeros(len(nonce), np.uint8)
-        read_remote(pid, int(plan.get("mark", 0)), _address(got), got.size)
+        read_remote(pid, int(plan.get("mark", 0)), address(got), got.size)
         if not nonce or got.tobytes() != nonce:
             raise OSError(f"process {pid} does not hold rank {src}'s marker (another process "
                           "of that number: a separate pid namespace?)")
