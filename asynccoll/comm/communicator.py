@@ -182,6 +182,7 @@ class Communicator(PartialCollectives):
         self._group_key = "world"
         self._shrunk: Communicator | None = None
         self._parent: Communicator | None = None
+        self._closes_parent = False  # the first world of a job that may grow (first_world)
         self._pid = os.getpid()
         _OPEN.add(self)
         #: seconds this rank adds to its clock to read rank 0's (:meth:`sync_clocks`)
@@ -290,6 +291,8 @@ class Communicator(PartialCollectives):
         finally:
             if not self._engine.on_loop():
                 self._engine.release()
+        if self._closes_parent and self._parent is not None:
+            await self._parent.close(max(0.0, deadline - time.monotonic()))
 
     def close_at_exit(self, pid: int) -> concurrent.futures.Future[None] | None:
         """The interpreter's exit hook's part (:func:`_close_at_exit`): when this is process
@@ -322,6 +325,8 @@ class Communicator(PartialCollectives):
         finally:
             self._closed = True
             self._engine.release()
+            if self._closes_parent and self._parent is not None:
+                self._parent._engine.release()  # noqa: SLF001 - closed on the loop: not released
 
     async def _close_on_loop(self, wait: float = 0.0) -> None:
         if wait > 0 and self.size > 1 and not self.transport.closed:

@@ -52,6 +52,7 @@ class Grouping:
     _group_key: str
     _shrunk: Any
     _parent: Any
+    _closes_parent: bool
     #: whether this process took a lost rank's place in a running job (``connect()`` in a
     #: process restarted by ``asynccoll run --max-restarts``): its training classes receive
     #: the state from the members before they contribute (:mod:`.joining`)
@@ -274,6 +275,19 @@ class Grouping:
             if r in self.membership.gone:
                 child.membership.learn(PeerLostError(g, f"rank {r} of the parent was lost "
                                                         "before this group was made"), tell=False)
+        return child
+
+    def first_world(self: G, size: int) -> G:
+        """The communicator of the job's ranks ``0..size-1``, made without a collective, on
+        the job's communicator of a job that may grow (:func:`asynccoll.connect`: the ranks
+        above are vacant). Its ranks are the job's; it knows the host layout as a group does;
+        closing it closes the job's communicator too (the caller holds only this one)."""
+        if self._parent is not None or not 0 < size <= self.size or self.rank >= size:
+            raise ValueError(f"first_world({size}) is made from the job's communicator, with "
+                             f"this rank ({self.rank}) among its ranks")
+        self._groups_made += 1
+        child = self._make_group(list(range(size)), f"{self._group_key}/first")
+        child._closes_parent = True  # noqa: SLF001 - a communicator of its own class
         return child
 
     @property

@@ -84,8 +84,10 @@ class Membership:
         self.live = live
         #: the first loss this rank learned of, or None
         self.lost: PeerLostError | None = None
-        #: every rank this rank learned is lost
-        self.gone: set[int] = set()
+        #: every rank this rank learned is lost, and the vacant ranks of a job that may grow
+        #: (:meth:`Transport.vacate <asynccoll.transport.base.Transport.vacate>`: no process
+        #: held them yet; not a loss, and never :attr:`lost`)
+        self.gone: set[int] = set(transport.vacant)
         self._closing: Callable[[], bool] = lambda: False
         self._sent: dict[int, int] = {}  # per peer: the loss notices sent to it
         self._recvs: dict[int, asyncio.Future[Message]] = {}
@@ -104,6 +106,7 @@ class Membership:
         self.join_listeners: list[Callable[[int], None]] = []
         #: the ranks whose place a new process took, in order (a rank may come back twice)
         self.rejoined: list[int] = []
+        self._vacant = set(transport.vacant)  # not taken yet
 
     @property
     def _peers(self) -> list[int]:
@@ -136,6 +139,8 @@ class Membership:
         communicator of its own."""
         if self._closing():
             return
+        grew = rank in self._vacant
+        self._vacant.discard(rank)
         self.gone.discard(rank)
         if self.lost is not None and self.lost.rank == rank:
             self.lost = None if not self.gone else PeerLostError(
@@ -144,8 +149,12 @@ class Membership:
         self._post_recv(rank, 0)
         self._post_ask(rank, 0)
         self.rejoined.append(rank)
-        log.warning("rank %d: a restarted process took the place of lost rank %d",
-                    self.transport.rank, rank)
+        if grew:
+            log.warning("rank %d: a new process took vacant rank %d (the job may grow)",
+                        self.transport.rank, rank)
+        else:
+            log.warning("rank %d: a restarted process took the place of lost rank %d",
+                        self.transport.rank, rank)
         for cb in list(self.join_listeners):
             try:
                 cb(rank)

@@ -33,8 +33,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="ranks to start on this node")
     p.add_argument("--transport", choices=("tcp", "ucx"), default="tcp",
                    help="how the ranks talk to each other (default: tcp)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (launchers)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    p.add_argument("--nnodes", type=_nnodes, default=(1, None), metavar="N|MIN:MAX",
+                   help="number of nodes (launchers); MIN:MAX: the job starts once nodes "
+                        "0..MIN-1 met, and a launcher of node MIN..MAX-1 started later with "
+                        "the same --rdzv and secret adds its ranks to the running job "
+                        "(docs/launch.md, Growing)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index, 0..nnodes-1 (0..MAX-1)")
     p.add_argument("--rdzv", metavar="HOST:PORT", default=None,
                    help="the store's address on node 0 (node 0 binds it); required with "
                         "--nnodes > 1; default: a free port on 127.0.0.1")
@@ -83,6 +88,20 @@ def _argv(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-u", *cmd]
 
 
+def _nnodes(text: str) -> tuple[int, int | None]:
+    """``--nnodes``: ``N`` or ``MIN:MAX`` as (MIN, MAX or None)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        first, most = int(lo), int(hi) if sep else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be N or MIN:MAX (integers), got {text!r}"
+                                         ) from None
+    if first < 1 or (most is not None and most < first):
+        raise argparse.ArgumentTypeError(f"must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX, "
+                                         f"got {text!r}")
+    return first, None if most == first else most
+
+
 def _secret(args: argparse.Namespace) -> bytes:
     if args.secret_file:
         return user_secret({"ASYNCCOLL_SECRET_FILE": args.secret_file})
@@ -92,7 +111,7 @@ def _secret(args: argparse.Namespace) -> bytes:
             raise ConfigError("ASYNCCOLL_SECRET", f"must be at least 16 characters, "
                                                   f"got {len(raw)}")
         return raw.encode()
-    if os.environ.get("ASYNCCOLL_SECRET_FILE") or args.nnodes > 1:
+    if os.environ.get("ASYNCCOLL_SECRET_FILE") or (args.nnodes[1] or args.nnodes[0]) > 1:
         return user_secret(os.environ)
     return secrets.token_hex(32).encode()
 
@@ -102,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         rdzv = parse_hostport(args.rdzv, "--rdzv") if args.rdzv else None
         cfg = LaunchConfig(nproc=args.nproc, argv=_argv(args), secret=_secret(args),
-                           nnodes=args.nnodes, node_rank=args.node_rank, rdzv=rdzv,
+                           nnodes=args.nnodes[0], max_nnodes=args.nnodes[1],
+                           node_rank=args.node_rank, rdzv=rdzv,
                            transport=args.transport, host=args.host, grace=args.grace,
                            join_timeout=args.rdzv_timeout, max_failures=args.max_failures,
                            max_restarts=args.max_restarts, verbose=args.verbose)

@@ -127,6 +127,9 @@ async def connect(rank: int | None = None, world_size: int | None = None,
             survive = int(os.environ.get("ASYNCCOLL_MAX_FAILURES") or 0) > 0
         except ValueError:
             raise ConfigError("ASYNCCOLL_MAX_FAILURES", "must be an int") from None
+        # a job that may grow takes new ranks in as it takes restarted ones back: through
+        # the partial handles' survival (docs/groups.md, "Growing")
+        survive = survive or spec.capacity > spec.world_size
     if os.environ.get(errorfile.ENV):  # set by ``asynccoll run``, which blames the first failure
         errorfile.install(os.environ[errorfile.ENV], spec.rank)
     # A SIGTERM unlinks this rank's shared-memory segments first; under ``asynccoll run`` the
@@ -146,7 +149,7 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     engine.call(lambda: setattr(t, "admit_rejoins", bool(survive)))
     comm = Communicator(t, progress=engine, timeout=ctimeout, trace=trace, stall_warn=stall,
                         survive=survive)
-    if spec.restart:
+    if spec.restart or spec.grows:
         # Taking a lost rank's place: the members are busy with their own collectives; the
         # training classes ask to be taken back (asynccoll.comm.joining). No clock exchange
         # (arrival stamps here are this host's clock) and no host layout (network paths).
@@ -155,9 +158,19 @@ async def connect(rank: int | None = None, world_size: int | None = None,
             comm.joined_report = joined.Reporter(spec.store, spec.secret, spec.rank,
                                                  spec.restart)
         return comm
+    job = comm
+    if spec.capacity > spec.world_size:
+        # A job that may grow: the job's communicator spans every rank id, the vacant ones
+        # lost from the start (no process holds them); the caller trains on the first world's
+        # ranks, a group of it made without a collective (its ranks are the job's), which
+        # closes the job's communicator with it. The handles grow onto the job's ranks that
+        # join (asynccoll.comm.joining), as they take restarted ranks back.
+        comm = job.first_world(spec.world_size)
     try:
         await comm.sync_clocks()  # so that arrival times compare across hosts
     except BaseException:
         await comm.close(timeout=0)
+        await job.close(timeout=0)
         raise
+    job.clock_offset = comm.clock_offset
     return comm

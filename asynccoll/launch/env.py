@@ -81,6 +81,22 @@ class JobSpec:
     #: --max-restarts``): above 0, the process takes a lost rank's place in a running job
     #: instead of meeting the others at the start (:func:`.rendezvous.rendezvous`)
     restart: int = 0
+    #: the most ranks the job may grow to (``ASYNCCOLL_MAX_WORLD_SIZE``, set by ``asynccoll run
+    #: --nnodes MIN:MAX``; None: ``world_size``, a job that only takes lost ranks back). Ranks
+    #: ``world_size..max_world_size-1`` are *vacant* at the start: a process given one of them
+    #: joins the running job as a restarted rank does (:attr:`grows`; docs/groups.md, "Growing")
+    max_world_size: int | None = None
+
+    @property
+    def capacity(self) -> int:
+        """The job's rank ids: ``max_world_size``, else ``world_size``."""
+        return self.max_world_size or self.world_size
+
+    @property
+    def grows(self) -> bool:
+        """Whether this process takes a vacant rank of a running job (its rank is at or above
+        the world the job started with)."""
+        return self.rank >= self.world_size
 
 
 def _int(environ: Mapping[str, str], var: str, *, minimum: int) -> int | None:
@@ -256,10 +272,17 @@ def resolve(rank: int | None = None, world_size: int | None = None,
         if v is not None and (type(v) is not int or v < (0 if name == "rank" else 1)):
             raise ConfigError(name, f"must be an int >= {0 if name == 'rank' else 1}, got {v!r}")
     r, w, source, rvar, wvar = _ranks(rank, world_size, environ)
-    if r >= w:
-        raise ConfigError(rvar, f"rank {r} is outside the world of {w} ({wvar}={w})")
+    cap = _int(environ, "ASYNCCOLL_MAX_WORLD_SIZE", minimum=1) if source == "asynccoll" \
+        else None
+    if cap is not None and cap < w:
+        raise ConfigError("ASYNCCOLL_MAX_WORLD_SIZE", f"must be >= the world size ({wvar}={w}),"
+                                                      f" got {cap}")
+    if r >= (cap or w):
+        raise ConfigError(rvar, f"rank {r} is outside the world of {w} ({wvar}={w})"
+                          if cap is None else f"rank {r} is outside the job's {cap} ranks "
+                          f"(ASYNCCOLL_MAX_WORLD_SIZE={cap})")
     addr = _store(store, environ)
-    if addr is None and w > 1:
+    if addr is None and (cap or w) > 1:
         var = "SLURM_NTASKS" if source == "slurm" else ("store" if source == "explicit"
                                                         else "ASYNCCOLL_STORE")
         raise ConfigError(var, f"a world of {w} ranks needs a store address: set "
@@ -282,10 +305,13 @@ def resolve(rank: int | None = None, world_size: int | None = None,
         if host is None and environ.get("ASYNCCOLL_IFNAME"):
             host = interface_address(environ["ASYNCCOLL_IFNAME"], "ASYNCCOLL_IFNAME")
     if host_store is None:
-        host_store = r == 0 and w > 1 and environ.get("ASYNCCOLL_STORE_HOSTED") != "1"
+        host_store = r == 0 and (cap or w) > 1 and environ.get("ASYNCCOLL_STORE_HOSTED") != "1"
     via = "torchrun" if (store is None and addr is not None and w > 1
                          and torchrun_agent_store(environ)) else None
     restart = _int(environ, "ASYNCCOLL_RESTART", minimum=0) or 0
+    if r >= w and addr is None:
+        raise ConfigError("ASYNCCOLL_STORE", f"rank {r} joins a running job and needs its "
+                                             "store address")
     if restart and host_store:
         raise ConfigError("ASYNCCOLL_RESTART", "a restarted rank cannot host the job's store "
                                                "(the store must outlive every rank: run the "
@@ -293,7 +319,7 @@ def resolve(rank: int | None = None, world_size: int | None = None,
     return JobSpec(rank=r, world_size=w, store=addr, secret=_secret(secret, environ),
                    transport=scheme, local_rank=local_rank, local_world_size=local_world,
                    host=host, host_store=host_store, source=source, store_via=via,
-                   restart=restart)
+                   restart=restart, max_world_size=cap if cap != w else None)
 
 
 _SOURCE_OF = {"ASYNCCOLL_LOCAL_RANK": "asynccoll", "ASYNCCOLL_LOCAL_WORLD_SIZE": "asynccoll",

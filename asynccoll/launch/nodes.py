@@ -47,6 +47,8 @@ class LaunchConfig(Protocol):
     @property
     def node_rank(self) -> int: ...
     @property
+    def node_limit(self) -> int: ...
+    @property
     def nproc(self) -> int: ...
     @property
     def rdzv(self) -> tuple[str, int] | None: ...
@@ -59,7 +61,8 @@ class LaunchConfig(Protocol):
     @property
     def exit_timeout(self) -> float: ...
 
-__all__ = ["check_out", "follow", "join", "rank_starts", "spend_restart", "tell_new_store"]
+__all__ = ["check_out", "follow", "follow_joining", "join", "joined_nodes", "rank_starts",
+           "spend_restart", "tell_new_store"]
 
 #: how many launchers took node K (a counter: > 1 means a replacement)
 NODE_KEY = "asynccoll/launch/node/"
@@ -108,10 +111,12 @@ async def join(cfg: LaunchConfig, store: tuple[str, int], server: StoreServer | 
                                        timeout=cfg.join_timeout)
     try:
         await _take_lease(cfg, client)
-        mine = f"{cfg.nnodes}x{cfg.nproc}".encode()
+        nn = str(cfg.nnodes) if cfg.node_limit == cfg.nnodes \
+            else f"{cfg.nnodes}:{cfg.node_limit}"
+        mine = f"{nn}x{cfg.nproc}".encode()
         agreed = await client.compare_set(SHAPE_KEY, None, mine)
         if agreed != mine:
-            raise StoreError(f"this node runs --nnodes {cfg.nnodes} with -n {cfg.nproc}, but "
+            raise StoreError(f"this node runs --nnodes {nn} with -n {cfg.nproc}, but "
                              f"the first node to join said {agreed!r} (nnodes x nproc)")
         restart = 0
         if await client.add(f"{NODE_KEY}{cfg.node_rank}", 1) > 1:
@@ -230,6 +235,20 @@ async def follow(cfg: LaunchConfig, client: StoreClient, node: int, say: Say) ->
                 "lost for good")
             return
         say(f"node {node} has a new launcher: it restarts {node_ranks(cfg, node)}")
+
+
+async def follow_joining(cfg: LaunchConfig, client: StoreClient, node: int, say: Say) -> None:
+    """Node 0, for a node the job may grow by (``--nnodes MIN:MAX``): once its launcher
+    joined, say so and :func:`follow` it; runs until then or until cancelled."""
+    await client.wait([f"{NODE_KEY}{node}"], FOREVER)
+    say(f"node {node} joined the running job: {node_ranks(cfg, node)} are taken in at the "
+        "members' next sync event")
+    await follow(cfg, client, node, say)
+
+
+async def joined_nodes(client: StoreClient, candidates: Sequence[int]) -> list[int]:
+    """Those of ``candidates`` (nodes the job may grow by) whose launcher joined."""
+    return [k for k in candidates if await client.check([f"{NODE_KEY}{k}"])]
 
 
 async def check_out(cfg: LaunchConfig, client: StoreClient,

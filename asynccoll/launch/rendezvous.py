@@ -76,8 +76,8 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
         return max(deadline - loop.time(), 0.001)
 
     options = dict(transport_options or {})
-    rank, world = spec.rank, spec.world_size
-    if world == 1:
+    rank, world, cap = spec.rank, spec.world_size, spec.capacity
+    if cap == 1:
         salt = secrets.token_bytes(32)
         t1 = _make(scheme, rank, world, transport_secret(spec.secret, salt), options)
         try:
@@ -90,7 +90,7 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
     if spec.store is None:
         raise RendezvousError(f"a world of {world} ranks needs a store address")
     host, port = spec.store
-    if spec.restart:
+    if spec.restart or spec.grows:
         return await _rejoin(spec, scheme, options, left)
     if generation is None:
         gkey = (host, port, rank)
@@ -121,9 +121,10 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
         if claims > 1:
             raise RendezvousError(f"rank {rank} is claimed by {claims} processes; each rank "
                                   "must be started once (check the rank variables)")
-        agreed = await client.compare_set(f"{prefix}world", None, str(world).encode())
-        if agreed != str(world).encode():
-            reason = (f"rank {rank} has world size {world} but the job's first rank has "
+        size = str(world) if cap == world else f"{world} (up to {cap})"
+        agreed = await client.compare_set(f"{prefix}world", None, size.encode())
+        if agreed != size.encode():
+            reason = (f"rank {rank} has world size {size} but the job's first rank has "
                       f"{agreed.decode(errors='replace') if agreed else agreed}")
             # Tell the ranks already waiting, so they fail now instead of at their timeout.
             with contextlib.suppress(Exception):
@@ -131,7 +132,7 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
             raise RendezvousError(reason)
         job_salt = await client.compare_set(f"{prefix}salt", None, secrets.token_bytes(32))
         assert job_salt is not None
-        t = _make(scheme, rank, world, transport_secret(spec.secret, job_salt), options)
+        t = _make(scheme, rank, cap, transport_secret(spec.secret, job_salt), options)
         address = await t.listen(_listen_address(scheme, spec, job_salt))
         await client.set(f"{prefix}addr/{rank}", address.encode())
         keys = [f"{prefix}addr/{r}" for r in range(world)]
@@ -149,6 +150,9 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
         await client.set(f"{prefix}done/{rank}", b"1")
         await _wait(client, [f"{prefix}done/{r}" for r in range(world)], left(),
                     "connect to its peers", prefix)
+        # a job that may grow: the ranks above the first world are vacant until a process
+        # takes one (it joins as a restarted rank does: _rejoin)
+        t.vacate(range(world, cap))
         if server is None:
             await client.set(f"{prefix}left/{rank}", b"1")
         else:
@@ -175,17 +179,21 @@ REJOIN_REREAD_S = 0.5
 
 async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
                   left: Any) -> Transport:
-    """A restarted process (``spec.restart`` > 0) takes its rank's place in the running job:
+    """A restarted process (``spec.restart`` > 0) takes its rank's place in the running job,
+    and a process given a vacant rank of a job that may grow (``spec.grows``) takes that:
     it claims the rank's restart in the store (``rejoin/R/K``: two processes claiming one
     restart fail), learns the job's salt and the members' addresses from the first
-    generation's keys, publishes its own address (a member restarted later dials it), and
-    dials every member (:meth:`~asynccoll.transport.base.Transport.rejoin`). The members admit
-    it only if they lost the rank and admit rejoins; the handles take it back later
+    generation's keys (those of the vacant ranks that a process holds now), publishes its own
+    address (a member restarted later dials it), and dials every member
+    (:meth:`~asynccoll.transport.base.Transport.rejoin`). The members admit it only if they
+    lost (or never had) the rank and admit rejoins; the handles take it back later
     (:mod:`asynccoll.comm.joining`)."""
     assert spec.store is not None
     host, port = spec.store
     prefix = f"{PREFIX}0/"
-    rank, world = spec.rank, spec.world_size
+    rank, world, cap = spec.rank, spec.world_size, spec.capacity
+    who = (f"rank {rank} was restarted (ASYNCCOLL_RESTART={spec.restart})" if spec.restart
+           else f"rank {rank} (a vacant rank of a job of {world} up to {cap}) joins")
     client = await StoreClient.connect(host, port, spec.secret, timeout=left())
     t: Transport | None = None
     try:
@@ -195,16 +203,23 @@ async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
                                   f"{claims} processes")
         try:
             salt = await client.get(f"{prefix}salt", timeout=left())
+            size = await client.get(f"{prefix}world", timeout=left())
         except StoreTimeoutError as exc:
-            raise RendezvousTimeoutError(f"rank {rank} was restarted (ASYNCCOLL_RESTART="
-                                         f"{spec.restart}) but the job never started", [0]
-                                         ) from exc
-        t = _make(scheme, rank, world, transport_secret(spec.secret, salt), options)
+            raise RendezvousTimeoutError(f"{who} but the job never started", [0]) from exc
+        mine = str(world) if cap == world else f"{world} (up to {cap})"
+        if size != mine.encode():
+            raise RendezvousError(f"{who} with world size {mine} but the job has "
+                                  f"{size.decode(errors='replace')}")
+        t = _make(scheme, rank, cap, transport_secret(spec.secret, salt), options)
         t.admit_rejoins = True
         t.incarnation = spec.restart  # in the handshake: notices about older processes drop
         address = await t.listen(_listen_address(scheme, spec, salt))
         await client.set(f"{prefix}addr/{rank}", address.encode())
-        others = [r for r in range(world) if r != rank]
+        # the first world's ranks, and the vacant ones that a process took (published its
+        # address: one taking it after this read dials this rank)
+        held = [r for r in range(world, cap)
+                if r != rank and await client.check([f"{prefix}addr/{r}"], timeout=left())]
+        others = [r for r in range(world) if r != rank] + held
 
         async def addresses(ranks: list[int]) -> dict[int, str]:
             got = await asyncio.gather(*(client.get(f"{prefix}addr/{r}", timeout=left())
@@ -216,9 +231,8 @@ async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
             reached = set(await t.rejoin(peers, timeout=left()))
         except PeerLostError as exc:
             raise RendezvousError(
-                f"rank {rank} was restarted (ASYNCCOLL_RESTART={spec.restart}) but no other "
-                "rank of the job took it back: the job has ended, or every other rank is lost "
-                f"({exc.reason})") from exc
+                f"{who} but no other rank of the job took it back: the job has ended, or "
+                f"every other rank is lost ({exc.reason})") from exc
         # A peer restarting at the same time may have published its new address after we
         # read the old one (nobody listened there): read again a few times, dial what changed.
         # A peer truly gone costs these few reads; when it comes back it dials us.
@@ -233,6 +247,9 @@ async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
             if changed:
                 with contextlib.suppress(PeerLostError):
                     reached |= set(await t.rejoin(changed, timeout=min(left(), 10.0)))
+        # the vacant ranks nobody holds yet: as on every member (a process that takes one
+        # later dials this rank)
+        t.vacate(r for r in range(world, cap) if r != rank and r not in peers)
         return t
     except BaseException:
         if t is not None:

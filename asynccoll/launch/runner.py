@@ -119,15 +119,35 @@ class LaunchConfig:
     #: launcher picks a free one below the ephemeral range and the others learn it in the store
     master_port: int | None = None
     verbose: bool = False
+    #: the most nodes the job may grow to (``--nnodes MIN:MAX``; None: ``nnodes``): the job
+    #: starts once nodes ``0..nnodes-1`` met; a launcher of node ``nnodes..max_nnodes-1``
+    #: started later (same ``--rdzv`` and secret) adds its ranks to the running job
+    #: (docs/launch.md, "Growing")
+    max_nnodes: int | None = None
+
+    @property
+    def node_limit(self) -> int:
+        """The nodes the job may have: ``max_nnodes``, else ``nnodes``."""
+        return self.max_nnodes or self.nnodes
+
+    @property
+    def grows(self) -> bool:
+        """Whether this node is one the job grows by (its rank is at or above ``nnodes``)."""
+        return self.node_rank >= self.nnodes
 
     def __post_init__(self) -> None:
         if type(self.nproc) is not int or self.nproc < 1:
             raise ValueError(f"nproc must be an int >= 1, got {self.nproc!r}")
         if type(self.nnodes) is not int or self.nnodes < 1:
             raise ValueError(f"nnodes must be an int >= 1, got {self.nnodes!r}")
-        if type(self.node_rank) is not int or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank!r}")
-        if self.nnodes > 1 and self.rdzv is None:
+        if self.max_nnodes is not None and (type(self.max_nnodes) is not int
+                                            or self.max_nnodes < self.nnodes):
+            raise ValueError(f"max_nnodes must be an int >= nnodes ({self.nnodes}), got "
+                             f"{self.max_nnodes!r}")
+        if type(self.node_rank) is not int or not 0 <= self.node_rank < self.node_limit:
+            raise ValueError(f"node_rank must be in 0..{self.node_limit - 1}, got "
+                             f"{self.node_rank!r}")
+        if self.node_limit > 1 and self.rdzv is None:
             raise ValueError("rdzv (the store's host:port on node 0) is required with nnodes > 1")
         if not self.argv:
             raise ValueError("argv must name the command to run")
@@ -168,6 +188,8 @@ def rank_environment(cfg: LaunchConfig, local_rank: int, store: tuple[str, int],
         "ASYNCCOLL_LOCAL_WORLD_SIZE": str(cfg.nproc),
         "ASYNCCOLL_NODE_RANK": str(cfg.node_rank),
         "ASYNCCOLL_NNODES": str(cfg.nnodes),
+        **({"ASYNCCOLL_MAX_WORLD_SIZE": str(cfg.node_limit * cfg.nproc)}
+           if cfg.node_limit > cfg.nnodes else {}),
         "ASYNCCOLL_STORE": f"[{store[0]}]:{store[1]}" if ":" in store[0]
         else f"{store[0]}:{store[1]}",
         "ASYNCCOLL_STORE_HOSTED": "1",
@@ -301,7 +323,8 @@ class _Ranks:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True)
         self.procs[rank] = p
-        if n > 1 and self.watch_joined is not None:
+        if (n > 1 or rank >= self.cfg.nnodes * self.cfg.nproc) \
+                and self.watch_joined is not None:
             self.joins[rank] = asyncio.create_task(self.watch_joined(rank, n - 1))
         if self.reaper is not None and self.reaper.stdin is not None:
             self.reaper.stdin.write(f"{p.pid}\n".encode())
@@ -376,6 +399,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
     abort_task: asyncio.Task[bytes] | None = None
     silent: asyncio.Task[None] | None = None
     followed: list[asyncio.Task[None]] = []
+    growing: dict[int, asyncio.Task[None]] = {}  # node 0: the nodes the job may grow by
     restart = 0
     tag: str | None = None
     reaper: asyncio.subprocess.Process | None = None
@@ -387,7 +411,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
         else:
             assert cfg.rdzv is not None
             store = cfg.rdzv
-        if cfg.nnodes > 1:
+        if cfg.node_limit > 1:
             met = await _unless_stopped(nodes.join(cfg, store, server, say), stop_sig)
             if met is None:
                 got = stop_sig.result()
@@ -400,9 +424,15 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
                     f"restarts {nodes.node_ranks(cfg, cfg.node_rank)} (restart {restart} of "
                     f"at most {cfg.max_restarts}, --max-restarts)")
             abort_task = asyncio.create_task(client.get(ABORT_KEY, timeout=nodes.FOREVER))
+            if cfg.grows and not restart:
+                say(f"node {cfg.node_rank} joins the running job: it starts "
+                    f"{nodes.node_ranks(cfg, cfg.node_rank)}, taken in at the members' next "
+                    "sync event (--nnodes MIN:MAX)")
             if cfg.node_rank == 0:
                 followed = [asyncio.create_task(nodes.follow(cfg, client, k, say))
                             for k in range(1, cfg.nnodes)]
+                growing = {k: asyncio.create_task(nodes.follow_joining(cfg, client, k, say))
+                           for k in range(cfg.nnodes, cfg.node_limit)}
         ranks.watch_joined = functools.partial(joined.watch, store, cfg.secret, say)
         master = await _master(cfg, store, client)
         tag = await _job_tag(cfg, client)
@@ -431,12 +461,16 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             store, cfg.secret, watched, functools.partial(_kill_silent, ranks, err)))
         code = await _watch(cfg, ranks, stop_sig, abort_task, client, err, muted)
         if client is not None and not stop_sig.done():
-            await _unless_stopped(nodes.check_out(cfg, client, followed, say), stop_sig)
+            # the nodes the job grew by are followed; those that never came are not waited for
+            joined_nodes = await nodes.joined_nodes(client, list(growing))
+            await _unless_stopped(nodes.check_out(
+                cfg, client, [*followed, *(growing[k] for k in joined_nodes)], say), stop_sig)
         return code
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        for task in (abort_task, silent, ranks.orphan, *followed, *ranks.joins.values()):
+        for task in (abort_task, silent, ranks.orphan, *followed, *growing.values(),
+                     *ranks.joins.values()):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 from ..buffers import as_bytes
@@ -88,6 +88,8 @@ class Transport(abc.ABC):
         #: (``ASYNCCOLL_RESTART``; set before :meth:`listen`). Sent in the handshake.
         self.incarnation = 0
         self._incarnations: dict[int, int] = {}  # per peer: its connected process's
+        #: the ranks of the job's capacity that no process has held yet (:meth:`vacate`)
+        self.vacant: set[int] = set()
 
     @property
     @abc.abstractmethod
@@ -131,8 +133,30 @@ class Transport(abc.ABC):
         ``incarnation``."""
         self._incarnations[rank] = incarnation
 
+    def vacate(self, ranks: Iterable[int]) -> None:
+        """Ranks of a job that may grow (``asynccoll run --nnodes MIN:MAX``) that no process
+        holds yet: lost here from the start, without a word to anyone (nobody lost them), so
+        that a process given one later connects as a restarted rank does (:meth:`rejoin`;
+        admitted when :attr:`admit_rejoins`). Call before :meth:`connect` returns to the
+        communicator; on the transport's loop."""
+        for r in ranks:
+            if not 0 <= r < self.world_size or r == self.rank:
+                raise ValueError(f"vacate: rank must be another rank in "
+                                 f"0..{self.world_size - 1}, got {r}")
+            if self._vacate(r, lost(r, "no process holds this rank yet (the job may grow "
+                                       "into it)")):
+                self.vacant.add(r)
+
+    def _vacate(self, rank: int, exc: PeerLostError) -> bool:
+        """The backend's part of :meth:`vacate`: unless a process of ``rank`` is connected
+        already (one that joined while this one met the others), ``rank``'s receives fail
+        with ``exc`` and True."""
+        self.matcher.fail_peer(rank, exc)
+        return True
+
     def _peer_joined(self, rank: int) -> None:
-        """For the backends: a new process is connected as lost ``rank``."""
+        """For the backends: a new process is connected as lost (or vacant) ``rank``."""
+        self.vacant.discard(rank)
         self.matcher.readmit(rank)
         log.info("rank %d: a new process took the place of lost rank %d", self.rank, rank)
         for cb in list(self._join_listeners):

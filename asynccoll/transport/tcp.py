@@ -266,6 +266,13 @@ class TcpTransport(Transport):
             return
         self._pending.add(conn)
 
+    def _vacate(self, rank: int, exc: PeerLostError) -> bool:
+        if rank in self._conns:
+            return False
+        self._lost[rank] = exc
+        self.matcher.fail_peer(rank, exc)
+        return True
+
     def may_rejoin(self, rank: int) -> bool:
         return self.admit_rejoins and rank in self._lost
 

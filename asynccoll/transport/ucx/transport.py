@@ -311,8 +311,12 @@ class UcxTransport(Transport):
                 if not self.may_rejoin(link.peer):
                     raise AuthenticationError(f"rank {link.peer} is already connected")
                 self._retire(old)
+            elif link.peer in self.vacant and not self.admit_rejoins:
+                raise AuthenticationError(f"rank {link.peer} is vacant, and this job does not "
+                                          "admit new ranks")
+            vacant = old is None and link.peer in self.vacant
             self._add_peer(ep, link)
-            if old is not None:  # a new process in a lost rank's place
+            if old is not None or vacant:  # a new process in a lost (or vacant) rank's place
                 self._peer_joined(link.peer)
 
         try:
@@ -329,11 +333,18 @@ class UcxTransport(Transport):
             if not any(p.ep is ep for p in self._peers.values()):
                 self._drop_ep(ep)
 
+    def _vacate(self, rank: int, exc: PeerLostError) -> bool:
+        if rank in self._peers:
+            return False
+        self.matcher.fail_peer(rank, exc)
+        return True
+
     def may_rejoin(self, rank: int) -> bool:
         """Whether a new process may take ``rank``'s place here: rejoins are admitted
         (:attr:`admit_rejoins`) and this transport lost ``rank``."""
         p = self._peers.get(rank)
-        return self.admit_rejoins and p is not None and p.lost is not None
+        return self.admit_rejoins and ((p is not None and p.lost is not None)
+                                       or (p is None and rank in self.vacant))
 
     def _retire(self, p: _Peer) -> None:
         """A lost peer's endpoints, closed for the new process that takes its place (what

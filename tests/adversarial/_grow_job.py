@@ -1,0 +1,47 @@
+"""A training job for tests/adversarial/test_grow.py: eager-SGD that a second node's launcher
+joins while it trains (``asynccoll run --nnodes 1:2``). Every rank loops on the global step
+(``while opt.step_count < N``) with SYNC_EVERY steps between sync events, and prints one GREW
+line the first time it trains in a bigger world, then one FINAL line with its global step, the
+world it ended in and a digest of its parameters. With STEP_SLEEP seconds per step (default
+0.02) the members are still training when the second node's ranks join."""
+import asyncio
+import hashlib
+import os
+
+import numpy as np
+
+import asynccoll
+from asynccoll import EagerSGD, Solo
+
+N = int(os.environ.get("N", 150))
+SLEEP = float(os.environ.get("STEP_SLEEP", "0.02"))
+
+
+async def main():
+    comm = await asynccoll.connect()
+    rank = comm.rank
+    w0 = np.zeros(1000, np.float32)
+    target = np.linspace(-1, 1, 1000, dtype=np.float32) * (rank + 1)
+    opt = EagerSGD(comm, w0, 0.1, Solo(), momentum=0.5,
+                   sync_every=int(os.environ.get("SYNC_EVERY", "5")))
+    first_world = None
+    grew = False
+    while opt.step_count < N:
+        info = await opt.step(opt.params - target)
+        if first_world is None:
+            first_world = opt.world_size
+        elif opt.world_size > first_world and not grew:
+            grew = True
+            print(f"GREW rank={rank} step={opt.step_count} world={opt.world_size}", flush=True)
+        if getattr(info, "joined", False):
+            print(f"JOINED rank={rank} step={opt.step_count} world={opt.world_size}",
+                  flush=True)
+        await asyncio.sleep(SLEEP)
+    await opt.finish()
+    digest = hashlib.sha256(opt.params.tobytes()).hexdigest()[:16]
+    print(f"FINAL rank={rank} step={opt.step_count} world={opt.world_size} digest={digest}",
+          flush=True)
+    await comm.close()
+
+
+asyncio.run(main())
