@@ -303,8 +303,9 @@ async def admit_sent(h: Joinable, now: Any, joiners: list[int], state: Sequence[
         if not at_once:
             for g in gos:
                 g.cancel()  # (a GO never received: its receive is no destination any more)
-    log.warning("rank %d: partial allreduce %r took rank(s) %s back: %d ranks from execution "
-                "%d", job.rank, h.name, joiners, len(members), first)
+    how = "in (new to the job)" if all(r in job.membership.grown for r in joiners) else "back"
+    log.warning("rank %d: partial allreduce %r took rank(s) %s %s: %d ranks from execution "
+                "%d", job.rank, h.name, joiners, how, len(members), first)
     pending = DigestCheck(grown, asyncio.ensure_future(check(grown, value, h.timeout)),
                           job, joiners, h.name)
     await asyncio.sleep(0)  # the allgather is under way (its first step posted it)
@@ -426,7 +427,8 @@ async def join(comm: Any, name: str, state: Sequence[Any],
                 "%d bytes: from ranks %s through shared memory, from %s over the network; "
                 "read in place from %s)", job.rank, name, len(members), first, nbytes,
                 sorted(by["ring"] + by["read"]), by["network"], by["read"])
-    job.report_joined(f"taken back by ranks {donors} into {name!r} from execution {first} "
+    how = "in" if t.incarnation == 0 else "back"  # a vacant rank's first process: new
+    job.report_joined(f"taken {how} by ranks {donors} into {name!r} from execution {first} "
                       f"({nbytes} bytes of state)")  # (its launcher says so, the first time)
     return grown, first, dict(head["meta"])
 

@@ -107,6 +107,8 @@ class Membership:
         #: the ranks whose place a new process took, in order (a rank may come back twice)
         self.rejoined: list[int] = []
         self._vacant = set(transport.vacant)  # not taken yet
+        #: the vacant ranks a process took (a job that grew): new to it, not back
+        self.grown: set[int] = set()
 
     @property
     def _peers(self) -> list[int]:
@@ -150,6 +152,7 @@ class Membership:
         self._post_ask(rank, 0)
         self.rejoined.append(rank)
         if grew:
+            self.grown.add(rank)
             log.warning("rank %d: a new process took vacant rank %d (the job may grow)",
                         self.transport.rank, rank)
         else:

@@ -75,7 +75,8 @@ async def watch(store: tuple[str, int], secret: bytes, say: Callable[[str], None
         if got.startswith(ENDED):
             say(f"rank {rank} (restart {restart}) was not taken back: {got[len(ENDED):]}")
             return True
-        say(f"rank {rank} joined the job (restart {restart}): {got}")
+        say(f"rank {rank} joined the job ({f'restart {restart}' if restart else 'a new rank'}): "
+            f"{got}")
     except (OSError, StoreError):
         pass
     finally:

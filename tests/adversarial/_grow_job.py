@@ -3,7 +3,8 @@ joins while it trains (``asynccoll run --nnodes 1:2``). Every rank loops on the 
 (``while opt.step_count < N``) with SYNC_EVERY steps between sync events, and prints one GREW
 line the first time it trains in a bigger world, then one FINAL line with its global step, the
 world it ended in and a digest of its parameters. With STEP_SLEEP seconds per step (default
-0.02) the members are still training when the second node's ranks join."""
+0.02) the members are still training when the second node's ranks join; with HOLD=k every
+rank trains past N until its world has k ranks (the test's members wait for the new node)."""
 import asyncio
 import hashlib
 import os
@@ -15,6 +16,7 @@ from asynccoll import EagerSGD, Solo
 
 N = int(os.environ.get("N", 150))
 SLEEP = float(os.environ.get("STEP_SLEEP", "0.02"))
+HOLD = int(os.environ.get("HOLD", "0"))
 
 
 async def main():
@@ -26,7 +28,7 @@ async def main():
                    sync_every=int(os.environ.get("SYNC_EVERY", "5")))
     first_world = None
     grew = False
-    while opt.step_count < N:
+    while opt.step_count < N or opt.world_size < HOLD:
         info = await opt.step(opt.params - target)
         if first_world is None:
             first_world = opt.world_size

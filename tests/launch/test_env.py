@@ -48,6 +48,29 @@ def test_asynccoll_variables() -> None:
     assert not launched.host_store  # the launcher runs the store
 
 
+def test_a_job_that_may_grow_has_vacant_ranks_above_its_first_world() -> None:
+    base = {"ASYNCCOLL_WORLD_SIZE": "2", "ASYNCCOLL_MAX_WORLD_SIZE": "4",
+            "ASYNCCOLL_STORE": "h:1", "ASYNCCOLL_STORE_HOSTED": "1"}
+    first = resolve(environ=env(ASYNCCOLL_RANK="1", **base))
+    assert (first.world_size, first.capacity, first.grows) == (2, 4, False)
+    new = resolve(environ=env(ASYNCCOLL_RANK="3", **base))
+    assert (new.rank, new.world_size, new.capacity, new.grows) == (3, 2, 4, True)
+    same = resolve(environ=env(ASYNCCOLL_RANK="0", ASYNCCOLL_WORLD_SIZE="2",
+                               ASYNCCOLL_MAX_WORLD_SIZE="2", ASYNCCOLL_STORE="h:1"))
+    assert (same.max_world_size, same.capacity) == (None, 2)
+    with pytest.raises(ConfigError, match="outside the job's 4 ranks"):
+        resolve(environ=env(ASYNCCOLL_RANK="4", **base))
+    with pytest.raises(ConfigError, match=r"ASYNCCOLL_MAX_WORLD_SIZE.*must be >= the world"):
+        resolve(environ=env(ASYNCCOLL_RANK="0", ASYNCCOLL_WORLD_SIZE="3",
+                            ASYNCCOLL_MAX_WORLD_SIZE="2", ASYNCCOLL_STORE="h:1"))
+    with pytest.raises(ConfigError, match=r"ASYNCCOLL_MAX_WORLD_SIZE.*integer"):
+        resolve(environ=env(ASYNCCOLL_RANK="0", ASYNCCOLL_WORLD_SIZE="1",
+                            ASYNCCOLL_MAX_WORLD_SIZE="two"))
+    with pytest.raises(ConfigError, match="needs a store address"):
+        resolve(environ=env(ASYNCCOLL_RANK="0", ASYNCCOLL_WORLD_SIZE="1",
+                            ASYNCCOLL_MAX_WORLD_SIZE="2"))
+
+
 def test_torchrun_variables_use_master_port_plus_one() -> None:
     spec = resolve(environ=env(RANK="3", WORLD_SIZE="8", MASTER_ADDR="node0",
                                MASTER_PORT="29500", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4"))

@@ -257,6 +257,11 @@ def test_sigint_while_waiting_for_other_nodes(job: list[Job], tmp_path: Path) ->
      "node_rank must be in 0..1"),
     (["-n", "2"], "CMD is missing"),
     (["-n", "2", "--rdzv", "nope", "x.py"], "--rdzv"),
+    (["-n", "2", "--nnodes", "2:1", "--rdzv", "h:1", "x.py"], "1 <= MIN <= MAX"),
+    (["-n", "2", "--nnodes", "1:x", "x.py"], "must be N or MIN:MAX"),
+    (["-n", "2", "--nnodes", "1:2", "x.py"], "rdzv"),
+    (["-n", "2", "--nnodes", "1:2", "--node-rank", "2", "--rdzv", "h:1", "x.py"],
+     "node_rank must be in 0..1"),
 ])
 def test_usage_errors(args: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "asynccoll.cli", "run", *args],
