@@ -221,7 +221,7 @@ class HookEvents(JoinSide):
         params = self._all_params()
         flat = flat64(params)
         n = flat.size
-        buf = np.zeros(n + 1 + self.comm.comm.size, np.float64)
+        buf = np.zeros(n + 1 + self.comm.comm.job.size, np.float64)
         buf[:n] = flat
         buf[n] = 1.0 if finished else 0.0
         buf[n + 1:] = self._joiners.flags(now.members)

@@ -103,7 +103,7 @@ class SyncEvents(JoinSide):
         res = self._h.flush_blocking(self.timeout)
         self._apply_result(res)
         now = self._comm_now()
-        P = self.comm.comm.size
+        P = self.comm.comm.job.size  # a flag per rank of the job (its vacant ranks too)
         flat = self._flat_params().to(torch.float64).numpy()
         n = flat.size
         buf = np.zeros(n + 2 + (P if self._joiners is not None else 0), np.float64)

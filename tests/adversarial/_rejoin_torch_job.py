@@ -3,8 +3,9 @@ DistributedOptimizer around Adam over a partial policy (POLICY) on 4 ranks; rank
 SIGKILLs itself at step KILL_AT of N on its first start and comes back under ``asynccoll run
 --max-restarts``. With KILL_IN_SYNC=R, rank R SIGKILLs itself (once, on its first start) as it
 enters the first sync event's parameter allreduce after step KILL_AT (the one that takes the
-victim's restart back): the others lose it inside the event. Every rank prints its global step
-and a digest of its parameters and of Adam's state."""
+victim's restart back): the others lose it inside the event. With HOLD=k (tests/adversarial/
+test_grow.py) every rank trains past N until it trains with k ranks. Every rank prints its
+global step and a digest of its parameters and of Adam's state, and the size of its world."""
 import hashlib
 import os
 import signal
@@ -48,7 +49,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(64, 16, generator=gen)
     y = x.sum(dim=1, keepdim=True) * 0.1
-    while opt.step_count < N:
+    hold = int(os.environ.get("HOLD", "0"))
+    while opt.step_count < N or opt._comm_now().size < hold:
         if rank == VICTIM and not restarted and opt.step_count == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         opt.zero_grad()
@@ -65,6 +67,7 @@ def main() -> None:
     for st in opt.optimizer.state.values():
         for k in sorted(st):
             h.update(st[k].detach().numpy().tobytes())
+    print(f"WORLD rank={rank} size={opt._comm_now().size}", flush=True)
     print(f"FINAL rank={rank} steps={opt.step_count} digest={h.hexdigest()[:16]} "
           f"restarted={restarted} loss={loss.item():.4f}", flush=True)
     comm.close()

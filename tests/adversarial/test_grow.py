@@ -25,17 +25,18 @@ from asynccoll.launch.env import free_port
 HERE = Path(__file__).parent
 ROOT = str(HERE.parents[1])
 JOB = str(HERE / "_grow_job.py")
+TORCH_JOB = str(HERE / "_rejoin_torch_job.py")
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def _launch(node: int, port: int, env: dict[str, str], log: Path,
-            extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+            job: str = JOB) -> subprocess.Popen[bytes]:
     with open(log, "wb") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "asynccoll.cli", "run", "-n", "2", "--nnodes", "1:2",
              "--node-rank", str(node), "--rdzv", f"127.0.0.1:{port}", "--rdzv-timeout", "30",
-             "--grace", "1", *extra, JOB],
+             "--grace", "1", job],
             stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
@@ -44,24 +45,30 @@ def _finals(out: str) -> dict[int, tuple[int, int, str]]:
             re.findall(r"FINAL rank=(\d+) step=(\d+) world=(\d+) digest=(\w+)", out)}
 
 
-def test_a_second_node_grows_a_running_job(tmp_path: Path) -> None:
+def _grow(tmp_path: Path, job: str, **env: str) -> tuple[str, str]:
+    """Node 0 alone, then node 1 two seconds later; both launchers' output."""
     port = free_port()
     env = {**os.environ, "ASYNCCOLL_SECRET": "grow-test-secret-0123456789abcdef",
-           "N": "60", "HOLD": "4", "SYNC_EVERY": "5", "ASYNCCOLL_LIVENESS": "10"}
+           "HOLD": "4", "ASYNCCOLL_LIVENESS": "10", **env}
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    first = _launch(0, port, env, logs[0])
+    first = _launch(0, port, env, logs[0], job)
     try:
         time.sleep(2.0)  # node 0's ranks train meanwhile (they hold until the world has 4)
-        second = _launch(1, port, env, logs[1])
+        second = _launch(1, port, env, logs[1], job)
         try:
-            codes = [first.wait(timeout=120), second.wait(timeout=60)]
+            codes = [first.wait(timeout=120), second.wait(timeout=90)]
         finally:
             second.kill()
     finally:
         first.kill()
     out0, out1 = (p.read_text(errors="replace") for p in logs)
+    assert codes == [0, 0], (out0 + out1)[-4000:]
+    return out0, out1
+
+
+def test_a_second_node_grows_a_running_job(tmp_path: Path) -> None:
+    out0, out1 = _grow(tmp_path, JOB, N="60", SYNC_EVERY="5")
     both = out0 + out1
-    assert codes == [0, 0], both[-4000:]
     finals = _finals(both)
     assert sorted(finals) == [0, 1, 2, 3], both[-4000:]
     assert len({d for _, _, d in finals.values()}) == 1, finals  # equal to the bit
@@ -75,3 +82,17 @@ def test_a_second_node_grows_a_running_job(tmp_path: Path) -> None:
     for r in (2, 3):
         assert re.search(rf"rank {r} joined the job \(a new rank\): taken in by ranks \[0, 1",
                          out1), out1[-3000:]
+
+
+def test_a_torch_distributed_optimizer_around_adam_grows(tmp_path: Path) -> None:
+    """The same with the torch ``DistributedOptimizer`` around Adam (its state moves too)."""
+    pytest.importorskip("torch")
+    out0, out1 = _grow(tmp_path, TORCH_JOB, N="40", VICTIMS="99", STEP_S="0.02")
+    both = out0 + out1
+    finals = {int(r): (int(s), d) for r, s, d in
+              re.findall(r"FINAL rank=(\d+) steps=(\d+) digest=(\w+)", both)}
+    assert sorted(finals) == [0, 1, 2, 3], both[-4000:]
+    assert len({d for _, d in finals.values()}) == 1, finals  # parameters and Adam equal
+    assert all(s >= 40 for s, _ in finals.values()), finals  # (solo: each rank its own pace)
+    assert sorted(re.findall(r"WORLD rank=\d+ size=(\d+)", both)) == ["4"] * 4, both[-3000:]
+    assert "in (new to the job)" in out0, out0[-3000:]
