@@ -183,6 +183,7 @@ class Communicator(PartialCollectives):
         self._shrunk: Communicator | None = None
         self._parent: Communicator | None = None
         self._closes_parent = False  # the first world of a job that may grow (first_world)
+        self._closing = False  # close() under way (its groups closing first)
         self._pid = os.getpid()
         _OPEN.add(self)
         #: seconds this rank adds to its clock to read rank 0's (:meth:`sync_clocks`)
@@ -276,10 +277,17 @@ class Communicator(PartialCollectives):
         """
         if self._closed:
             return
+        parent = self._parent
+        if self._closes_parent and parent is not None and not parent._closing:  # noqa: SLF001
+            # the first world of a job that may grow: the job's communicator closes it, after
+            # the grown communicators its handles run on now (their goodbyes first)
+            await parent.close(timeout)
+            return
+        self._closing = True
         # one deadline for the groups and this communicator: ``timeout`` bounds the whole wait
         # (each group waited the whole of it in turn)
         deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
-        for child in self._children:
+        for child in sorted(self._children, key=lambda c: c._closes_parent):  # noqa: SLF001
             await child.close(max(0.0, deadline - time.monotonic()))
         self._closed = True
         if self._dump_signal is not None:
@@ -291,8 +299,6 @@ class Communicator(PartialCollectives):
         finally:
             if not self._engine.on_loop():
                 self._engine.release()
-        if self._closes_parent and self._parent is not None:
-            await self._parent.close(max(0.0, deadline - time.monotonic()))
 
     def close_at_exit(self, pid: int) -> concurrent.futures.Future[None] | None:
         """The interpreter's exit hook's part (:func:`_close_at_exit`): when this is process

@@ -4,10 +4,14 @@ joins while it trains (``asynccoll run --nnodes 1:2``). Every rank loops on the 
 line the first time it trains in a bigger world, then one FINAL line with its global step, the
 world it ended in and a digest of its parameters. With STEP_SLEEP seconds per step (default
 0.02) the members are still training when the second node's ranks join; with HOLD=k every
-rank trains past N until its world has k ranks (the test's members wait for the new node)."""
+rank trains past N until its world has k ranks (the test's members wait for the new node). With
+KILL_JOINING=1 the first process of rank 2 (a new rank) SIGKILLs itself while it is taken in:
+once the members' header came, as it would receive their state (its launcher restarts it under
+--max-restarts)."""
 import asyncio
 import hashlib
 import os
+import signal
 
 import numpy as np
 
@@ -22,6 +26,14 @@ HOLD = int(os.environ.get("HOLD", "0"))
 async def main():
     comm = await asynccoll.connect()
     rank = comm.rank
+    if rank == 2 and os.environ.get("KILL_JOINING") and not os.environ.get("ASYNCCOLL_RESTART"):
+        from asynccoll.comm import joining
+
+        def dying(*args, **kwargs):
+            print("rank 2 dies as it would receive the state", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        joining.take_all = dying
     w0 = np.zeros(1000, np.float32)
     target = np.linspace(-1, 1, 1000, dtype=np.float32) * (rank + 1)
     opt = EagerSGD(comm, w0, 0.1, Solo(), momentum=0.5,

@@ -8,7 +8,11 @@ With CHURN_DIR (churn): no kill at call 8; instead, every CHURN_EVERY calls one 
 drawn from the call index, SIGKILLs itself (once per call index: a marker file in CHURN_DIR), a
 restarted process too, for CALLS calls; before it dies it writes its calls to
 CHURN_DIR/dead-RANK-RESTART. Rank 0 is never killed: the sum of every result it received is the
-job's whole account."""
+job's whole account.
+
+For tests/adversarial/test_grow.py: VICTIM=-1 kills nobody, HOLD=k makes every rank call on past
+CALLS until its handle spans k ranks, and a process given a vacant rank (``comm.joined`` on its
+first start) joins as a restarted one does."""
 import asyncio
 import json
 import os
@@ -23,6 +27,8 @@ from asynccoll.comm.joining import Joiners, admit_ready, join_handle
 CALLS = int(os.environ.get("CALLS", "60"))
 CHURN_DIR = os.environ.get("CHURN_DIR")
 EVERY = int(os.environ.get("CHURN_EVERY", "20"))
+VICTIM = int(os.environ.get("VICTIM", "2"))
+HOLD = int(os.environ.get("HOLD", "0"))
 
 
 def _dies_at(rank, i):
@@ -54,12 +60,12 @@ async def main():
     watch = Joiners(comm.job, h.name)
     acc = np.zeros(4)
     calls, i = 0, 0
-    if restarted:
+    if restarted or comm.joined:
         meta = await join_handle(h, comm)
         i = int(meta["i"]) + 1
         print(f"JOINED rank {rank} at call {i}", flush=True)
-    while i < CALLS:
-        if (rank == 2 and not restarted and i == 8 and CHURN_DIR is None) or _dies_at(rank, i):
+    while i < CALLS or h.world_size < HOLD:
+        if (rank == VICTIM and not restarted and i == 8 and CHURN_DIR is None) or _dies_at(rank, i):
             if CHURN_DIR is not None:
                 _record_death(rank, restarted, calls)
             print(f"CHURN kill rank {rank} at call {i}", flush=True)

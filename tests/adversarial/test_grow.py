@@ -11,6 +11,7 @@ hash the same (bytes), and the new ranks' launcher says each joined as a new ran
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,17 +27,18 @@ HERE = Path(__file__).parent
 ROOT = str(HERE.parents[1])
 JOB = str(HERE / "_grow_job.py")
 TORCH_JOB = str(HERE / "_rejoin_torch_job.py")
+COUNT_JOB = str(HERE / "_rejoin_count_job.py")
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def _launch(node: int, port: int, env: dict[str, str], log: Path,
-            job: str = JOB) -> subprocess.Popen[bytes]:
+def _launch(node: int, port: int, env: dict[str, str], log: Path, job: str = JOB,
+            extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     with open(log, "wb") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "asynccoll.cli", "run", "-n", "2", "--nnodes", "1:2",
              "--node-rank", str(node), "--rdzv", f"127.0.0.1:{port}", "--rdzv-timeout", "30",
-             "--grace", "1", job],
+             "--grace", "1", *extra, job],
             stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
@@ -45,8 +47,9 @@ def _finals(out: str) -> dict[int, tuple[int, int, str]]:
             re.findall(r"FINAL rank=(\d+) step=(\d+) world=(\d+) digest=(\w+)", out)}
 
 
-def _grow(tmp_path: Path, job: str, **env: str) -> tuple[str, str]:
-    """Node 0 alone, then node 1 two seconds later; both launchers' output."""
+def _grow(tmp_path: Path, job: str, extra: tuple[str, ...] = (), **env: str) -> tuple[str, str]:
+    """Node 0 alone, then node 1 two seconds later (with ``extra`` options); both launchers'
+    output."""
     port = free_port()
     env = {**os.environ, "ASYNCCOLL_SECRET": "grow-test-secret-0123456789abcdef",
            "HOLD": "4", "ASYNCCOLL_LIVENESS": "10", **env}
@@ -54,7 +57,7 @@ def _grow(tmp_path: Path, job: str, **env: str) -> tuple[str, str]:
     first = _launch(0, port, env, logs[0], job)
     try:
         time.sleep(2.0)  # node 0's ranks train meanwhile (they hold until the world has 4)
-        second = _launch(1, port, env, logs[1], job)
+        second = _launch(1, port, env, logs[1], job, extra)
         try:
             codes = [first.wait(timeout=120), second.wait(timeout=90)]
         finally:
@@ -96,3 +99,43 @@ def test_a_torch_distributed_optimizer_around_adam_grows(tmp_path: Path) -> None
     assert all(s >= 40 for s, _ in finals.values()), finals  # (solo: each rank its own pace)
     assert sorted(re.findall(r"WORLD rank=\d+ size=(\d+)", both)) == ["4"] * 4, both[-3000:]
     assert "in (new to the job)" in out0, out0[-3000:]
+
+
+def test_a_new_rank_killed_while_it_is_taken_in_is_restarted_and_joins(tmp_path: Path) -> None:
+    """Rank 2's first process SIGKILLs itself while the members take it in (their header came,
+    their state is on its way); node 1's launcher restarts it (``--max-restarts 1``) and the
+    restart joins: the job still ends with 4 equal ranks, both launchers exit 0."""
+    out0, out1 = _grow(tmp_path, JOB, ("--max-restarts", "1"), N="60", SYNC_EVERY="5",
+                       KILL_JOINING="1")
+    both = out0 + out1
+    assert "rank 2 dies as it would receive the state" in out1, out1[-3000:]
+    assert "rank 2 was killed by SIGKILL; restarting it" in out1, out1[-3000:]
+    assert re.search(r"rank 2 joined the job \(restart 1\)", out1), out1[-3000:]
+    finals = _finals(both)
+    assert sorted(finals) == [0, 1, 2, 3], both[-4000:]
+    assert len({d for _, _, d in finals.values()}) == 1, finals
+    assert {w for _, w, _ in finals.values()} == {4}, finals
+
+
+def test_exact_accounting_in_a_partial_handle_that_grows(tmp_path: Path) -> None:
+    """A bare solo partial allreduce (sum accumulation) where rank r contributes 1000**r per
+    call, grown from 2 to 4 ranks through the generic calls (``admit_ready`` on the members
+    after a flush, ``join_handle`` on the new ranks): rank 0's results add up to every rank's
+    calls exactly (each contribution counted once), and the last result spans 4 ranks
+    (``PartialResult.world_size``) with nobody lost."""
+    out0, out1 = _grow(tmp_path, COUNT_JOB, CALLS="40", VICTIM="-1")
+    both = out0 + out1
+    counts = {c["rank"]: c for c in (json.loads(line.split("COUNT ", 1)[1])
+                                     for line in both.splitlines() if "COUNT " in line)}
+    assert sorted(counts) == [0, 1, 2, 3], both[-4000:]
+
+    def groups(acc: list[float]) -> list[int]:  # digit groups: the calls of each rank counted
+        v = round(acc[0])
+        return [(v // 1000 ** r) % 1000 for r in range(4)]
+
+    seen = groups(counts[0]["acc"])
+    assert seen == [counts[r]["calls"] for r in range(4)], counts  # every call exactly once
+    assert groups(counts[1]["acc"]) == seen, counts  # the same on both members
+    for r in (2, 3):  # a new rank: its own calls exactly once (the others' since it joined)
+        assert groups(counts[r]["acc"])[r] == counts[r]["calls"] > 0, counts
+    assert all(c["size"] == 4 and c["lost"] == [] for c in counts.values()), counts

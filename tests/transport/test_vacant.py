@@ -101,3 +101,23 @@ async def test_vacate_checks_its_ranks_and_leaves_a_connected_one_alone() -> Non
     finally:
         for t in ts:
             await t.close()
+
+
+async def test_a_stranger_cannot_take_a_vacant_rank() -> None:
+    from asynccoll.transport.tcp import TcpTransport
+
+    ts, addrs = await _first_world("tcp", 2, 3)
+    try:
+        for t in ts:
+            t.admit_rejoins = True
+        stranger = TcpTransport(2, 3, secret=b"x" * 32)
+        await stranger.listen("tcp://127.0.0.1:0")
+        with pytest.raises(PeerLostError):
+            await stranger.rejoin(addrs, timeout=1.5)
+        await stranger.close()
+        assert [t.vacant for t in ts] == [{2}, {2}]  # still vacant: nobody was admitted
+        assert await ping(ts[0], ts[1], 1, SCHED) == (np.arange(4, dtype=np.int64) + 1
+                                                      ).tobytes()
+    finally:
+        for t in ts:
+            await t.close()
