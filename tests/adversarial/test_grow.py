@@ -139,3 +139,25 @@ def test_exact_accounting_in_a_partial_handle_that_grows(tmp_path: Path) -> None
     for r in (2, 3):  # a new rank: its own calls exactly once (the others' since it joined)
         assert groups(counts[r]["acc"])[r] == counts[r]["calls"] > 0, counts
     assert all(c["size"] == 4 and c["lost"] == [] for c in counts.values()), counts
+
+
+def test_a_node_that_disagrees_on_the_shape_is_refused(tmp_path: Path) -> None:
+    """A launcher started with ``--nnodes 2`` against a job of ``--nnodes 1:2`` is refused at
+    its check-in, naming both; the job goes on and ends well."""
+    port = free_port()
+    env = {**os.environ, "ASYNCCOLL_SECRET": "grow-test-secret-0123456789abcdef", "N": "30",
+           "HOLD": "0"}
+    log0 = tmp_path / "node0.log"
+    first = _launch(0, port, env, log0)
+    try:
+        time.sleep(1.0)
+        wrong = subprocess.run(
+            [sys.executable, "-m", "asynccoll.cli", "run", "-n", "2", "--nnodes", "2",
+             "--node-rank", "1", "--rdzv", f"127.0.0.1:{port}", "--rdzv-timeout", "10", JOB],
+            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+        assert wrong.returncode == 1, wrong.stderr
+        assert "this node runs --nnodes 2 with -n 2, but the first node to join said " \
+               "b'1:2x2'" in wrong.stderr, wrong.stderr
+        assert first.wait(timeout=60) == 0, log0.read_text(errors="replace")[-3000:]
+    finally:
+        first.kill()
