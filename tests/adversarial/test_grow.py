@@ -6,8 +6,10 @@ started a moment later with the same ``--rdzv`` and secret. Its ranks 2-3 were v
 connect as restarted ranks do, and the members take them in at their next sync events
 (``HOLD=4``: every rank trains on until its world has 4 ranks). Asserted: both launchers exit
 0 and say what happened, the members' world grows from 2 to 4 (their ``world_size``, which
-their partial results give), every rank ends at the same global step with parameters that
-hash the same (bytes), and the new ranks' launcher says each joined as a new rank."""
+their partial results give), every rank ends past the last global step with parameters that
+hash the same (bytes), and the new ranks' launcher says each joined as a new rank. Also: the
+torch optimizer around Adam, exact accounting in a bare handle that grows, a new rank killed
+while it is taken in (and restarted), a launcher that disagrees on the job's shape."""
 
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ def test_a_second_node_grows_a_running_job(tmp_path: Path) -> None:
     finals = _finals(both)
     assert sorted(finals) == [0, 1, 2, 3], both[-4000:]
     assert len({d for _, _, d in finals.values()}) == 1, finals  # equal to the bit
-    assert len({s for s, _, _ in finals.values()}) == 1, finals  # one global step
+    # solo: each rank steps at its own pace, so global steps may differ by a step or two
+    assert all(s >= 60 for s, _, _ in finals.values()), finals
     assert {w for _, w, _ in finals.values()} == {4}, finals
     assert re.search(r"GREW rank=0 step=\d+ world=[34]", out0), out0[-3000:]
     assert "node 1 joined the running job" in out0, out0[-3000:]
