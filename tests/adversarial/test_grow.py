@@ -13,6 +13,7 @@ while it is taken in (and restarted), a launcher that disagrees on the job's sha
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -50,13 +51,13 @@ def _finals(out: str) -> dict[int, tuple[int, int, str]]:
 
 
 def _grow(tmp_path: Path, job: str, extra: tuple[str, ...] = (), **env: str) -> tuple[str, str]:
-    """Node 0 alone, then node 1 two seconds later (with ``extra`` options); both launchers'
-    output."""
+    """Node 0 alone, then node 1 two seconds later (both with ``extra`` options); both
+    launchers' output."""
     port = free_port()
     env = {**os.environ, "ASYNCCOLL_SECRET": "grow-test-secret-0123456789abcdef",
            "HOLD": "4", "ASYNCCOLL_LIVENESS": "10", **env}
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    first = _launch(0, port, env, logs[0], job)
+    first = _launch(0, port, env, logs[0], job, extra)
     try:
         time.sleep(2.0)  # node 0's ranks train meanwhile (they hold until the world has 4)
         second = _launch(1, port, env, logs[1], job, extra)
@@ -71,8 +72,10 @@ def _grow(tmp_path: Path, job: str, extra: tuple[str, ...] = (), **env: str) -> 
     return out0, out1
 
 
-def test_a_second_node_grows_a_running_job(tmp_path: Path) -> None:
-    out0, out1 = _grow(tmp_path, JOB, N="60", SYNC_EVERY="5")
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed"))])
+def test_a_second_node_grows_a_running_job(tmp_path: Path, transport: str) -> None:
+    out0, out1 = _grow(tmp_path, JOB, ("--transport", transport), N="60", SYNC_EVERY="5")
     both = out0 + out1
     finals = _finals(both)
     assert sorted(finals) == [0, 1, 2, 3], both[-4000:]
