@@ -20,7 +20,9 @@ host, so the parent compares them across ranks.
   SIGKILLs itself at global step ``kill_at``; every step's start and end is recorded, with the
   world size after it, and a member's ``admit_sent`` (wrapped: its start and end), and the
   parts of the sync events and of the join (``spans``: :func:`_phases`); ``sync_every``
-  gives sync events without a join to compare with.
+  gives sync events without a join to compare with. With ``world`` (``bench/join.py --parts
+  grow``) nobody is killed: the job starts with ``world - 1`` ranks and trains until a rank
+  added to it (``asynccoll run --nnodes``) has been taken in.
 * ``churn``: the hyperplane task of ``bench/hyperplane.py`` (the demo's data and straggler
   draw: ``asynccoll.demo``) under EagerSGD solo with ``accumulate=True``, until global step
   ``steps``; the parent kills ranks from outside, until some rank is within ``quiet_steps``
@@ -255,7 +257,8 @@ async def restart(cfg: dict[str, Any]) -> None:
     _timed("admit_sent", times, "t_admit")
     spans: list[tuple[str, float, float]] = []
     _phases(spans)
-    rank, P = comm.rank, comm.size
+    # the world to train at: the job's (a rank added to it by growth: ``world``)
+    rank, P = comm.rank, cfg.get("world") or comm.size
     n = cfg["bytes"] // 8
     opt = EagerSGD(comm, np.zeros(n, np.float32), 0.1, Solo(), momentum=0.5,
                    sync_every=cfg.get("sync_every"), name="join-bench", timeout=cfg["timeout"])
@@ -263,7 +266,7 @@ async def restart(cfg: dict[str, Any]) -> None:
     target = np.float32(rank + 1)
     steps: list[list[float]] = []  # [start, end, world size after, joined, synced, included]
     status(rank, "joining" if comm.joined else "training")
-    lost_seen = comm.joined
+    lost_seen = comm.joined or comm.size < P
     after = -1  # steps since the world was whole again (-1: not yet)
     deadline = time.monotonic() + cfg["max_s"]
     while opt.step_count < cfg["steps"] or after < cfg["after"]:
@@ -298,7 +301,8 @@ async def churn(cfg: dict[str, Any]) -> None:
     from asynccoll.demo import DemoConfig, _data, _straggler
 
     comm, times = await connect(cfg)
-    rank, P = comm.rank, comm.size
+    # the world to train at: the job's (a rank added to it by growth: ``world``)
+    rank, P = comm.rank, cfg.get("world") or comm.size
     demo = DemoConfig(ranks=P, dim=cfg["dim"], step_ms=cfg["step_ms"], lr=cfg["lr"])
     X, y, Xv, yv = _data(demo, rank)
     opt = EagerSGD(comm, np.zeros(demo.dim + 1), demo.lr, Solo(), accumulate=True,

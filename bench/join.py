@@ -39,6 +39,11 @@ running job. The rank programs are in ``bench/_join_job.py``. Parts:
   returning to its join step returning, and to its first step after the join returning (its
   first contribution); every member's per-step times, and the step that contains the join
   against the member's median step without a join or a loss.
+* ``grow`` (not in the default parts): the same figures for a rank added to a running job:
+  P one-rank launchers under ``--nnodes P-1:P``, nodes 0..P-2 start the job, node P-1's
+  launcher is started once they train; from the new rank's ``connect()`` to its join step and
+  to its first contribution, and the P - 1 members' step with the join against their median
+  (states of 1 MiB and 64 MiB, or ``--restart-sizes``).
 * ``churn``: the hyperplane task of ``bench/hyperplane.py`` (P = 4, c = 50 ms, D = 0.5c)
   under EagerSGD solo, ``accumulate=True``; every ``--kill-every`` seconds the parent SIGKILLs a
   rank chosen at random among those training (not one that is joining: a kill during a join is
@@ -137,6 +142,53 @@ class Job:
                 self.reports.append(json.loads(f.read_text()))
             for f in sorted(out.glob("joined-*.json")):
                 self.joins.append(json.loads(f.read_text()))
+        return self
+
+    def run_grow(self, timeout: float, wait_s: float) -> Job:
+        """The job on P one-rank nodes under ``--nnodes P-1:P``: nodes 0..P-2 start it; once
+        their ranks train, ``wait_s`` later, node P-1's launcher adds rank P-1 to it."""
+        with tempfile.TemporaryDirectory(prefix="join-bench-") as tmp:
+            out = Path(tmp)
+            port = free_port()
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   "ASYNCCOLL_SECRET": "join-bench-grow-secret-0123456789", **self.env}
+
+            def launcher(node: int) -> subprocess.Popen[bytes]:
+                cmd = [sys.executable, "-m", "asynccoll.cli", "run", "-n", "1", "--nnodes",
+                       f"{P - 1}:{P}", "--node-rank", str(node), "--rdzv", f"127.0.0.1:{port}",
+                       "--rdzv-timeout", "60", str(JOB), self.program, tmp,
+                       json.dumps(self.cfg)]
+                with open(out / f"launcher-{node}.log", "wb") as log:
+                    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
+            self.t0 = time.monotonic()
+            deadline = self.t0 + timeout
+            procs = [launcher(0)]
+            try:
+                procs += [launcher(k) for k in range(1, P - 1)]
+                started = None
+                while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+                    time.sleep(0.05)
+                    training = [f for f in out.glob("status-*")
+                                if f.read_text().endswith("training")]
+                    if started is None and len(training) == P - 1:
+                        started = time.monotonic()
+                    if started is not None and time.monotonic() >= started + wait_s:
+                        procs.append(launcher(P - 1))
+                        break
+                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                    time.sleep(0.1)
+                codes = [p.poll() for p in procs]
+                self.rc = None if None in codes or len(procs) < P else max(
+                    c for c in codes if c is not None)
+            finally:
+                for p in procs:
+                    _stop(p, out)
+            self.log = "\n".join((out / f"launcher-{k}.log").read_text(errors="replace")
+                                 for k in range(len(procs)))
+            for f in sorted(out.glob("rank-*.json")):
+                self.reports.append(json.loads(f.read_text()))
         return self
 
     @property
@@ -531,7 +583,26 @@ def restart_once(size: int, victim: int, step_s: float, sync_every: int | None =
            "step_s": step_s, "max_s": 240, "steps": 10 if short else 15,
            "after": 3 if short else 5, "sync_every": sync_every}
     job = Job("restart", cfg, 1).run(timeout=330)
-    joiner, members = job.by(True), job.by(False)
+    return _joined_run(job, job.by(True), job.by(False), victim)
+
+
+def grow_once(size: int, step_s: float, sync_every: int | None = None) -> dict[str, Any]:
+    """:func:`restart_once` for growth: P - 1 ranks train, rank P - 1 is added to the running
+    job (a node's launcher started later under ``--nnodes P-1:P``) and taken in."""
+    short = size >= 64 * MiB
+    cfg = {"bytes": size, "timeout": 300, "victim": -1, "kill_at": -1, "world": P,
+           "step_s": step_s, "max_s": 240, "steps": 10 if short else 15,
+           "after": 3 if short else 5, "sync_every": sync_every}
+    wait = max(3, 4 if short else 6) * (step_s + (0.5 if short else 0.0))
+    job = Job("restart", cfg, 0).run_grow(timeout=330, wait_s=wait)
+    new = [r for r in job.reports if r["rank"] == P - 1]
+    return _joined_run(job, new, [r for r in job.reports if r["rank"] != P - 1], P - 1)
+
+
+def _joined_run(job: Job, joiner: list[dict[str, Any]], members: list[dict[str, Any]],
+                victim: int) -> dict[str, Any]:
+    """One run's figures: the joiner's times, and each member's step with the join against
+    its median step."""
     if job.failed or len(joiner) != 1 or len(members) != P - 1:
         return {"failed": job.failure()}
     j = joiner[0]
@@ -583,20 +654,25 @@ def restart_once(size: int, victim: int, step_s: float, sync_every: int | None =
 
 
 def part_restart(sizes: list[int], repeat: int, step_s: float, rng: random.Random,
-                 sync_every: int | None = None) -> list[dict[str, Any]]:
+                 sync_every: int | None = None, grow: bool = False) -> list[dict[str, Any]]:
+    """The restart part, or with ``grow`` the same figures for a rank added to a running job
+    (its cases named ``growth ...``)."""
     rows = []
+    what = "growth" if grow else "restart"
     for size in sizes:
         runs, fails = [], []
         for _ in range(repeat):
-            res = restart_once(size, rng.randrange(P), step_s, sync_every)
+            res = grow_once(size, step_s, sync_every) if grow else \
+                restart_once(size, rng.randrange(P), step_s, sync_every)
             (fails if "failed" in res else runs).append(res)
         base = {"impl": "asynccoll", "transport": "tcp",
                 "state_path": "default (read in place on one host)", "P": P, "size": size,
                 "sync_every": sync_every,
                 "step_compute_s": step_s, "runs": len(runs),
                 "failures": [f["failed"] for f in fails]}
-        row: dict[str, Any] = {"case": "restart to first contribution", **base}
-        mrow: dict[str, Any] = {"case": "members' step during the join", **base}
+        row: dict[str, Any] = {"case": f"{what} to first contribution", **base}
+        mrow: dict[str, Any] = {"case": "members' step during the join" + (
+            " (growth)" if grow else ""), **base}
         if runs:
             for key in ("start_to_connected_s", "connect_s", "connect_to_joined_s",
                         "connect_to_first_contribution_s", "rss_mib"):
@@ -629,7 +705,7 @@ def part_restart(sizes: list[int], repeat: int, step_s: float, rng: random.Rando
                 for m in r["members"]]} for r in runs]
         rows += [row, mrow]
         if runs:
-            print(f"restart {_label(size)}: connect -> joined "
+            print(f"{what} {_label(size)}: connect -> joined "
                   f"{row['connect_to_joined_s_median']:.2f} s, -> first contribution "
                   f"{row['connect_to_first_contribution_s_median']:.2f} s "
                   f"[{row['connect_to_first_contribution_s_min']:.2f}, "
@@ -637,14 +713,14 @@ def part_restart(sizes: list[int], repeat: int, step_s: float, rng: random.Rando
                   f"{mrow['ratio_median']:.2f}x their median [{mrow['ratio_min']:.2f}, "
                   f"{mrow['ratio_max']:.2f}]; {len(fails)} failed", file=sys.stderr)
             if "sync_step_s_median" in mrow:
-                print(f"restart {_label(size)}: sync step without a join "
+                print(f"{what} {_label(size)}: sync step without a join "
                       f"{mrow['sync_step_s_median']:.3f} s ({mrow['sync_ratio_median']:.2f}x), "
                       f"join step {mrow['join_step_s_median']:.3f} s", file=sys.stderr)
             for key in ("sync_phases_s", "join_phases_s"):
                 print(f"  {key}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
                                                mrow[key].items()), file=sys.stderr)
         else:
-            print(f"restart {_label(size)}: every run failed", file=sys.stderr)
+            print(f"{what} {_label(size)}: every run failed", file=sys.stderr)
     return rows
 
 
@@ -827,8 +903,9 @@ def _plot_transfer(ax: Any, rows: list[dict[str, Any]]) -> None:
 
 
 def _plot_steps(ax: Any, rows: list[dict[str, Any]]) -> None:
-    colours = ["tab:blue", "tab:orange", "tab:green"]
-    sel = [r for r in rows if r.get("case") == "members' step during the join" and r.get("per_run")]
+    colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    sel = [r for r in rows if str(r.get("case")).startswith("members' step during the join")
+           and r.get("per_run")]
     for colour, row in zip(colours, sel, strict=False):
         first = True
         for run in row["per_run"]:
@@ -838,13 +915,15 @@ def _plot_steps(ax: Any, rows: list[dict[str, Any]]) -> None:
                 keep = list(range(2, len(d)))
                 med = float(np.median([d[i] for i in keep if i not in (g, m["loss_step"])]))
                 ax.plot([i - g for i in keep], d[keep] / med, color=colour, alpha=0.35, lw=1,
-                        label=f"state {_label(row['size'])}" if first else None)
+                        label=(f"{'growth' if 'growth' in row['case'] else 'restart'}, "
+                               f"state {_label(row['size'])}") if first else None)
                 first = False
     ax.axhline(GOAL_STEP_RATIO, color="grey", linestyle="--", label="goal: 1.5x")
     ax.axvline(0, color="black", lw=0.6)
     ax.set_xlabel("member's step, relative to the step with the join")
     ax.set_ylabel("step time / member's median")
-    ax.set_title("Members' steps around a join (EagerSGD solo, every member, every run)",
+    ax.set_title("Members' steps around a join (EagerSGD solo, every member, every run; "
+                 "growth: P - 1 members)",
                  fontsize=10)
     ax.legend(fontsize=7)
 
@@ -873,6 +952,8 @@ def _plot_churn(ax: Any, rows: list[dict[str, Any]]) -> None:
 PART_CASES = {"transfer": ("state transfer", "one tcp stream", "one copy", "one hash",
                           "one read in place", "cpu ceiling", "cpu ceiling, read in place"),
               "restart": ("restart to first contribution", "members' step during the join"),
+              "grow": ("growth to first contribution",
+                       "members' step during the join (growth)"),
               "churn": ("churn", "no churn")}
 
 
@@ -919,9 +1000,9 @@ def main(argv: list[str] | None = None) -> int:
                     "there (each marked with that run's date and command)")
     a = ap.parse_args(argv)
     parts = a.parts.split(",")
-    unknown = set(parts) - {"transfer", "restart", "churn"}
+    unknown = set(parts) - {"transfer", "restart", "grow", "churn"}
     if unknown:
-        ap.error(f"--parts: unknown {sorted(unknown)}; known: transfer, restart, churn")
+        ap.error(f"--parts: unknown {sorted(unknown)}; known: transfer, restart, grow, churn")
     paths = a.path.split(",")
     if not paths or set(paths) - {"read", "ring", "tcp"}:
         ap.error(f"--path: {a.path!r}; known: read, ring, tcp")
@@ -944,6 +1025,10 @@ def main(argv: list[str] | None = None) -> int:
             [MiB] if a.quick else \
             [MiB, largest_restart_size(notes, (1 << 30) if a.full else 128 * MiB)]
         rows += part_restart(rsizes, repeat, a.step_s, rng, a.sync_every or None)
+    if "grow" in parts:
+        gsizes = [_size(s) for s in a.restart_sizes.split(",")] if a.restart_sizes else \
+            [MiB] if a.quick else [MiB, 64 * MiB]
+        rows += part_restart(gsizes, repeat, a.step_s, rng, a.sync_every or None, grow=True)
     if "churn" in parts:
         rows += part_churn(churn_runs, churn_steps, kill_every, rng)
     if a.keep_other_parts and os.path.exists(a.out):
