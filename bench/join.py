@@ -922,8 +922,8 @@ def _plot_steps(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.axvline(0, color="black", lw=0.6)
     ax.set_xlabel("member's step, relative to the step with the join")
     ax.set_ylabel("step time / member's median")
-    ax.set_title("Members' steps around a join (EagerSGD solo, every member, every run; "
-                 "growth: P - 1 members)",
+    ax.set_title("Members' steps around a join (EagerSGD solo, every member,\n"
+                 "every run; growth: P - 1 members and a rank added)",
                  fontsize=10)
     ax.legend(fontsize=7)
 
