@@ -13,6 +13,9 @@ there for the test to SIGKILL its node (launcher and ranks; tests/launch/test_re
 With SYNC_EVERY=k the members sync every k steps; with KILL_IN_SYNC=1 a victim SIGKILLs itself
 not at KILL_AT but as it enters its first sync event's parameter allreduce after it (the
 survivors, in that allreduce, lose it inside the event's synchronous part).
+With HOLD=k (tests/adversarial/test_grow.py) every rank trains past N until it trains with k
+ranks (and 10 steps more), and a victim kills itself at the first step from KILL_AT on where it
+does.
 Every rank prints one FINAL line with its global step and a digest of its parameters."""
 import asyncio
 import hashlib
@@ -102,13 +105,20 @@ async def main():
             learned.set()
         await asyncio.wait_for(learned.wait(), 30)
         print(f"rank 2 learned {sorted(comm.membership.gone)} lost before it joined", flush=True)
-    while opt.step_count < N:
+    hold = int(os.environ.get("HOLD", "0"))  # (test_grow: a job grown to HOLD ranks)
+    grew_at = None  # the first step trained with HOLD ranks: 10 more at least (a loss then is
+    while opt.step_count < N or opt.world_size < hold or (  # recovered before they end)
+            hold and (grew_at is None or opt.step_count < grew_at + 10)):
+        if hold and grew_at is None and opt.world_size >= hold:
+            grew_at = opt.step_count
         if overlap and not restarted:
             if rank == 3 and 2 in comm.membership.rejoined:  # rank 2's restart connected
                 os.kill(os.getpid(), signal.SIGKILL)
             if rank == 1 and opt._comm_now().members == (0, 1, 2):  # 2 back, 3 not yet:
                 os.kill(os.getpid(), signal.SIGKILL)  # a loss in the world 2 joined
-        if rank in VICTIMS and not restarted and opt.step_count == KILL_AT and not in_sync:
+        at = opt.step_count == KILL_AT if not hold else \
+            opt.step_count >= KILL_AT and opt.world_size >= hold  # once the job grew
+        if rank in VICTIMS and not restarted and at and not in_sync:
             if os.environ.get("MARK_DIR"):  # the test kills this rank's whole node
                 mark = os.path.join(os.environ["MARK_DIR"], f"at-{rank}")
                 os.close(os.open(mark, os.O_CREAT | os.O_WRONLY))

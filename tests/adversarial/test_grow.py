@@ -167,3 +167,20 @@ def test_a_node_that_disagrees_on_the_shape_is_refused(tmp_path: Path) -> None:
         assert first.wait(timeout=60) == 0, log0.read_text(errors="replace")[-3000:]
     finally:
         first.kill()
+
+
+def test_a_first_world_rank_lost_after_the_job_grew_is_restarted_and_taken_back(
+        tmp_path: Path) -> None:
+    """The job grows from 2 to 4 ranks; then rank 1 (of the first world) SIGKILLs itself,
+    node 0's launcher restarts it (``--max-restarts 1``), and its restart dials the new ranks
+    too: ranks 0, 2 and 3 take it back, and all four end equal to the bit."""
+    rejoin_job = str(HERE / "_rejoin_job.py")
+    out0, out1 = _grow(tmp_path, rejoin_job, ("--max-restarts", "1"), N="60", KILL_AT="20",
+                       VICTIMS="1", STEP_S="0.02")
+    both = out0 + out1
+    assert "rank 1 was killed by SIGKILL; restarting it" in out0, out0[-3000:]
+    assert re.search(r"rank 1 joined the job \(restart 1\): taken back by ranks \[0, 2, 3\]",
+                     out0), out0[-3000:]
+    finals = {int(r): d for r, d in re.findall(r"FINAL rank=(\d+) steps=\d+ digest=(\w+)", both)}
+    assert sorted(finals) == [0, 1, 2, 3], both[-4000:]
+    assert len(set(finals.values())) == 1, finals
