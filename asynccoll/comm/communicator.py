@@ -184,6 +184,7 @@ class Communicator(PartialCollectives):
         self._parent: Communicator | None = None
         self._closes_parent = False  # the first world of a job that may grow (first_world)
         self._closing = False  # close() under way (its groups closing first)
+        self._released = False  # gave its hold on the progress engine back
         self._pid = os.getpid()
         _OPEN.add(self)
         #: seconds this rank adds to its clock to read rank 0's (:meth:`sync_clocks`)
@@ -298,7 +299,20 @@ class Communicator(PartialCollectives):
                 await self._engine.run(self._close_on_loop(wait))
         finally:
             if not self._engine.on_loop():
-                self._engine.release()
+                self._release_once()
+
+    def _release_once(self) -> None:
+        """Give back this communicator's hold on the progress engine (once)."""
+        if not self._released:
+            self._released = True
+            self._engine.release()
+
+    def _tree(self) -> list[Communicator]:
+        """This communicator and every group made from it, and from those."""
+        out = [self]
+        for child in self._children:
+            out += child._tree()  # noqa: SLF001 - a communicator of its own class
+        return out
 
     def close_at_exit(self, pid: int) -> concurrent.futures.Future[None] | None:
         """The interpreter's exit hook's part (:func:`_close_at_exit`): when this is process
@@ -330,9 +344,13 @@ class Communicator(PartialCollectives):
                 self._engine.run_blocking(self.close(timeout))
         finally:
             self._closed = True
-            self._engine.release()
-            if self._closes_parent and self._parent is not None:
-                self._parent._engine.release()  # noqa: SLF001 - closed on the loop: not released
+            # closed on the loop, none of them released its hold: this one, its groups (a
+            # grown communicator among them), and the job's when it closed with this one
+            parent = self._parent
+            root = parent if self._closes_parent and parent is not None else self
+            for c in root._tree():  # noqa: SLF001 - a communicator of its own class
+                if c._closed:  # noqa: SLF001
+                    c._release_once()  # noqa: SLF001
 
     async def _close_on_loop(self, wait: float = 0.0) -> None:
         if wait > 0 and self.size > 1 and not self.transport.closed:
@@ -401,7 +419,10 @@ class Communicator(PartialCollectives):
         child.clock_offset = self.clock_offset
         if child._writer is not None and self.clock_offset:
             child._writer.write({"type": "clock", "offset": self.clock_offset})
+        done = [c for c in self._children if c.closed]
         self._children = [c for c in self._children if not c.closed]
+        for c in done:  # closed on the loop without giving its hold back (this one holds too)
+            c._release_once()  # noqa: SLF001 - a communicator of its own class
         self._children.append(child)
         gone = [(g, r) for g, r in enumerate(members) if r in self.membership.gone]
         if gone:  # lost before the group was made: lost to it too

@@ -86,8 +86,8 @@ class Membership:
         self.lost: PeerLostError | None = None
         #: every rank this rank learned is lost, and the vacant ranks of a job that may grow
         #: (:meth:`Transport.vacate <asynccoll.transport.base.Transport.vacate>`: no process
-        #: held them yet; not a loss, and never :attr:`lost`)
-        self.gone: set[int] = set(transport.vacant)
+        #: held them yet; not a loss, and never :attr:`lost`; read on the loop: :meth:`watch`)
+        self.gone: set[int] = set()
         self._closing: Callable[[], bool] = lambda: False
         self._sent: dict[int, int] = {}  # per peer: the loss notices sent to it
         self._recvs: dict[int, asyncio.Future[Message]] = {}
@@ -106,7 +106,7 @@ class Membership:
         self.join_listeners: list[Callable[[int], None]] = []
         #: the ranks whose place a new process took, in order (a rank may come back twice)
         self.rejoined: list[int] = []
-        self._vacant = set(transport.vacant)  # not taken yet
+        self._vacant: set[int] = set()  # not taken yet (:meth:`watch`)
         #: the vacant ranks a process took (a job that grew): new to it, not back
         self.grown: set[int] = set()
 
@@ -120,6 +120,11 @@ class Membership:
         """Start: listen for the transport's losses and the peers' notices. ``closing()`` says
         whether the communicator is closing (a peer that leaves then is no loss)."""
         self._closing = closing
+        # the vacant ranks, read here on the loop (the transport changes the set there): a
+        # process that took one before this listens is no longer among them
+        self._vacant = set(self.transport.vacant)
+        self.gone |= self._vacant
+        self.grown |= self.transport.taken - self.gone
         self.transport.on_peer_lost(self._on_peer_lost)
         self.transport.on_peer_joined(self._on_peer_joined)
         for r in self._peers:
@@ -278,6 +283,7 @@ class Membership:
         if exc.rank in self.gone and not tell:
             return
         self.gone.add(exc.rank)
+        self.grown.discard(exc.rank)  # (a new process in its place comes back, not in)
         if self._changed is not None:
             self._changed.set()
         first = self.lost is None

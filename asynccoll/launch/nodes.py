@@ -31,7 +31,7 @@ import contextlib
 import os
 import secrets
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from ..errors import AuthenticationError
@@ -252,7 +252,7 @@ async def joined_nodes(client: StoreClient, candidates: Sequence[int]) -> list[i
 
 
 async def check_out(cfg: LaunchConfig, client: StoreClient,
-                    followed: Sequence[asyncio.Task[None]], say: Say) -> None:
+                    followed: Mapping[int, asyncio.Task[None]], say: Say) -> None:
     """The exit barrier: node 0 keeps the store up until every node's ranks are done (ranks of
     a job that does not rendezvous may finish at very different times), or until a node is
     given up (:func:`follow`), at most ``exit_timeout``."""
@@ -260,9 +260,9 @@ async def check_out(cfg: LaunchConfig, client: StoreClient,
         await client.set(f"{EXIT_KEY}{cfg.node_rank}", b"1", timeout=5.0)
     if cfg.node_rank != 0 or not followed:
         return
-    _, pending = await asyncio.wait(followed, timeout=cfg.exit_timeout)
+    _, pending = await asyncio.wait(followed.values(), timeout=cfg.exit_timeout)
     if pending:
-        left = [k for k, t in enumerate(followed, 1) if t in pending]
+        left = sorted(k for k, t in followed.items() if t in pending)
         say(f"nodes {left} still running after {cfg.exit_timeout} s; closing the store")
 
 

@@ -151,8 +151,10 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
         await _wait(client, [f"{prefix}done/{r}" for r in range(world)], left(),
                     "connect to its peers", prefix)
         # a job that may grow: the ranks above the first world are vacant until a process
-        # takes one (it joins as a restarted rank does: _rejoin)
-        t.vacate(range(world, cap))
+        # takes one (it joins as a restarted rank does: _rejoin), admitted from now on
+        if cap > world:
+            t.admit_rejoins = True
+            t.vacate(range(world, cap))
         if server is None:
             await client.set(f"{prefix}left/{rank}", b"1")
         else:

@@ -398,7 +398,7 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
         loop.add_signal_handler(sig, on_signal, sig)
     abort_task: asyncio.Task[bytes] | None = None
     silent: asyncio.Task[None] | None = None
-    followed: list[asyncio.Task[None]] = []
+    followed: dict[int, asyncio.Task[None]] = {}  # node 0: the other nodes, by node rank
     growing: dict[int, asyncio.Task[None]] = {}  # node 0: the nodes the job may grow by
     restart = 0
     tag: str | None = None
@@ -429,8 +429,8 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
                     f"{nodes.node_ranks(cfg, cfg.node_rank)}, taken in at the members' next "
                     "sync event (--nnodes MIN:MAX)")
             if cfg.node_rank == 0:
-                followed = [asyncio.create_task(nodes.follow(cfg, client, k, say))
-                            for k in range(1, cfg.nnodes)]
+                followed = {k: asyncio.create_task(nodes.follow(cfg, client, k, say))
+                            for k in range(1, cfg.nnodes)}
                 growing = {k: asyncio.create_task(nodes.follow_joining(cfg, client, k, say))
                            for k in range(cfg.nnodes, cfg.node_limit)}
         ranks.watch_joined = functools.partial(joined.watch, store, cfg.secret, say)
@@ -464,12 +464,13 @@ async def launch(cfg: LaunchConfig, *, stdout: BinaryIO | None = None,
             # the nodes the job grew by are followed; those that never came are not waited for
             joined_nodes = await nodes.joined_nodes(client, list(growing))
             await _unless_stopped(nodes.check_out(
-                cfg, client, [*followed, *(growing[k] for k in joined_nodes)], say), stop_sig)
+                cfg, client, {**followed, **{k: growing[k] for k in joined_nodes}}, say),
+                stop_sig)
         return code
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        for task in (abort_task, silent, ranks.orphan, *followed, *growing.values(),
+        for task in (abort_task, silent, ranks.orphan, *followed.values(), *growing.values(),
                      *ranks.joins.values()):
             if task is not None:
                 task.cancel()

@@ -278,6 +278,13 @@ class DistributedOptimizer(SyncEvents):
             self._h.flush_hint = "'opt.finish()' of the DistributedOptimizer"
             self._join_init()  # restarted ranks taken back at sync events (.joining)
 
+    @property
+    def world_size(self) -> int:
+        """The ranks training now: the communicator's size, or, once the partial allreduce
+        went on without lost ranks or took ranks in (a restart, a job that grew), the size of
+        the membership it runs on (as ``EagerSGD.world_size``)."""
+        return self.comm.size if self._h is None else int(self._h.world_size)
+
     # -- the inner optimizer's surface -------------------------------------------------------
     @property
     def param_groups(self) -> list[dict[str, Any]]:

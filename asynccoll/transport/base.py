@@ -90,6 +90,8 @@ class Transport(abc.ABC):
         self._incarnations: dict[int, int] = {}  # per peer: its connected process's
         #: the ranks of the job's capacity that no process has held yet (:meth:`vacate`)
         self.vacant: set[int] = set()
+        #: the vacant ranks a process took since (:meth:`_peer_joined`)
+        self.taken: set[int] = set()
 
     @property
     @abc.abstractmethod
@@ -156,7 +158,9 @@ class Transport(abc.ABC):
 
     def _peer_joined(self, rank: int) -> None:
         """For the backends: a new process is connected as lost (or vacant) ``rank``."""
-        self.vacant.discard(rank)
+        if rank in self.vacant:
+            self.vacant.discard(rank)
+            self.taken.add(rank)
         self.matcher.readmit(rank)
         log.info("rank %d: a new process took the place of lost rank %d", self.rank, rank)
         for cb in list(self._join_listeners):

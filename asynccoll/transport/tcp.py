@@ -282,6 +282,9 @@ class TcpTransport(Transport):
         if rank in self._conns:
             raise AuthenticationError(f"rank {rank} is already connected")
         if rank in self._lost and not self.admit_rejoins:
+            if rank in self.vacant:
+                raise AuthenticationError(f"rank {rank} is vacant, and this job does not admit "
+                                          "new ranks")
             raise AuthenticationError(f"rank {rank} was lost, and this job does not admit "
                                       "restarted ranks (asynccoll run --max-restarts)")
 

@@ -416,8 +416,8 @@ class TcpConnection(asyncio.BufferedProtocol):
                     or (hello.rank > o.rank and not o.may_rejoin(hello.rank)):
                 raise AuthenticationError(
                     f"peer claims rank {hello.rank} and wants rank {hello.wanted}; rank "
-                    f"{o.rank} accepts connections from ranks 0..{o.rank - 1} only (and "
-                    "from a process taking a lost rank's place, when rejoins are admitted)")
+                    f"{o.rank} accepts connections from lower ranks only (and from a process "
+                    "taking a lost or vacant rank's place, when rejoins are admitted)")
             o.check_peer(hello.rank)
             self._nonce_c = hello.nonce
             self._nonce_a = auth.new_nonce()

@@ -6,7 +6,8 @@ SIGKILLs itself at step KILL_AT of N on its first start and comes back under ``a
 process is a restart but the kill. Every rank prints its global step and a digest of its
 parameters and of Adam's state. ``CHURN=k``: instead, kill number j = 1, 2, ... (up to
 ``KILLS``) at global step j * k takes rank (j - 1) % 4 (each process kills itself once at
-most, at the first such step past its start)."""
+most, at the first such step past its start). ``HOLD=k`` (tests/adversarial/test_grow.py):
+every rank trains past N until it trains with k ranks."""
 import hashlib
 import os
 import signal
@@ -45,7 +46,8 @@ def main() -> None:
     joined_at = None
     churn, kills = int(os.environ.get("CHURN", 0)), int(os.environ.get("KILLS", 5))
     die_at = None
-    while state.step_count < N:
+    hold = int(os.environ.get("HOLD", "0"))  # (test_grow: train on until HOLD ranks do)
+    while state.step_count < N or (hold and state._comm_now().size < hold):
         if churn and die_at is None and state.step_count > 0:  # (on a joiner: the members')
             die_at = next((j * churn for j in range(1, kills + 1)
                            if (j - 1) % 4 == rank and j * churn > state.step_count), N + 1)

@@ -50,7 +50,7 @@ def main() -> None:
     x = torch.randn(64, 16, generator=gen)
     y = x.sum(dim=1, keepdim=True) * 0.1
     hold = int(os.environ.get("HOLD", "0"))
-    while opt.step_count < N or opt._comm_now().size < hold:
+    while opt.step_count < N or opt.world_size < hold:
         if rank == VICTIM and not restarted and opt.step_count == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         opt.zero_grad()
@@ -67,7 +67,7 @@ def main() -> None:
     for st in opt.optimizer.state.values():
         for k in sorted(st):
             h.update(st[k].detach().numpy().tobytes())
-    print(f"WORLD rank={rank} size={opt._comm_now().size}", flush=True)
+    print(f"WORLD rank={rank} size={opt.world_size}", flush=True)
     print(f"FINAL rank={rank} steps={opt.step_count} digest={h.hexdigest()[:16]} "
           f"restarted={restarted} loss={loss.item():.4f}", flush=True)
     comm.close()

@@ -184,3 +184,16 @@ def test_a_first_world_rank_lost_after_the_job_grew_is_restarted_and_taken_back(
     finals = {int(r): d for r, d in re.findall(r"FINAL rank=(\d+) steps=\d+ digest=(\w+)", both)}
     assert sorted(finals) == [0, 1, 2, 3], both[-4000:]
     assert len(set(finals.values())) == 1, finals
+
+
+def test_ddp_with_the_partial_hook_grows(tmp_path: Path) -> None:
+    """DDP with ``partial_hook`` around Adam: its bucket handles take the new ranks in; every
+    rank ends with parameters and Adam's state equal to the bit."""
+    pytest.importorskip("torch")
+    out0, out1 = _grow(tmp_path, str(HERE / "_rejoin_ddp_job.py"), N="30", VICTIMS="99",
+                       STEP_S="0.02")
+    both = out0 + out1
+    finals = {int(r): d for r, d in re.findall(r"FINAL rank=(\d+) steps=\d+ digest=(\w+)", both)}
+    assert sorted(finals) == [0, 1, 2, 3], both[-4000:]
+    assert len(set(finals.values())) == 1, finals
+    assert "in (new to the job)" in out0, out0[-3000:]

@@ -172,6 +172,9 @@ class UcxTransport(Transport):
         self._listener: Any = None
         self._progress: Progress | None = None
         self._peers: dict[int, _Peer] = {}
+        #: ranks this process's rejoin could not reach (nobody admitted it there): lost here,
+        #: and taken in when a process of theirs dials this one, as a vacant rank is
+        self._gave_up: set[int] = set()
         self._refusals = LogBudget()  # a flood of refused dials must not flood the log
         self._arrived: asyncio.Event | None = None
         self._bye_event = asyncio.Event()
@@ -311,10 +314,12 @@ class UcxTransport(Transport):
                 if not self.may_rejoin(link.peer):
                     raise AuthenticationError(f"rank {link.peer} is already connected")
                 self._retire(old)
-            elif link.peer in self.vacant and not self.admit_rejoins:
+            elif (link.peer in self.vacant or link.peer in self._gave_up) \
+                    and not self.admit_rejoins:
                 raise AuthenticationError(f"rank {link.peer} is vacant, and this job does not "
                                           "admit new ranks")
-            vacant = old is None and link.peer in self.vacant
+            vacant = old is None and (link.peer in self.vacant or link.peer in self._gave_up)
+            self._gave_up.discard(link.peer)
             self._add_peer(ep, link)
             if old is not None or vacant:  # a new process in a lost (or vacant) rank's place
                 self._peer_joined(link.peer)
@@ -344,7 +349,8 @@ class UcxTransport(Transport):
         (:attr:`admit_rejoins`) and this transport lost ``rank``."""
         p = self._peers.get(rank)
         return self.admit_rejoins and ((p is not None and p.lost is not None)
-                                       or (p is None and rank in self.vacant))
+                                       or (p is None and (rank in self.vacant
+                                                          or rank in self._gave_up)))
 
     def _retire(self, p: _Peer) -> None:
         """A lost peer's endpoints, closed for the new process that takes its place (what
@@ -396,6 +402,7 @@ class UcxTransport(Transport):
                     err = lost(rank, f"did not admit this rank within the rejoin timeout "
                                      f"({exc!r})", exc)
                     self.matcher.fail_peer(rank, err)
+                    self._gave_up.add(rank)
                     return False
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.5)
