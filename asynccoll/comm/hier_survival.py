@@ -155,6 +155,9 @@ class Regrouping:
         self._given: Any = None  # the sum of the values handed out here (SUM)
         self._catch_up: Any = None
         self.lost: frozenset[int] = frozenset()
+        #: the communicator's ranks that ever were members (a rank outside, a vacant rank of
+        #: a job that may grow, is not lost)
+        self._ever: set[int] = set(range(self._comm.size))
         self.world_size = self._comm.size
         #: a membership that took ranks back, and its first round: the next call regrows
         self._grown: tuple[Any, int] | None = None
@@ -307,7 +310,7 @@ class Regrouping:
         self.lead_flushed = False
         self._kept.clear()
         self._resend = rest
-        self.lost = frozenset(r for r in range(self._comm.size) if r not in alive)
+        self.lost = frozenset(r for r in self._ever if r not in alive)
         self.world_size = s.size
         self._total = self._latest = None
         if self._sums:
@@ -361,12 +364,17 @@ class Regrouping:
         if not self._survive:
             raise ValueError(f"hierarchical partial allreduce {self.name!r} does not survive "
                              "losses (survive=True), so it cannot take ranks back")
-        if not set(comm.members) <= set(self._comm.members):
+        mine = tuple(self._comm.members)
+        # a job that grew: ranks beyond the first world's, whose ranks are the job's
+        first_world = mine == tuple(range(len(mine)))
+        if not set(comm.members) <= set(mine) and not (
+                first_world and set(comm.members) <= set(range(self._comm.job.size))):
             raise ValueError(f"hierarchical partial allreduce {self.name!r}: the grown "
                              f"membership {list(comm.members)} is not among its "
-                             f"communicator's ranks {list(self._comm.members)}")
+                             f"communicator's ranks {list(mine)}")
         self._grown = (comm, first)
         self._pending = True
+        self.world_size = comm.size  # (as the flat handle's; the regrow says it again)
 
     async def _regrow(self, timeout: float | None) -> None:
         """The growth :meth:`grow` recorded, collective over the grown membership (its ranks
@@ -382,8 +390,15 @@ class Regrouping:
         got = await s.allgather(np.array([host_hash(), self._epoch], np.int64), timeout)
         epoch = int(got[:, 1].max()) + 1
         groups = host_groups(got[:, 0].tolist())  # ranks of s
+        if not set(s.members) <= set(self._comm.members):
+            # the job grew beyond the first world (grow): its ranks are the job's, so the
+            # handle numbers by the job's communicator from now on, the same numbers
+            self._comm = self._comm.job
+        if self._host is None and self._epoch == 0:
+            self._ever = set()  # a handle that never ran (a joiner's): its history starts here
         cm = list(self._comm.members)
         alive = [cm.index(m) for m in s.members]  # comm rank of each rank of s
+        self._ever |= set(alive)
         host = await s.split("host", timeout=timeout)
         lead = await s.group([g[0] for g in groups], timeout)
         # -- commit --------------------------------------------------------------------------
@@ -400,7 +415,7 @@ class Regrouping:
         self._kept.clear()
         self._resend = None
         self._total = self._latest = self._given = None
-        self.lost = frozenset(r for r in range(self._comm.size) if r not in alive)
+        self.lost = frozenset(r for r in self._ever if r not in alive)
         self.world_size = s.size
         log.warning("rank %d: hierarchical partial allreduce %r goes on with %d hosts, %d "
                     "ranks (lost %s) from round %d", self._comm.rank, self.name, len(groups),

@@ -42,9 +42,10 @@ async def main():
     watch = Joiners(comm.job, h.name)
     acc, lost, rounds = np.zeros(4), set(), []
     i, admitted, stop = 0, 0, False
-    if restarted:  # taken back at the members' boundary i: it stops there if they do
-        meta = await join_handle(h, comm)
-        i, admitted = int(meta["i"]), int(meta["admitted"]) + 1
+    if restarted or comm.joined:  # taken back (in) at the members' boundary i: it stops
+        meta = await join_handle(h, comm)  # there if they do
+        # the ranks taken back with it too (new ranks of a job that grew come together)
+        i, admitted = int(meta["i"]), int(meta["admitted"]) + h.world_size - int(meta["size"])
         stop = done(i, admitted)
         i += 1
     while not stop:
@@ -59,7 +60,8 @@ async def main():
             f = await h.flush()
             acc += f.value
             lost |= set(f.lost)
-            admitted += len(await admit_ready(h, watch, meta={"i": i, "admitted": admitted}))
+            admitted += len(await admit_ready(h, watch, meta={"i": i, "admitted": admitted,
+                                                              "size": h.world_size}))
             stop = done(i, admitted)
         i += 1
     f = await h.flush()

@@ -197,3 +197,27 @@ def test_ddp_with_the_partial_hook_grows(tmp_path: Path) -> None:
     assert sorted(finals) == [0, 1, 2, 3], both[-4000:]
     assert len(set(finals.values())) == 1, finals
     assert "in (new to the job)" in out0, out0[-3000:]
+
+
+def test_a_hierarchical_handle_grows_by_a_host_with_exact_accounting(tmp_path: Path) -> None:
+    """The hierarchical partial allreduce (two fake hosts, {0, 1} and {2, 3}): the first
+    world is one host, the second node's ranks make a second one; the handle regrows over
+    both (its leaders' handle then spans two hosts), numbers its ranks as the job does, and
+    every call of every rank is counted exactly once; nobody is reported lost."""
+    out0, out1 = _grow(tmp_path, str(HERE / "_rejoin_hier_job.py"), KILLS="9@9999",
+                       RESTARTS="2")
+    both = out0 + out1
+    rows = {c["rank"]: c for c in (json.loads(line.split("COUNT ", 1)[1])
+                                   for line in both.splitlines() if "COUNT {" in line)}
+    assert sorted(rows) == [0, 1, 2, 3], both[-4000:]
+
+    def groups(acc: list[float]) -> list[int]:
+        v = round(acc[0])
+        return [(v // 1000 ** r) % 1000 for r in range(4)]
+
+    seen = groups(rows[0]["acc"])
+    assert seen == [rows[r]["calls"] for r in range(4)], rows  # every call exactly once
+    assert groups(rows[1]["acc"]) == seen, rows
+    for c in rows.values():
+        assert (c["size"], c["lost"], c["hosts"]) == (4, [], [[0, 1], [2, 3]]), c
+    assert "goes on with 2 hosts, 4 ranks (lost [])" in out0, out0[-3000:]
