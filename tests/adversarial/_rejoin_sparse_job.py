@@ -10,7 +10,9 @@ itself at call 8 on its first start; restarted, it joins the handle
 (:func:`~asynccoll.comm.joining.join_handle`) and goes on at the members' call index. Each
 rank prints the dense sum of every result it received (flush included), its calls, the ranks
 its results reported lost, the last result's world, and how many segments were in
-``ASYNCCOLL_SHM_DIR`` once its handle was made."""
+``ASYNCCOLL_SHM_DIR`` once its handle was made. With ``WANT=k`` (tests/adversarial/test_grow.py)
+nobody is killed, a process given a vacant rank joins as a restarted one does, and the ranks
+stop once their handle spans k ranks (instead of once rank 2 is back)."""
 import asyncio
 import json
 import os
@@ -23,6 +25,7 @@ from asynccoll import Accumulate, SparseVector
 from asynccoll.comm.joining import Joiners, admit_ready, join_handle
 
 CALLS, N = 60, 16
+WANT = int(os.environ.get("WANT", "0"))
 
 
 class Tally:
@@ -57,12 +60,13 @@ async def main():
     segs = len(os.listdir(os.environ["ASYNCCOLL_SHM_DIR"]))  # this rank's, made at creation
     x = SparseVector(np.array([0, 1 + rank], np.int32), np.full(2, 1000.0 ** rank), N)
     tally, calls, i, back, stop = Tally(), 0, 0, False, False
-    if restarted:  # taken back at the members' boundary i: it stops there if they do
-        i, back = int((await join_handle(h, comm))["i"]), True
+    if restarted or comm.joined:  # taken back at the members' boundary i: it stops there if
+        i = int((await join_handle(h, comm))["i"])  # they do
+        back = h.world_size >= WANT
         stop = done(i, back)
         i += 1
     while not stop:
-        if (rank, restarted, i) == (2, 0, 8):
+        if (rank, restarted, i) == (2, 0, 8) and not WANT:
             os.kill(os.getpid(), signal.SIGKILL)
         await asyncio.sleep(0.05 * (1 + rank % 2))
         tally.take(await h(x))
@@ -70,6 +74,8 @@ async def main():
         if i % 5 == 4:  # a flush boundary: ready ranks are taken back
             tally.take(await h.flush())
             back = bool(await admit_ready(h, watch, meta={"i": i})) or back
+            if WANT:
+                back = h.world_size >= WANT
             stop = done(i, back)
         i += 1
     f = tally.take(await h.flush())

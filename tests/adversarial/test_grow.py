@@ -221,3 +221,24 @@ def test_a_hierarchical_handle_grows_by_a_host_with_exact_accounting(tmp_path: P
     for c in rows.values():
         assert (c["size"], c["lost"], c["hosts"]) == (4, [], [[0, 1], [2, 3]]), c
     assert "goes on with 2 hosts, 4 ranks (lost [])" in out0, out0[-3000:]
+
+
+def test_a_sparse_partial_handle_grows_with_exact_accounting(tmp_path: Path) -> None:
+    """A solo partial allreduce of SparseVectors (the flat handle's class, sparse data): rank r
+    sends ``1000**r`` at index 0 and at its own index ``1 + r``; grown from 2 to 4 ranks,
+    every call of every rank is counted exactly once at every index."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    out0, out1 = _grow(tmp_path, str(HERE / "_rejoin_sparse_job.py"), WANT="4",
+                       ASYNCCOLL_SHM_DIR=str(shm))
+    both = out0 + out1
+    rows = {c["rank"]: c for c in (json.loads(line.split("COUNT ", 1)[1])
+                                   for line in both.splitlines() if "COUNT {" in line)}
+    assert sorted(rows) == [0, 1, 2, 3], both[-4000:]
+    for m in (rows[0], rows[1]):
+        acc = m["acc"]
+        assert [round(acc[1 + r]) for r in range(4)] == [rows[r]["calls"] * 1000 ** r
+                                                       for r in range(4)], rows
+        assert round(acc[0]) == sum(rows[r]["calls"] * 1000 ** r for r in range(4)), rows
+        assert not any(acc[5:]), acc
+    assert all(c["size"] == 4 and c["lost"] == [] for c in rows.values()), rows
