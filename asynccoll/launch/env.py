@@ -10,6 +10,9 @@ the rank and the world size; the other settings fall through the chain one by on
 
 A half-given source (``RANK`` without ``WORLD_SIZE``), a value that does not parse, or one that
 contradicts another (rank outside the world) raises :class:`ConfigError` naming the variable.
+``ASYNCCOLL_MAX_WORLD_SIZE`` (``asynccoll run --nnodes MIN:MAX``) gives a job that may grow:
+ranks from ``ASYNCCOLL_WORLD_SIZE`` up to it are vacant at the start, and a process given one
+joins the running job (:attr:`JobSpec.grows`).
 
 **Under torchrun** no port is guessed: torchrun's agent runs a store at ``MASTER_ADDR:MASTER_PORT``
 for its workers (``TORCHELASTIC_USE_AGENT_STORE=True``, its default), so rank 0 starts
