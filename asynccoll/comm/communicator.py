@@ -299,7 +299,11 @@ class Communicator(PartialCollectives):
                 await self._engine.run(self._close_on_loop(wait))
         finally:
             if not self._engine.on_loop():
-                self._release_once()
+                # this one's hold, and those of its groups closed on the loop before (closed
+                # there, a communicator does not give its hold back)
+                for c in self._tree():
+                    if c._closed:  # noqa: SLF001 - a communicator of its own class
+                        c._release_once()  # noqa: SLF001
 
     def _release_once(self) -> None:
         """Give back this communicator's hold on the progress engine (once)."""

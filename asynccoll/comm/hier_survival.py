@@ -365,8 +365,9 @@ class Regrouping:
             raise ValueError(f"hierarchical partial allreduce {self.name!r} does not survive "
                              "losses (survive=True), so it cannot take ranks back")
         mine = tuple(self._comm.members)
-        # a job that grew: ranks beyond the first world's, whose ranks are the job's
-        first_world = mine == tuple(range(len(mine)))
+        # a job that grew: ranks beyond the first world's (Grouping.first_world), whose ranks
+        # are the job's
+        first_world = bool(getattr(self._comm, "_closes_parent", False))
         if not set(comm.members) <= set(mine) and not (
                 first_world and set(comm.members) <= set(range(self._comm.job.size))):
             raise ValueError(f"hierarchical partial allreduce {self.name!r}: the grown "
@@ -387,18 +388,23 @@ class Regrouping:
         assert self._grown is not None
         grown, first = self._grown
         s = grown if grown.membership.lost is None else await self._survivors(timeout, grown)
-        got = await s.allgather(np.array([host_hash(), self._epoch], np.int64), timeout)
-        epoch = int(got[:, 1].max()) + 1
-        groups = host_groups(got[:, 0].tolist())  # ranks of s
         if not set(s.members) <= set(self._comm.members):
             # the job grew beyond the first world (grow): its ranks are the job's, so the
             # handle numbers by the job's communicator from now on, the same numbers
             self._comm = self._comm.job
         if self._host is None and self._epoch == 0:
-            self._ever = set()  # a handle that never ran (a joiner's): its history starts here
+            self._ever = set()  # a handle that never ran (a joiner's): it learns the others'
+        # every rank says its host, its epoch, and the ranks that ever were members as it
+        # knows them (a joiner nothing): the union, the same on every rank, is what ``lost``
+        # is reported from
+        ever = np.zeros(self._comm.size, np.int64)
+        ever[sorted(self._ever)] = 1
+        got = await s.allgather(np.concatenate([[host_hash(), self._epoch], ever]), timeout)
+        epoch = int(got[:, 1].max()) + 1
+        groups = host_groups(got[:, 0].tolist())  # ranks of s
         cm = list(self._comm.members)
         alive = [cm.index(m) for m in s.members]  # comm rank of each rank of s
-        self._ever |= set(alive)
+        self._ever = set(np.flatnonzero(got[:, 2:].max(axis=0)).tolist()) | set(alive)
         host = await s.split("host", timeout=timeout)
         lead = await s.group([g[0] for g in groups], timeout)
         # -- commit --------------------------------------------------------------------------

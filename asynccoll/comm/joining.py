@@ -421,7 +421,14 @@ async def join(comm: Any, name: str, state: Sequence[Any],
             with contextlib.suppress(OSError):
                 os.unlink(Ring.path(token, sid, src, first))
     grown = job.rejoined_group(members, str(head["key"]))
-    await check(grown, sums.value(), timeout)
+    others = [r for r in members if r not in donors and r != job.rank]  # joining with it
+    try:
+        await check(grown, sums.value(), timeout)
+    except PeerLostError as exc:
+        # another rank taken in with this one, lost meanwhile: this one goes on without it,
+        # as the members do (DigestCheck.settle); any other loss is this join's failure
+        if not others or not _lost_joiners(job, others, name, exc):
+            raise
     nbytes = sum(int(v.size) for v in views)
     log.warning("rank %d: joined partial allreduce %r: %d ranks from execution %d (state of "
                 "%d bytes: from ranks %s through shared memory, from %s over the network; "

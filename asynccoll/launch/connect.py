@@ -122,6 +122,10 @@ async def connect(rank: int | None = None, world_size: int | None = None,
     ctimeout = collective_timeout_from(os.environ, collective_timeout)
     stall = _seconds_from(os.environ, "ASYNCCOLL_STALL_WARN", DEFAULT_STALL_WARN)
     liveness = liveness_from(os.environ)
+    if survive is False and spec.capacity > spec.world_size:
+        raise ConfigError("survive", "a job that may grow (ASYNCCOLL_MAX_WORLD_SIZE, asynccoll "
+                                     "run --nnodes MIN:MAX) takes new ranks in through its "
+                                     "partial collectives' survival: survive=False cannot join it")
     if survive is None:
         try:
             survive = int(os.environ.get("ASYNCCOLL_MAX_FAILURES") or 0) > 0

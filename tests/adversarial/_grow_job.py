@@ -4,7 +4,8 @@ joins while it trains (``asynccoll run --nnodes 1:2``). Every rank loops on the 
 line the first time it trains in a bigger world, then one FINAL line with its global step, the
 world it ended in and a digest of its parameters. With STEP_SLEEP seconds per step (default
 0.02) the members are still training when the second node's ranks join; with HOLD=k every
-rank trains past N until its world has k ranks (the test's members wait for the new node). With
+rank trains past N until its world has k ranks, and 10 steps more (the test's members wait for
+the new node). With
 KILL_JOINING=1 the first process of rank 2 (a new rank) SIGKILLs itself while it is taken in:
 once the members' header came, as it would receive their state (its launcher restarts it under
 --max-restarts)."""
@@ -40,7 +41,11 @@ async def main():
                    sync_every=int(os.environ.get("SYNC_EVERY", "5")))
     first_world = None
     grew = False
-    while opt.step_count < N or opt.world_size < HOLD:
+    held = None  # the first step trained with HOLD ranks: 10 more at least (a rank lost as it
+    while opt.step_count < N or opt.world_size < HOLD or (  # was taken in is noticed first)
+            HOLD and (held is None or opt.step_count < held + 10)):
+        if HOLD and held is None and opt.world_size >= HOLD:
+            held = opt.step_count
         info = await opt.step(opt.params - target)
         if first_world is None:
             first_world = opt.world_size

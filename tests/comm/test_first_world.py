@@ -51,11 +51,22 @@ def world() -> Iterator[tuple[list[ProgressEngine], list[TcpTransport], dict[int
 
 
 def _both(fn: Any) -> None:
-    th = [threading.Thread(target=fn, args=(r,)) for r in range(2)]
+    """``fn(0)`` and ``fn(1)`` at once, on two threads; what either raised, raised here."""
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            fn(r)
+        except BaseException as exc:
+            errors.append(exc)
+
+    th = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for t in th:
         t.start()
     for t in th:
         t.join(30)
+    if errors:
+        raise errors[0]
 
 
 def test_the_first_world_is_the_jobs_first_ranks_and_closes_the_job_with_it(world: Any) -> None:
@@ -91,6 +102,7 @@ def test_a_blocking_close_gives_the_progress_thread_back_after_the_job_grew(worl
         firsts[r].blocking.close()
 
     _both(close)
+    assert all(j.closed for j in jobs)
     assert [e.closed for e in engines] == [True, True]
     assert not any(e.thread_alive for e in engines)
 
@@ -131,3 +143,31 @@ def test_a_rank_taken_before_the_membership_listens_is_not_left_vacant(world: An
         for n in other_t:
             other.run_blocking(n.close())
         other.close()
+
+
+def test_a_group_closed_on_the_loop_gives_its_hold_back_when_its_parent_closes(
+        world: Any) -> None:
+    """A group closed on the runtime's loop (as inside ``comm.blocking.submit``) keeps its hold
+    on the progress engine; its parent's ``await close()`` from a user loop gives it back, so
+    the progress thread stops (it stayed alive until the interpreter exited)."""
+    engines, ts, _ = world
+    jobs = [Communicator(ts[r], progress=engines[r], survive=True) for r in range(2)]
+    comms = [j.first_world(2) for j in jobs]
+    groups: list[Any] = [None, None]
+
+    def split(r: int) -> None:
+        groups[r] = engines[r].run_blocking(comms[r].split(0, timeout=10))
+
+    _both(split)
+
+    def close_group(r: int) -> None:
+        engines[r].run_blocking(groups[r].close())
+
+    _both(close_group)
+
+    def close(r: int) -> None:
+        asyncio.run(comms[r].close())
+
+    _both(close)
+    assert all(j.closed for j in jobs)
+    assert [e.closed for e in engines] == [True, True]

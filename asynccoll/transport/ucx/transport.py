@@ -390,6 +390,9 @@ class UcxTransport(Transport):
                     self._drop_ep(ep)
                     return True
                 self._add_peer(ep, link)
+                if rank in self._gave_up:  # reached at a later try (a new address)
+                    self._gave_up.discard(rank)
+                    self._peer_joined(rank)
                 return True
             except (Exception, asyncio.TimeoutError) as exc:
                 if ep is not None:
