@@ -299,11 +299,15 @@ class Communicator(PartialCollectives):
                 await self._engine.run(self._close_on_loop(wait))
         finally:
             if not self._engine.on_loop():
-                # this one's hold, and those of its groups closed on the loop before (closed
-                # there, a communicator does not give its hold back)
-                for c in self._tree():
-                    if c._closed:  # noqa: SLF001 - a communicator of its own class
-                        c._release_once()  # noqa: SLF001
+                self._release_closed()
+
+    def _release_closed(self) -> None:
+        """Give back the holds on the progress engine of this communicator and of every group
+        made from it that is closed: one closed on the engine's loop does not give its own
+        back (it cannot stop the thread it runs on)."""
+        for c in self._tree():
+            if c._closed:  # noqa: SLF001 - a communicator of its own class
+                c._release_once()  # noqa: SLF001
 
     def _release_once(self) -> None:
         """Give back this communicator's hold on the progress engine (once)."""
@@ -348,13 +352,11 @@ class Communicator(PartialCollectives):
                 self._engine.run_blocking(self.close(timeout))
         finally:
             self._closed = True
-            # closed on the loop, none of them released its hold: this one, its groups (a
-            # grown communicator among them), and the job's when it closed with this one
+            # closed on the loop: this one, its groups (a grown communicator among them),
+            # and the job's when it closed with this one
             parent = self._parent
             root = parent if self._closes_parent and parent is not None else self
-            for c in root._tree():  # noqa: SLF001 - a communicator of its own class
-                if c._closed:  # noqa: SLF001
-                    c._release_once()  # noqa: SLF001
+            root._release_closed()  # noqa: SLF001 - a communicator of its own class
 
     async def _close_on_loop(self, wait: float = 0.0) -> None:
         if wait > 0 and self.size > 1 and not self.transport.closed:

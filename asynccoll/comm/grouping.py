@@ -291,6 +291,12 @@ class Grouping:
         return child
 
     @property
+    def is_first_world(self) -> bool:
+        """Whether this is the first world of a job that may grow (:meth:`first_world`): its
+        ranks are the job's, and the job's ranks above them were vacant at the start."""
+        return self._closes_parent
+
+    @property
     def members(self) -> tuple[int, ...]:
         """The ranks of the job (the outermost communicator) that make up this communicator,
         in rank order: ``range(size)`` for the job itself, the members of a group else."""

@@ -367,7 +367,7 @@ class Regrouping:
         mine = tuple(self._comm.members)
         # a job that grew: ranks beyond the first world's (Grouping.first_world), whose ranks
         # are the job's
-        first_world = bool(getattr(self._comm, "_closes_parent", False))
+        first_world = bool(getattr(self._comm, "is_first_world", False))
         if not set(comm.members) <= set(mine) and not (
                 first_world and set(comm.members) <= set(range(self._comm.job.size))):
             raise ValueError(f"hierarchical partial allreduce {self.name!r}: the grown "

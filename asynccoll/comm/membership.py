@@ -106,7 +106,6 @@ class Membership:
         self.join_listeners: list[Callable[[int], None]] = []
         #: the ranks whose place a new process took, in order (a rank may come back twice)
         self.rejoined: list[int] = []
-        self._vacant: set[int] = set()  # not taken yet (:meth:`watch`)
         #: the vacant ranks a process took (a job that grew): new to it, not back
         self.grown: set[int] = set()
 
@@ -122,9 +121,10 @@ class Membership:
         self._closing = closing
         # the vacant ranks, read here on the loop (the transport changes the set there): a
         # process that took one before this listens is no longer among them
-        self._vacant = set(self.transport.vacant)
-        self.gone |= self._vacant
-        self.grown |= self.transport.taken - self.gone
+        t = self.transport
+        self.gone |= t.vacant
+        self.grown |= t.taken - self.gone
+        self.rejoined += sorted(t.taken)  # (taken before: new processes in those places too)
         self.transport.on_peer_lost(self._on_peer_lost)
         self.transport.on_peer_joined(self._on_peer_joined)
         for r in self._peers:
@@ -146,8 +146,8 @@ class Membership:
         communicator of its own."""
         if self._closing():
             return
-        grew = rank in self._vacant
-        self._vacant.discard(rank)
+        # vacant until now (the transport moved it to ``taken``), not a restart of a taken one
+        grew = rank in self.transport.taken and rank not in self.rejoined
         self.gone.discard(rank)
         if self.lost is not None and self.lost.rank == rank:
             self.lost = None if not self.gone else PeerLostError(

@@ -121,7 +121,7 @@ async def rendezvous(spec: JobSpec, *, transport: str | None = None, timeout: fl
         if claims > 1:
             raise RendezvousError(f"rank {rank} is claimed by {claims} processes; each rank "
                                   "must be started once (check the rank variables)")
-        size = str(world) if cap == world else f"{world} (up to {cap})"
+        size = _world_text(spec)
         agreed = await client.compare_set(f"{prefix}world", None, size.encode())
         if agreed != size.encode():
             reason = (f"rank {rank} has world size {size} but the job's first rank has "
@@ -208,7 +208,7 @@ async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
             size = await client.get(f"{prefix}world", timeout=left())
         except StoreTimeoutError as exc:
             raise RendezvousTimeoutError(f"{who} but the job never started", [0]) from exc
-        mine = str(world) if cap == world else f"{world} (up to {cap})"
+        mine = _world_text(spec)
         if size != mine.encode():
             raise RendezvousError(f"{who} with world size {mine} but the job has "
                                   f"{size.decode(errors='replace')}")
@@ -219,8 +219,10 @@ async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
         await client.set(f"{prefix}addr/{rank}", address.encode())
         # the first world's ranks, and the vacant ones that a process took (published its
         # address: one taking it after this read dials this rank)
-        held = [r for r in range(world, cap)
-                if r != rank and await client.check([f"{prefix}addr/{r}"], timeout=left())]
+        vacant = [r for r in range(world, cap) if r != rank]
+        published = await asyncio.gather(*(client.check([f"{prefix}addr/{r}"],
+                                                         timeout=left()) for r in vacant))
+        held = [r for r, ok in zip(vacant, published, strict=True) if ok]
         others = [r for r in range(world) if r != rank] + held
 
         async def addresses(ranks: list[int]) -> dict[int, str]:
@@ -260,6 +262,13 @@ async def _rejoin(spec: JobSpec, scheme: str, options: dict[str, Any],
         raise
     finally:
         await client.close()
+
+
+def _world_text(spec: JobSpec) -> str:
+    """The job's size as the store keeps it (``world``): ``"4"``, or ``"2 (up to 4)"`` for a
+    job that may grow; every rank, and a rank that joins later, must say the same."""
+    w, cap = spec.world_size, spec.capacity
+    return str(w) if cap == w else f"{w} (up to {cap})"
 
 
 async def _wait(client: StoreClient, keys: list[str], timeout: float, what: str,

@@ -323,8 +323,7 @@ class _Ranks:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True)
         self.procs[rank] = p
-        if (n > 1 or rank >= self.cfg.nnodes * self.cfg.nproc) \
-                and self.watch_joined is not None:
+        if (n > 1 or self.cfg.grows) and self.watch_joined is not None:  # (a new rank too)
             self.joins[rank] = asyncio.create_task(self.watch_joined(rank, n - 1))
         if self.reaper is not None and self.reaper.stdin is not None:
             self.reaper.stdin.write(f"{p.pid}\n".encode())

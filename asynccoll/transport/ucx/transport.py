@@ -172,9 +172,9 @@ class UcxTransport(Transport):
         self._listener: Any = None
         self._progress: Progress | None = None
         self._peers: dict[int, _Peer] = {}
-        #: ranks this process's rejoin could not reach (nobody admitted it there): lost here,
-        #: and taken in when a process of theirs dials this one, as a vacant rank is
-        self._gave_up: set[int] = set()
+        #: ranks lost here that have no peer entry: vacant (:meth:`vacate`) or that this
+        #: process's rejoin could not reach; taken in when a process of theirs dials in
+        self._unpeered: set[int] = set()
         self._refusals = LogBudget()  # a flood of refused dials must not flood the log
         self._arrived: asyncio.Event | None = None
         self._bye_event = asyncio.Event()
@@ -314,14 +314,13 @@ class UcxTransport(Transport):
                 if not self.may_rejoin(link.peer):
                     raise AuthenticationError(f"rank {link.peer} is already connected")
                 self._retire(old)
-            elif (link.peer in self.vacant or link.peer in self._gave_up) \
-                    and not self.admit_rejoins:
+            elif link.peer in self._unpeered and not self.admit_rejoins:
                 raise AuthenticationError(f"rank {link.peer} is vacant, and this job does not "
                                           "admit new ranks")
-            vacant = old is None and (link.peer in self.vacant or link.peer in self._gave_up)
-            self._gave_up.discard(link.peer)
+            unpeered = link.peer in self._unpeered
+            self._unpeered.discard(link.peer)
             self._add_peer(ep, link)
-            if old is not None or vacant:  # a new process in a lost (or vacant) rank's place
+            if old is not None or unpeered:  # a new process in a lost (or vacant) rank's place
                 self._peer_joined(link.peer)
 
         try:
@@ -341,6 +340,7 @@ class UcxTransport(Transport):
     def _vacate(self, rank: int, exc: PeerLostError) -> bool:
         if rank in self._peers:
             return False
+        self._unpeered.add(rank)
         self.matcher.fail_peer(rank, exc)
         return True
 
@@ -349,8 +349,7 @@ class UcxTransport(Transport):
         (:attr:`admit_rejoins`) and this transport lost ``rank``."""
         p = self._peers.get(rank)
         return self.admit_rejoins and ((p is not None and p.lost is not None)
-                                       or (p is None and (rank in self.vacant
-                                                          or rank in self._gave_up)))
+                                       or (p is None and rank in self._unpeered))
 
     def _retire(self, p: _Peer) -> None:
         """A lost peer's endpoints, closed for the new process that takes its place (what
@@ -390,8 +389,8 @@ class UcxTransport(Transport):
                     self._drop_ep(ep)
                     return True
                 self._add_peer(ep, link)
-                if rank in self._gave_up:  # reached at a later try (a new address)
-                    self._gave_up.discard(rank)
+                if rank in self._unpeered:  # reached at a later try (a new address)
+                    self._unpeered.discard(rank)
                     self._peer_joined(rank)
                 return True
             except (Exception, asyncio.TimeoutError) as exc:
@@ -405,7 +404,7 @@ class UcxTransport(Transport):
                     err = lost(rank, f"did not admit this rank within the rejoin timeout "
                                      f"({exc!r})", exc)
                     self.matcher.fail_peer(rank, err)
-                    self._gave_up.add(rank)
+                    self._unpeered.add(rank)
                     return False
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.5)
