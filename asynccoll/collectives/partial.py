@@ -52,7 +52,9 @@ One rank's schedule, executed again and again by a persistent executor::
   ``meta[3P + 2]`` = the low and high byte of :func:`signature` (:func:`signature_sum` puts
   the sums back together; one byte per slot keeps the sum below 2**24 up to P = 65536) and
   ``meta[2P + 1] = state[FLUSHING]`` (so every rank learns how many ranks
-  were flushing) and ``meta[2P + 2 + rank]`` = the arrival stamp of the call waiting in it
+  were flushing), ``meta[3P + 3] = state[PLANNED]`` (how many ranks asked for a flush at their
+  next call: :meth:`asynccoll.comm.partial.PartialAllreduce.plan_flush`; not reset by the
+  snapshot either) and ``meta[2P + 2 + rank]`` = the arrival stamp of the call waiting in it
   (``state[ARRIVED]``, set by the runtime; 0 when none was). The deadline kind uses the
   same slot (:func:`encode_stamp`): a waiting call's stamp plus :data:`ARRIVAL_MOD` when
   this rank's deadline expired before it was activated (``state[EXPIRED]``: so every rank
@@ -60,7 +62,7 @@ One rank's schedule, executed again and again by a persistent executor::
   latest *late* call (``state[LATE]``: how long after the first arrival of the execution it
   missed it came) as ``LATE_BASE + 2 * state[LATE]``; the signature is XORed with
   ``state[DSIG]`` (the deadline parameters' fingerprint, 0 for other kinds). Every value
-  stays an integer below 2**25 that float32 holds exactly. ``meta`` (3P + 3 int64) is
+  stays an integer below 2**25 that float32 holds exactly. ``meta`` (3P + 4 int64) is
   sum-allreduced with the data (appended to it
   when :func:`packs_meta` says the data's dtype holds it exactly, else separately), so every rank
   learns the same contributors and counts, and ranks that disagree on the collective find out.
@@ -108,6 +110,7 @@ __all__ = [
     "DSIG",
     "EXPIRED",
     "FLUSHING",
+    "PLANNED",
     "FRESH",
     "KINDS",
     "LATE",
@@ -155,8 +158,8 @@ KINDS: tuple[str, ...] = ("solo", "majority", "two_choice", "quorum", "deadline"
 ARRIVAL_KINDS: tuple[str, ...] = ("quorum", "deadline")
 
 #: indices of the ``state`` slot (int64).
-COUNT, FRESH, SNAPSHOTS, FLUSHING, ARRIVED, LATE, EXPIRED, DSIG = 0, 1, 2, 3, 4, 5, 6, 7
-STATE_LEN = 8
+COUNT, FRESH, SNAPSHOTS, FLUSHING, ARRIVED, LATE, EXPIRED, DSIG, PLANNED = range(9)
+STATE_LEN = 9
 
 #: tags: quorum arrivals, forced (self) activation, the activation broadcast (it uses
 #: ``TAGS_USED`` tags from ``TAG_ACTIVATION``); the data allreduce from ``TAG_DATA``.
@@ -295,8 +298,8 @@ def initiators(kind: str, execution: int, world_size: int, seed: int = 0) -> fro
 def meta_len(world_size: int) -> int:
     """Length of the meta vector: P counts, P fresh flags, the signature's low byte, the
     flushing count, P arrival stamps (:func:`arrival_stamp`, :func:`encode_stamp`; 0: no call
-    was waiting), the signature's high byte."""
-    return 3 * world_size + 3
+    was waiting), the signature's high byte, the count of ranks that planned a flush."""
+    return 3 * world_size + 4
 
 
 def signature_sum(meta: Any, world_size: int) -> int:
@@ -581,6 +584,7 @@ def write_meta(meta: Any, state: Any, params: Mapping[str, Any]) -> None:
     meta[2 * p] = sig & 0xFF
     meta[3 * p + 2] = sig >> 8
     meta[2 * p + 1] = state[FLUSHING]
+    meta[3 * p + 3] = state[PLANNED]
     meta[2 * p + 2 + rank] = encode_stamp(bool(state[FRESH]), state[ARRIVED],
                                           bool(state[EXPIRED]), state[LATE])
     state[COUNT] = 0

@@ -113,9 +113,11 @@ class Contribution(abc.ABC):
 
     @abc.abstractmethod
     def build(self, like: Any, rank: int, world_size: int, kind: str,
-              quorum: int | None) -> tuple[Schedule, dict[str, Any]]:
+              quorum: int | None, keep: Any = None) -> tuple[Schedule, dict[str, Any]]:
         """The committed schedule of ``rank`` for data like ``like`` and its buffers, the send
         buffer ``acc``, ``meta`` (int64) and ``state`` (``STATE_LEN`` int64) among them.
+        ``keep``: the send buffer of the schedule this one replaces, which the new schedule
+        may take over as it is (``bufs["acc"] is keep``: nothing to :meth:`carry`).
         Raises ``ValueError``/``TypeError`` naming ``like`` or ``algorithm``."""
 
     @abc.abstractmethod
@@ -186,7 +188,7 @@ class DenseContribution(Contribution):
         self._spare: Any = None  # a kept value handed back by recycle(), for the next keep
 
     def build(self, like: Any, rank: int, world_size: int, kind: str,
-              quorum: int | None) -> tuple[Schedule, dict[str, Any]]:
+              quorum: int | None, keep: Any = None) -> tuple[Schedule, dict[str, Any]]:
         self.shape = tuple(like.shape)
         self.dtype = np.dtype(like.dtype)
         count = int(like.size)
@@ -199,8 +201,15 @@ class DenseContribution(Contribution):
             sched = build_partial_allreduce(rank, P, count, self.dtype, kind=kind, op=op,
                                             quorum=quorum, algorithm=self.algorithm)
         flat_like = like.reshape(-1)
-        self._acc = empty_like(flat_like)
-        self._acc.fill(identity(op, self.dtype))
+        if keep is not None and keep.shape == flat_like.shape and keep.dtype == self.dtype \
+                and is_cupy(keep) == is_cupy(flat_like):
+            # a rebuilt schedule's (a lost rank, a rank taken in) keeps the send buffer, what
+            # it holds and all: only the snapshot kernel touches it, never the transport; a new
+            # one filled with the identity would cost a pass over the pages, the carry another
+            self._acc = keep
+        else:
+            self._acc = empty_like(flat_like)
+            self._acc.fill(identity(op, self.dtype))
         self._packed = packs_meta(self.dtype, op, P)
         m = meta_len(P)
         self._work = empty_like(flat_like, count + (m if self._packed else 0))
@@ -378,7 +387,7 @@ class SparseContribution(Contribution):
         new[:nb] = old[:nb]
 
     def build(self, like: Any, rank: int, world_size: int, kind: str,
-              quorum: int | None) -> tuple[Schedule, dict[str, Any]]:
+              quorum: int | None, keep: Any = None) -> tuple[Schedule, dict[str, Any]]:
         if not isinstance(like, SparseVector):
             raise TypeError(f"like must be a SparseVector, got {type(like).__name__}")
         if is_cupy(like.values):

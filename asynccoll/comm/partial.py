@@ -51,6 +51,7 @@ from ..collectives.partial import (
     DSIG,
     FLUSHING,
     FRESH,
+    PLANNED,
     SHM_ATTACH,
     SNAPSHOTS,
     TAG_FORCE,
@@ -181,6 +182,7 @@ class PartialAllreduce(KeptResults, MemberSide):
         self._owner: asyncio.Task[Any] | None = None  # the call or flush that holds the handle
         self._closed = False
         self._flushing_seen = 0  # ranks flushing in the latest completed execution
+        self._planned_seen = 0  # ranks that planned a flush, in the latest completed execution
         # Guards the send buffer, the kept result and the call state between the caller's
         # thread (rule-1 calls) and the runtime's loop (snapshots, completions, other calls).
         self._lock = threading.RLock()
@@ -285,7 +287,8 @@ class PartialAllreduce(KeptResults, MemberSide):
             self._recycle(res)
         return res
 
-    async def flush(self, timeout: float | None = None) -> PartialResult:
+    async def flush(self, timeout: float | None = None, x: Any = None, *,
+                    combine: Combine | None = None, out: Any = None) -> PartialResult:
         """Collective and synchronous: drain every contribution; return what was not given.
 
         Every rank must call it, after its last call of the handle (calls may resume after it).
@@ -298,8 +301,37 @@ class PartialAllreduce(KeptResults, MemberSide):
         not yet given) with ``included=True``, ``flushed=True`` and ``missed`` = the number of
         further results folded in (or superseded). Costs one to a few executions; it waits
         (without polling) for the slowest rank to reach its flush.
+
+        ``x`` (optional): a last contribution, added first as a call adds it (``combine`` as
+        for a call; ``out`` as a call's): ``h.flush(x=g)`` is ``h(g)`` followed by
+        ``h.flush()`` in one execution where every rank does the same, which is what
+        :meth:`plan_flush` arranges. Its arrival is not a call's (``fresh`` does not name
+        this rank: no call waited for an execution).
         """
-        return await self._engine.run(self._flush(timeout))
+        dest = None if out is None else (out, self._contribution.check_out(out))
+        flat = None if x is None else self._contribution.check(x)
+        res = await self._engine.run(self._flush(timeout, flat, combine, dest))
+        if dest is not None:
+            self._recycle(res)
+        return res
+
+    def plan_flush(self) -> None:
+        """Ask every rank to flush at its next call (local, any thread, idempotent).
+
+        This rank's snapshots say so from now on, until its flush begins; every rank learns
+        it when an execution carrying it completes (:attr:`flush_planned`). A training loop
+        that checks :attr:`flush_planned` before each step and then calls ``flush(x=g)``
+        instead of ``h(g)`` holds a flush in one execution (every rank flushing in the same
+        one) where a flush called after a step costs a step's execution more: eager-SGD's
+        sync events for taking a rank in (:mod:`asynccoll.train.joining`)."""
+        with self._lock:
+            self._state[PLANNED] = 1
+
+    @property
+    def flush_planned(self) -> bool:
+        """Whether the latest execution completed on this rank carried a planned flush of
+        some rank (:meth:`plan_flush`) that no flush has ended since."""
+        return bool(self._planned_seen)
 
     def blocking(self, x: Any, timeout: float | None = None, *,
                  out: Any = None) -> PartialResult:
@@ -494,6 +526,7 @@ class PartialAllreduce(KeptResults, MemberSide):
         if self.next_deadline is not None:
             self._adapt(e)
         self._flushing_seen = int(self._meta[2 * self.world_size + 1])
+        self._planned_seen = int(self._meta[3 * self.world_size + 3])
         if self._writer is not None:
             self._trace_extra(e)
         if e == self._wait_round:
@@ -507,7 +540,9 @@ class PartialAllreduce(KeptResults, MemberSide):
         if it fails, the caller times out naming the execution)."""
         self._ex.activate(e, TAG_FORCE)
 
-    async def _flush(self, timeout: float | None) -> PartialResult:
+    async def _flush(self, timeout: float | None, flat: Any = None,
+                     combine: Combine | None = None,
+                     dest: tuple[Any, Any] | None = None) -> PartialResult:
         self._check_open()
         await self._after_cancelled()
         with self._lock:
@@ -521,6 +556,9 @@ class PartialAllreduce(KeptResults, MemberSide):
         except BaseException:
             self._busy = False
             raise
+        if flat is not None:  # the last contribution (in this flush's result)
+            with self._lock:
+                self._add(flat, combine, False)
         loop = asyncio.get_running_loop()
         t = self.timeout if timeout is None else timeout
         deadline = None if t is None else loop.time() + t
@@ -531,7 +569,9 @@ class PartialAllreduce(KeptResults, MemberSide):
         # forces one execution that is not yet activated here after it began flushing, so the
         # execution forced by the last rank to begin is such an execution (every rank's
         # snapshot of it comes after its own start) and nobody waits on a rank that is done.
-        self._state[FLUSHING] = 1
+        with self._lock:
+            self._state[FLUSHING] = 1
+            self._state[PLANNED] = 0  # (the flush it planned is under way: FLUSHING says so)
         forced = False
         try:
             while True:
@@ -554,10 +594,11 @@ class PartialAllreduce(KeptResults, MemberSide):
                 if self._flushing_seen == P:
                     break
             self._flushing_seen = 0  # everyone left their flush at this execution
+            self._planned_seen = 0  # (and began it after their plan)
             with self._lock:
                 c = self._round
                 assert c > self._given
-                return self._take(True, c - self._given - 1)
+                return self._take(True, c - self._given - 1, dest)
         finally:
             self._state[FLUSHING] = 0
             self._busy = False

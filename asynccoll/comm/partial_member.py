@@ -35,6 +35,7 @@ from ..collectives.partial import (
     DSIG,
     FLUSHING,
     FRESH,
+    PLANNED,
     SHM_ATTACH,
     SNAPSHOTS,
     DeadlineConfig,
@@ -365,7 +366,7 @@ class MemberSide(HandleState):
         transport = comm.transport
         with self._lock:
             old_acc, st = c.send_buffer, self._state
-            count, flushing = int(st[COUNT]), int(st[FLUSHING])
+            count, flushing, planned = int(st[COUNT]), int(st[FLUSHING]), int(st[PLANNED])
             self._relayout()  # (kept across an earlier rebuild, still not handed out)
             kept = None if self._value is None else (self.world_size, list(ranks))
             P = self.world_size = transport.world_size
@@ -379,11 +380,14 @@ class MemberSide(HandleState):
             # the survivors' world goes over the network (docs/collectives.md)
             self._shm_close()
             c.go_network()
-            sched, bufs = c.build(self._like, self.rank, P, self.kind, self.quorum)
-            c.carry(old_acc, bufs["acc"])
+            sched, bufs = c.build(self._like, self.rank, P, self.kind, self.quorum,
+                                  keep=old_acc)
+            if bufs["acc"] is not old_acc:
+                c.carry(old_acc, bufs["acc"])
             self._meta, self._state = bufs["meta"], bufs["state"]
             st = self._state
             st[COUNT], st[FLUSHING], st[SNAPSHOTS] = count, flushing, first
+            st[PLANNED] = planned
             st[DSIG] = deadline_signature(self.deadline_config)
             self.schedule = sched
             self._vold = kept

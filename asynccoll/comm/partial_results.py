@@ -214,5 +214,5 @@ class KeptResults(HandleState):
                 new[j], new[P + j], new[2 * P + 2 + j] = \
                     old[i], old[Q + i], old[2 * Q + 2 + i]
         new[2 * P:2 * P + 2] = old[2 * Q:2 * Q + 2]
-        new[3 * P + 2] = old[3 * Q + 2]
+        new[3 * P + 2:3 * P + 4] = old[3 * Q + 2:3 * Q + 4]
         self._vmeta, self._vold = new, None

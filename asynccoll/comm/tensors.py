@@ -153,8 +153,14 @@ class TensorPartialAllreduce(PartialAllreduce):
             o /= res.count
         return dataclasses.replace(res, value=out)
 
-    async def flush(self, timeout: float | None = None) -> PartialResult:
-        return wrap_result(await super().flush(timeout), self.like_kind, divide=self.average)
+    async def flush(self, timeout: float | None = None, x: Any = None, *,
+                    combine: Combine | None = None, out: Any = None) -> PartialResult:
+        a = None if x is None else from_tensor(x, "x")[0]
+        if out is None:
+            return wrap_result(await super().flush(timeout, a, combine=combine),
+                               self.like_kind, divide=self.average)
+        o, _ = from_tensor(out, "out")
+        return self._into(await super().flush(timeout, a, combine=combine, out=o), out, o)
 
     def flush_blocking(self, timeout: float | None = None) -> PartialResult:
         return wrap_result(super().flush_blocking(timeout), self.like_kind,

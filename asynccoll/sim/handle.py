@@ -203,7 +203,7 @@ class SimPartial:
             scheds = _partial_schedules(P, int(like.size), like.dtype.str, skind, op, quorum,
                                         algorithm)
             # one scratch meta for all ranks: a snapshot writes it whole and adds it to its
-            # execution's sum at once (P meta vectors of 3P + 3 int64 would be 50 MB at
+            # execution's sum at once (P meta vectors of 3P + 4 int64 would be 50 MB at
             # P = 1024, streamed through the cache once per execution)
             scratch = np.zeros(m, np.int64)
             for r in range(P):

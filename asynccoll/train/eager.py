@@ -42,6 +42,9 @@ such a result joins the event at once. So every rank enters the same sequence of
 one flush then one allreduce, whatever its step count: nobody waits on a collective that
 another rank skips.
 Spurious extra events (a flag seen just after an event) cost time, never consistency.
+A rank that learns a lost or new rank is ready to be taken in *plans* the event instead
+(:mod:`.joining`): every rank holds it at a later step, in that step's own execution
+(``flush(x=g)``), which saves everyone an execution of the whole state.
 :meth:`EagerSGD.finish` repeats events until every rank has called it; it must be called once by
 every rank after its last step.
 """
@@ -212,7 +215,13 @@ class EagerSGD(TakesJoinersBack):
                             fresh=frozenset(range(P)))
         if self._joining:  # a restarted rank's first step: receive the state (.joining)
             return await self._join_step()
-        res = await self._h(g, self.timeout, combine=self._combine(), out=self._rbuf)
+        # A sync event planned ahead (taking a rank in: .joining) is held in this step's own
+        # execution: every rank that learned of the plan flushes with its gradient in it
+        planned = self._h.flush_planned
+        if planned:
+            res = await self._h.flush(self.timeout, g, combine=self._combine(), out=self._rbuf)
+        else:
+            res = await self._h(g, self.timeout, combine=self._combine(), out=self._rbuf)
         self._stale_run = 0 if res.included else self._stale_run + 1
         self.applied += res.count
         lr = self._step_lr(res)
@@ -222,11 +231,14 @@ class EagerSGD(TakesJoinersBack):
         self._since_sync += 1
         stale = self._stale_run
         synced = False
-        if res.flushed or (self.sync_every is not None and self._since_sync >= self.sync_every) \
+        if planned or res.flushed \
+                or (self.sync_every is not None and self._since_sync >= self.sync_every) \
                 or (self.max_staleness is not None and stale > self.max_staleness) \
-                or self._join_wanted() or self._sync_wanted:
-            await self._sync(finished=False)
+                or self._sync_wanted:
+            await self._sync(finished=False, flushed=res if planned else None)
             synced = True
+        if self._join_wanted():  # a rank is ready to be taken in: at the next step but one
+            self._h.plan_flush()
         return StepInfo(res.round, res.included, res.contributors, res.count, stale, lr,
                         res.missed, synced, res.fresh, res.lateness, res.latest_arrival,
                         res.deadline, res.deadline_expired)
@@ -234,17 +246,20 @@ class EagerSGD(TakesJoinersBack):
     def _apply(self, value: Any, divisor: float, lr: float) -> None:
         self.updater.apply(self.params, value.reshape(-1) / divisor, lr)
 
-    async def _sync(self, *, finished: bool, average: bool = True) -> bool:
+    async def _sync(self, *, finished: bool, average: bool = True,
+                    flushed: PartialResult | None = None) -> bool:
         """One sync event (module doc); returns whether every rank has finished.
 
         The parameter allreduce also carries two flags, so that every rank learns the same
         answers: how many ranks have finished, and whether any asked not to average.
+        ``flushed``: the event's flush was the step's own (planned), its result applied.
         """
         assert self._h is not None
-        res = await self._h.flush(self.timeout)
-        self.applied += res.count
-        if res.count:  # an empty round must not add a weight-decay or momentum step
-            self._apply(res.value, self._divisor(res), self._step_lr(res))
+        if flushed is None:
+            res = await self._h.flush(self.timeout)
+            self.applied += res.count
+            if res.count:  # an empty round must not add a weight-decay or momentum step
+                self._apply(res.value, self._divisor(res), self._step_lr(res))
         n = self.params.size
         self._sync_buf[:n] = self.params
         self._sync_buf[n] = 1.0 if finished else 0.0

@@ -6,8 +6,15 @@ an allreduce of the parameters, eager-SGD's model synchronisation): that is the 
 the protocol needs, and right after the parameter allreduce every member holds the same
 parameters. So:
 
-* a member that learned a restarted rank is ready triggers a sync event at its next step (as
-  a rank past ``sync_every`` does: every rank joins it);
+* a member that learned a restarted rank is ready *plans* a sync event
+  (:meth:`~asynccoll.comm.partial.PartialAllreduce.plan_flush`): every rank learns of the plan
+  from the next execution that completes, and at its next step hands its gradient to the
+  event's flush (``h.flush(x=g)``) instead of a call, so the step's own execution is the
+  flush: one execution fewer than a sync event triggered after a step (a step's call, then a
+  flush), which costs a step's execution more (measured at 64 MiB: 93-322 ms). The event
+  comes a step or two after the member heard; a rank that had not learned of the plan in time
+  joins the event as any other (its call's result says a rank flushes), which costs it that
+  execution again;
 * the event's allreduce also sums one flag per rank of the job: the ranks ready on every
   member are admitted, the same set everywhere;
 * the members make their optimizer state equal too (the momentum of the lowest member, one
@@ -29,8 +36,9 @@ ends there on the ranks it failed on, and another follows at their next step
 (:meth:`JoinSide._lost_in_event`), whose flush recovers the partial allreduce over the
 survivors and whose allreduce averages the parameters again.
 
-The members' pause is one sync event plus one stripe of the state each (measured:
-``bench/join.py``, docs/benchmarks.md "join").
+The members' pause is one sync event held in the step's own execution, plus the
+admission: one stripe of the state each, the handle's rebuild (which keeps its send buffer)
+and the momentum's broadcast (measured: ``bench/join.py``, docs/benchmarks.md "join").
 
 The synchronous classes (:class:`~.odsgd.ODSGD`, :class:`~.topk_sgd.TopKSGD`) take joiners
 back with the same parts at a step boundary instead of a sync event (:mod:`.rounds`): their

@@ -204,11 +204,12 @@ class RNA(EagerSGD):
         await self.hier.opt.finish(average=False)
         await self.hier.deliver()
 
-    async def _sync(self, *, finished: bool, average: bool = True) -> bool:
+    async def _sync(self, *, finished: bool, average: bool = True,
+                    flushed: PartialResult | None = None) -> bool:
         # Flat mode: every sync event (the same sequence on every rank) is followed by one
         # switch check, so the check's allgather meets the same allgather everywhere, and no
         # rank waits in it for a rank stuck in a round that only a waiting rank could start.
-        done = await super()._sync(finished=finished, average=average)
+        done = await super()._sync(finished=finished, average=average, flushed=flushed)
         if self.groups is not None:
             await self._decide()
         return done

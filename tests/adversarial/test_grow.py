@@ -151,7 +151,10 @@ def test_a_node_that_disagrees_on_the_shape_is_refused(tmp_path: Path) -> None:
     """A launcher started with ``--nnodes 2`` against a job of ``--nnodes 1:2`` is refused at
     its check-in, naming both; the job goes on and ends well."""
     port = free_port()
-    env = {**os.environ, "ASYNCCOLL_SECRET": "grow-test-secret-0123456789abcdef", "N": "30",
+    # node 0 trains for about 8 s (400 steps of 0.02 s): still running when the refused
+    # launcher checks in, which takes seconds on a loaded machine (with 30 steps it once
+    # found node 0 gone: refused connections until its --rdzv-timeout)
+    env = {**os.environ, "ASYNCCOLL_SECRET": "grow-test-secret-0123456789abcdef", "N": "400",
            "HOLD": "0"}
     log0 = tmp_path / "node0.log"
     first = _launch(0, port, env, log0)

@@ -12,6 +12,7 @@ from asynccoll.collectives.partial import (
     ARRIVED,
     COUNT,
     FRESH,
+    PLANNED,
     SNAPSHOTS,
     STATE_LEN,
     arrival_stamp,
@@ -143,18 +144,19 @@ def test_snapshot_kernel() -> None:
     data = np.zeros(3)
     meta = np.zeros(meta_len(3), np.int64)
     state = np.zeros(STATE_LEN, np.int64)
-    state[COUNT], state[FRESH], state[ARRIVED] = 2, 1, 77
+    state[COUNT], state[FRESH], state[ARRIVED], state[PLANNED] = 2, 1, 77, 1
     KERNELS["partial_snapshot"](None, [acc, data, meta, state],
                                 {"rank": 1, "world_size": 3, "op": "max", "sig": 0x1209, "count": 3,
                                  "packed": False}, [])
     assert data.tolist() == [1.0, 2.0, 3.0]
     assert (acc == -np.inf).all()
-    # counts, fresh flags, the signature's low byte, flushing, stamps (rank 1's arrival) and the
-    # signature's high byte
-    assert meta.tolist() == [0, 2, 0, 0, 1, 0, 0x09, 0, 0, 77, 0, 0x12]
+    # counts, fresh flags, the signature's low byte, flushing, stamps (rank 1's arrival), the
+    # signature's high byte and the planned flushes
+    assert meta.tolist() == [0, 2, 0, 0, 1, 0, 0x09, 0, 0, 77, 0, 0x12, 1]
     assert state[COUNT] == 0
     assert state[FRESH] == 0
     assert state[SNAPSHOTS] == 1
+    assert state[PLANNED] == 1  # (until this rank's flush begins)
 
 
 def test_bad_arguments() -> None:
@@ -188,7 +190,7 @@ def test_packed_snapshot_and_choice() -> None:
                                 {"rank": 0, "world_size": 2, "op": "sum", "sig": 0x307, "count": 2,
                                  "packed": True}, [])
     # no call waiting: no arrival
-    assert data.tolist() == [1.0, 2.0, 3, 0, 0, 0, 7, 0, 0, 0, 3]
+    assert data.tolist() == [1.0, 2.0, 3, 0, 0, 0, 7, 0, 0, 0, 3, 0]
     assert acc.tolist() == [0.0, 0.0]
 
 

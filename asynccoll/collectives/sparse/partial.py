@@ -15,7 +15,7 @@ One rank's persistent schedule::
   snapshot does (:func:`~.partial.write_meta`).
 * Contributors, counts, fresh flags, the signature and the flushing count travel in a second,
   small dense allreduce of ``meta`` appended in the same schedule: sparse values cannot carry
-  them exactly, and one more message of ``3P + 3`` int64 per rank is cheap next to the data.
+  them exactly, and one more message of ``3P + 4`` int64 per rank is cheap next to the data.
 
 Sum only (a sparse stream's absent entries are zeros).
 """
