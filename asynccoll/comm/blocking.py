@@ -31,7 +31,8 @@ class _Collectives(Protocol):
 
     async def allreduce(self, x: Any, op: str, algorithm: str | None, timeout: float | None,
                         *, out: Any) -> Any: ...
-    async def broadcast(self, x: Any, root: int, timeout: float | None) -> Any: ...
+    async def broadcast(self, x: Any, root: int, timeout: float | None, *,
+                        out: Any) -> Any: ...
     async def allgather(self, x: Any, timeout: float | None) -> Any: ...
     async def reduce_scatter(self, x: Any, op: str, timeout: float | None) -> Any: ...
     async def barrier(self, timeout: float | None) -> None: ...
@@ -174,8 +175,9 @@ class BlockingCollectives:
                   timeout: float | None = None, *, out: Any = None) -> Any:
         return self._do(self._comm.allreduce(x, op, algorithm, timeout, out=out))
 
-    def broadcast(self, x: Any, root: int = 0, timeout: float | None = None) -> Any:
-        return self._do(self._comm.broadcast(x, root, timeout))
+    def broadcast(self, x: Any, root: int = 0, timeout: float | None = None, *,
+                  out: Any = None) -> Any:
+        return self._do(self._comm.broadcast(x, root, timeout, out=out))
 
     def allgather(self, x: Any, timeout: float | None = None) -> Any:
         return self._do(self._comm.allgather(x, timeout))

@@ -489,18 +489,35 @@ class Communicator(PartialCollectives):
             return given_out
         return out
 
-    async def broadcast(self, x: Any, root: int = 0, timeout: float | None = None) -> Any:
-        """Return a new array holding ``root``'s ``x`` (every rank passes the same shape)."""
+    async def broadcast(self, x: Any, root: int = 0, timeout: float | None = None, *,
+                        out: Any = None) -> Any:
+        """Return a new array holding ``root``'s ``x`` (every rank passes the same shape).
+
+        ``out=`` names a contiguous NumPy array of ``x``'s shape and dtype to hold it instead
+        (no allocation), and ``out=x`` broadcasts in place, as ``torch.distributed.broadcast``
+        does; do not touch ``out`` until the call returns (if the call fails, ``out`` holds
+        part of ``root``'s data). Raises ``ValueError`` naming ``root`` or ``out``."""
         x, kind = from_tensor(x, "x")
         _check_x(x)
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)) \
                 or not 0 <= root < self.size:
             raise ValueError(f"root must be a rank in 0..{self.size - 1}, got {root!r}")
-        out = _flat_copy(x)
-        key = ("broadcast", out.size, out.dtype.str, int(root))
+        if out is None:
+            buf = _flat_copy(x)
+        else:
+            check_array(out, "out", writable=True)
+            if not isinstance(out, np.ndarray) or out.shape != x.shape \
+                    or out.dtype != x.dtype or not out.flags.c_contiguous:
+                raise ValueError(f"out must be a contiguous NumPy array of x's shape {x.shape} "
+                                 f"and dtype {x.dtype}, got {type(out).__name__} "
+                                 f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}")
+            if out is not x and self.rank == root:
+                out[...] = x
+            buf = out.reshape(-1)
+        key = ("broadcast", buf.size, buf.dtype.str, int(root))
         await self._run(self._dense_call(key, lambda: dense.broadcast(
-            self.rank, self.size, out.size, out.dtype, int(root)), out, timeout))
-        return as_kind(out.reshape(x.shape), kind)
+            self.rank, self.size, buf.size, buf.dtype, int(root)), buf, timeout))
+        return out if out is not None else as_kind(buf.reshape(x.shape), kind)
 
     async def allgather(self, x: Any, timeout: float | None = None) -> Any:
         """Return a new array of shape ``(P, *x.shape)``: row r is rank r's ``x``."""

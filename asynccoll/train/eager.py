@@ -269,7 +269,8 @@ class EagerSGD(TakesJoinersBack):
         now = self._comm_now()
         try:
             await self._settle_join()  # the last admission's digests compared (.joining)
-            tot = await now.allreduce(self._sync_buf, timeout=self.timeout)
+            tot = await now.allreduce(self._sync_buf, timeout=self.timeout,
+                                      out=self._sync_buf)
         except PeerLostError as exc:  # (in a job that survives losses: another event follows)
             self._lost_in_event(exc, "its parameters' allreduce", now)
             return False

@@ -209,10 +209,10 @@ class TakesJoinersBack(JoinSide):
             return
         try:
             if not equal:
-                np.copyto(self.params, await now.broadcast(self.params, 0, self.timeout))
-            if self._has_momentum():  # equal too: the lowest member's (one broadcast)
-                v = self.updater._v
-                np.copyto(v, await now.broadcast(v, 0, self.timeout))
+                await now.broadcast(self.params, 0, self.timeout, out=self.params)
+            if self._has_momentum():  # equal too: the lowest member's (one broadcast, in
+                v = self.updater._v  # place: a loss midway leaves it part the lowest's)
+                await now.broadcast(v, 0, self.timeout, out=v)
             assert self._h is not None
             _, self._check = await joining.admit_sent(self._h, now, admitted, self._state(),
                                                       self._join_meta())

@@ -109,6 +109,38 @@ async def test_allreduce_out_in_place_and_into_another_array(n: int) -> None:
             await c.allreduce(frozen, out=frozen)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [5, 300_000])
+async def test_broadcast_out_in_place_and_into_another_array(n: int) -> None:
+    async with local_world(3, "tcp") as comms:
+        xs = [np.arange(n, dtype=np.float64) * (r + 1) for r in range(3)]
+        ref = xs[2].copy()
+        rs = await gather(*(c.broadcast(x, 2, out=x) for c, x in zip(comms, xs, strict=True)))
+        for r, x in zip(rs, xs, strict=True):
+            assert r is x  # in place: nothing allocated
+            assert np.array_equal(x, ref)
+        xs = [np.full(n, r, np.float64) for r in range(3)]
+        outs = [np.zeros(n) for _ in range(3)]
+        rs = await gather(*(c.broadcast(x, 1, out=o)
+                            for c, x, o in zip(comms, xs, outs, strict=True)))
+        for r, x, o, rank in zip(rs, xs, outs, range(3), strict=True):
+            assert r is o
+            assert np.array_equal(o, np.ones(n))
+            assert np.array_equal(x, np.full(n, rank))  # x untouched
+        c = comms[0]
+        with pytest.raises(ValueError, match="out must be a contiguous NumPy array"):
+            await c.broadcast(xs[0], 0, out=np.empty(n + 1))
+        with pytest.raises(ValueError, match="out must be C-contiguous"):
+            await c.broadcast(xs[0], 0, out=np.empty(2 * n)[::2])
+        frozen = xs[0].copy()
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match="out must be writable"):
+            await c.broadcast(frozen, 0, out=frozen)
+        # the communicator goes on after the refusals
+        rs = await gather(*(c.broadcast(x, 0) for c, x in zip(comms, xs, strict=True)))
+        assert all(np.array_equal(r, xs[0]) for r in rs)
+
+
 @pytest.mark.timeout(30)
 async def test_algorithms_and_reuse() -> None:
     P = 5
