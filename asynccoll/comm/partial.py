@@ -73,6 +73,8 @@ from ..errors import (
 from ..results import PartialResult
 from ..sched import Executor, LiveOps, Schedule
 from ..transport.base import Transport
+from ..transport.frames import Kind
+from ..transport.matching import ignore_outcome
 from . import clock
 from .contribution import Combine
 from .partial_member import MemberSide, Survives, locked_snapshots, stable_id
@@ -183,6 +185,8 @@ class PartialAllreduce(KeptResults, MemberSide):
         self._closed = False
         self._flushing_seen = 0  # ranks flushing in the latest completed execution
         self._planned_seen = 0  # ranks that planned a flush, in the latest completed execution
+        self._last_flush = -1  # the round at which the last flush ended (the same everywhere)
+        self._plan_sid = stable_id(f"{name}#flush", 1)  # the flushes' "began" messages
         # Guards the send buffer, the kept result and the call state between the caller's
         # thread (rule-1 calls) and the runtime's loop (snapshots, completions, other calls).
         self._lock = threading.RLock()
@@ -310,7 +314,8 @@ class PartialAllreduce(KeptResults, MemberSide):
         """
         dest = None if out is None else (out, self._contribution.check_out(out))
         flat = None if x is None else self._contribution.check(x)
-        res = await self._engine.run(self._flush(timeout, flat, combine, dest))
+        res = await self._engine.run(self._flush(timeout, flat, combine, dest,
+                                                 planned=self.flush_planned))
         if dest is not None:
             self._recycle(res)
         return res
@@ -540,9 +545,29 @@ class PartialAllreduce(KeptResults, MemberSide):
         if it fails, the caller times out naming the execution)."""
         self._ex.activate(e, TAG_FORCE)
 
+    def _say_arrived(self) -> asyncio.Future[Any] | None:
+        """At the start of a flush, every flush (on the loop): tell every rank this one began
+        it, and receive theirs; returns a future done once every other rank said so or was
+        lost (None in a world of one). Each flush of the handle is one key (the round of the
+        last flush: the same on every rank), so every rank's messages meet posted receives:
+        nothing is left waiting or held. A planned flush waits on it before forcing."""
+        P, me = self.world_size, self.rank
+        if P == 1:
+            return None
+        t, key = self._ex.transport, self._last_flush + 1
+        for r in range(P):
+            if r != me:
+                t.post_frame(r, int(Kind.DATA), self._plan_sid, key, 0, b""
+                             ).add_done_callback(ignore_outcome)
+        got = [t.post_recv(r, self._plan_sid, key, 0) for r in range(P) if r != me]
+        for f in got:
+            f.add_done_callback(ignore_outcome)  # (a lost rank's fails: counted as arrived)
+        return asyncio.ensure_future(asyncio.wait(got))
+
     async def _flush(self, timeout: float | None, flat: Any = None,
                      combine: Combine | None = None,
-                     dest: tuple[Any, Any] | None = None) -> PartialResult:
+                     dest: tuple[Any, Any] | None = None, planned: bool = False
+                     ) -> PartialResult:
         self._check_open()
         await self._after_cancelled()
         with self._lock:
@@ -572,14 +597,21 @@ class PartialAllreduce(KeptResults, MemberSide):
         with self._lock:
             self._state[FLUSHING] = 1
             self._state[PLANNED] = 0  # (the flush it planned is under way: FLUSHING says so)
+        arrived = self._say_arrived()
         forced = False
         try:
+            if planned and arrived is not None:
+                # every rank that learned of the plan flushes now: force once all have begun
+                # (one execution), or go on as any flush once an execution completes
+                left = None if deadline is None else max(deadline - loop.time(), 0.0)
+                await asyncio.wait({arrived, ex.current}, timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)
             while True:
                 if self.survivable(ex.error):  # a rank was lost: go on without it
                     await self._survive()
                     ex, P, forced = self._ex, self.world_size, False
-                    if self._flushing_seen == P:
-                        break
+                if self._flushing_seen == P:  # (it completed while this rank waited above)
+                    break
                 cur = ex.completed + 1
                 if not forced and self._state[SNAPSHOTS] <= cur:
                     self._force(cur)
@@ -598,6 +630,7 @@ class PartialAllreduce(KeptResults, MemberSide):
             with self._lock:
                 c = self._round
                 assert c > self._given
+                self._last_flush = c
                 return self._take(True, c - self._given - 1, dest)
         finally:
             self._state[FLUSHING] = 0

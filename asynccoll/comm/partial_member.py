@@ -126,6 +126,7 @@ class HandleState:
     _vold: tuple[int, list[int]] | None
     _given: int
     _round: int
+    _last_flush: int
     _stamps: slice
     _takes: collections.deque[tuple[PartialResult, Any, Any, int]]
     _flushing_seen: int
@@ -425,6 +426,7 @@ class MemberSide(HandleState):
             # (a new handle of a process that joined starts there too)
             self._round = max(self._round, first - 1)
             self._given = max(self._given, first - 1)
+            self._last_flush = first - 1  # (the members' flush before the admission)
         if self._survival is not None:
             self._survival.moved_to(comm)
             self._catch_up(self._survival)  # a joiner lost during its admission
