@@ -326,9 +326,11 @@ class PartialAllreduce(KeptResults, MemberSide):
         This rank's snapshots say so from now on, until its flush begins; every rank learns
         it when an execution carrying it completes (:attr:`flush_planned`). A training loop
         that checks :attr:`flush_planned` before each step and then calls ``flush(x=g)``
-        instead of ``h(g)`` holds a flush in one execution (every rank flushing in the same
-        one) where a flush called after a step costs a step's execution more: eager-SGD's
-        sync events for taking a rank in (:mod:`asynccoll.train.joining`)."""
+        instead of ``h(g)`` holds a flush in one execution: a planned flush forces its
+        execution only once every rank said it began its flush (or once an execution
+        completed), where a flush called after a step costs a step's execution and one to
+        three more. Eager-SGD's sync events for taking a rank in
+        (:mod:`asynccoll.train.joining`)."""
         with self._lock:
             self._state[PLANNED] = 1
 

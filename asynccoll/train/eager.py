@@ -42,9 +42,12 @@ such a result joins the event at once. So every rank enters the same sequence of
 one flush then one allreduce, whatever its step count: nobody waits on a collective that
 another rank skips.
 Spurious extra events (a flag seen just after an event) cost time, never consistency.
-A rank that learns a lost or new rank is ready to be taken in *plans* the event instead
-(:mod:`.joining`): every rank holds it at a later step, in that step's own execution
-(``flush(x=g)``), which saves everyone an execution of the whole state.
+A rank *plans* the events it can see coming: ``sync_every`` two steps ahead, and taking in a
+lost or new rank that said it is ready (:mod:`.joining`). Every rank learns of a plan from the
+next execution that completes and holds the event at its next step, in that step's own
+execution (``flush(x=g)``, which waits until every rank began it), which saves everyone one to
+three executions of the whole state; the immediate trigger stays for a rank that did not learn
+of the plan in time (and for the staleness bound, which no rank can see coming).
 :meth:`EagerSGD.finish` repeats events until every rank has called it; it must be called once by
 every rank after its last step.
 """
@@ -237,11 +240,19 @@ class EagerSGD(TakesJoinersBack):
                 or self._sync_wanted:
             await self._sync(finished=False, flushed=res if planned else None)
             synced = True
-        if self._join_wanted():  # a rank is ready to be taken in: at the next step but one
+        if self._join_wanted() or self._sync_due_soon():  # (held in a step's own execution)
             self._h.plan_flush()
         return StepInfo(res.round, res.included, res.contributors, res.count, stale, lr,
                         res.missed, synced, res.fresh, res.lateness, res.latest_arrival,
                         res.deadline, res.deadline_expired)
+
+    def _sync_due_soon(self) -> bool:
+        """Whether ``sync_every`` comes due in two steps: plan the event now, so that every
+        rank learns of it from the next execution and holds it in the step after, in that
+        step's own execution (module doc); a rank that did not learn of it in time still
+        triggers it when due. Not for ``sync_every=1``: every step is an event."""
+        n = self.sync_every
+        return n is not None and n >= 2 and self._since_sync >= n - 2
 
     def _apply(self, value: Any, divisor: float, lr: float) -> None:
         self.updater.apply(self.params, value.reshape(-1) / divisor, lr)

@@ -9,12 +9,12 @@ parameters. So:
 * a member that learned a restarted rank is ready *plans* a sync event
   (:meth:`~asynccoll.comm.partial.PartialAllreduce.plan_flush`): every rank learns of the plan
   from the next execution that completes, and at its next step hands its gradient to the
-  event's flush (``h.flush(x=g)``) instead of a call, so the step's own execution is the
-  flush: one execution fewer than a sync event triggered after a step (a step's call, then a
-  flush), which costs a step's execution more (measured at 64 MiB: 93-322 ms). The event
-  comes a step or two after the member heard; a rank that had not learned of the plan in time
-  joins the event as any other (its call's result says a rank flushes), which costs it that
-  execution again;
+  event's flush (``h.flush(x=g)``) instead of a call: the planned flush waits until every
+  rank began it, so the step's own execution is the whole flush, where a sync event
+  triggered after a step costs that step's execution and a flush of one to three more
+  (measured at 64 MiB: 93-322 ms more). The event comes a step or two after the member heard;
+  a rank that had not learned of the plan in time joins the event as any other (its call's
+  result says a rank flushes);
 * the event's allreduce also sums one flag per rank of the job: the ranks ready on every
   member are admitted, the same set everywhere;
 * the members make their optimizer state equal too (the momentum of the lowest member, one
