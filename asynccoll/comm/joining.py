@@ -69,7 +69,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import msgpack
@@ -354,14 +354,18 @@ class DigestCheck:
                 raise
 
 
-async def join(comm: Any, name: str, state: Sequence[Any],
-               timeout: float | None) -> tuple[Any, int, dict[str, Any]]:
+async def join(comm: Any, name: str, state: Sequence[Any], timeout: float | None, *,
+               grow: Callable[[Any, int], None] | None = None
+               ) -> tuple[Any, int, dict[str, Any]]:
     """Steps 1 and 4 (module doc) on the joiner, for the handle ``name``: say ready, receive
     the header, post a receive for every member's stripe of ``state`` (into ``state``'s own
     arrays), then say ``GO`` to every member and take what each sends (over the connection or
     through its ring in shared memory). Returns ``(communicator of the new world, its first
     execution, the meta data)``; the caller makes its handle on that communicator and grows it
-    to that execution."""
+    to that execution, or passes ``grow(grown, first)``, called on the runtime's loop as soon
+    as the header says them: the handle then grows while the state arrives, and the members'
+    first execution of the new world does not wait for this rank's handle (its send buffer is
+    empty until its first call)."""
     job = comm.job
     t = job.transport
     sid = channel(name)
@@ -412,6 +416,9 @@ async def join(comm: Any, name: str, state: Sequence[Any],
     d = len(donors)
     token = new_token()
     sums = Digest(views, d)
+    grown = job.rejoined_group(members, str(head["key"]))
+    if grow is not None:
+        await job.on_runtime(lambda: grow(grown, first))
     try:
         by = await _bounded(job, lambda: take_all(t, sid, donors, first, views, token, sums,
                                                   job.switches),
@@ -420,7 +427,6 @@ async def join(comm: Any, name: str, state: Sequence[Any],
         for src in donors:  # a donor's ring this rank has not mapped (module doc)
             with contextlib.suppress(OSError):
                 os.unlink(Ring.path(token, sid, src, first))
-    grown = job.rejoined_group(members, str(head["key"]))
     others = [r for r in members if r not in donors and r != job.rank]  # joining with it
     try:
         await check(grown, sums.value(), timeout)
@@ -480,11 +486,17 @@ async def join_handle(h: Any, comm: Any, state: Sequence[Any] = (),
     ``joined`` is set) before any call: be taken back at the members' next
     :func:`admit_ready`, receive ``state`` into the given arrays, grow ``h``. Returns the
     members' meta data. Call it before the handle's first call."""
-    grown, first, meta = await join(comm, h.name, state, timeout)
-    members = list(grown.members)
-    ranks = [members.index(m) if m in members else -1 for m in range(comm.job.size)]
-    await comm.on_runtime(lambda: h.grow(grown, first, ranks))
+    _, _, meta = await join(comm, h.name, state, timeout, grow=grow_into(h, comm.job.size))
     return meta
+
+
+def grow_into(h: Any, size: int) -> Callable[[Any, int], None]:
+    """The ``grow`` of :func:`join` for handle ``h`` of a job of ``size`` ranks: grow it over
+    the new world's communicator from its first execution (on the runtime's loop)."""
+    def grow(grown: Any, first: int) -> None:
+        members = list(grown.members)
+        h.grow(grown, first, [members.index(m) if m in members else -1 for m in range(size)])
+    return grow
 
 
 async def _settled(job: Any, futs: list[asyncio.Future[Any]], timeout: float | None,

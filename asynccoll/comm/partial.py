@@ -39,6 +39,7 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,11 @@ __all__ = ["Combine", "PartialAllreduce", "stable_id"]
 log = logging.getLogger("asynccoll.comm")
 
 _NONE: frozenset[int] = frozenset()
+
+
+#: how long a planned flush waits for every rank to say it began before it forces an
+#: execution as any flush does (seconds; a safety net: the ranks come within a step's time)
+PLAN_PATIENCE = 10.0
 
 
 class PartialAllreduce(KeptResults, MemberSide):
@@ -186,6 +192,7 @@ class PartialAllreduce(KeptResults, MemberSide):
         self._flushing_seen = 0  # ranks flushing in the latest completed execution
         self._planned_seen = 0  # ranks that planned a flush, in the latest completed execution
         self._last_flush = -1  # the round at which the last flush ended (the same everywhere)
+        self._last_call, self._gap = 0.0, 1.0  # (:meth:`_note_gap`)
         self._plan_sid = stable_id(f"{name}#flush", 1)  # the flushes' "began" messages
         # Guards the send buffer, the kept result and the call state between the caller's
         # thread (rule-1 calls) and the runtime's loop (snapshots, completions, other calls).
@@ -432,6 +439,7 @@ class PartialAllreduce(KeptResults, MemberSide):
                     dest: tuple[Any, Any] | None = None) -> PartialResult:
         await self._after_cancelled()
         flat = self._check(x)
+        self._note_gap()
         if self._route is not None:
             self._busy = True
             try:
@@ -547,6 +555,13 @@ class PartialAllreduce(KeptResults, MemberSide):
         if it fails, the caller times out naming the execution)."""
         self._ex.activate(e, TAG_FORCE)
 
+    def _note_gap(self) -> None:
+        """The time between this rank's calls (a moving average: a planned flush's patience)."""
+        now = time.monotonic()
+        if self._last_call:
+            self._gap = 0.8 * self._gap + 0.2 * (now - self._last_call)
+        self._last_call = now
+
     def _say_arrived(self) -> asyncio.Future[Any] | None:
         """At the start of a flush, every flush (on the loop): tell every rank this one began
         it, and receive theirs; returns a future done once every other rank said so or was
@@ -561,10 +576,19 @@ class PartialAllreduce(KeptResults, MemberSide):
             if r != me:
                 t.post_frame(r, int(Kind.DATA), self._plan_sid, key, 0, b""
                              ).add_done_callback(ignore_outcome)
-        got = [t.post_recv(r, self._plan_sid, key, 0) for r in range(P) if r != me]
-        for f in got:
-            f.add_done_callback(ignore_outcome)  # (a lost rank's fails: counted as arrived)
-        return asyncio.ensure_future(asyncio.wait(got))
+        all_in: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        left = [P - 1]
+
+        def one(f: asyncio.Future[Any]) -> None:  # (a lost rank's fails: counted as arrived)
+            ignore_outcome(f)
+            left[0] -= 1
+            if not left[0] and not all_in.done():
+                all_in.set_result(None)
+
+        for r in range(P):
+            if r != me:
+                t.post_recv(r, self._plan_sid, key, 0).add_done_callback(one)
+        return all_in
 
     async def _flush(self, timeout: float | None, flat: Any = None,
                      combine: Combine | None = None,
@@ -584,6 +608,7 @@ class PartialAllreduce(KeptResults, MemberSide):
             self._busy = False
             raise
         if flat is not None:  # the last contribution (in this flush's result)
+            self._note_gap()
             with self._lock:
                 self._add(flat, combine, False)
         loop = asyncio.get_running_loop()
@@ -602,16 +627,30 @@ class PartialAllreduce(KeptResults, MemberSide):
         arrived = self._say_arrived()
         forced = False
         try:
-            if planned and arrived is not None:
+            # (a plan learned in a world that lost a rank is not waited for: its flush forces
+            # at once, as any flush, and recovers first)
+            if planned and arrived is not None and not self.survivable(ex.error):
                 # every rank that learned of the plan flushes now: force once all have begun
                 # (one execution), or go on as any flush once an execution completes
                 left = None if deadline is None else max(deadline - loop.time(), 0.0)
-                await asyncio.wait({arrived, ex.current}, timeout=left,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                # a few of this rank's steps (the others come within about one), at most
+                # PLAN_PATIENCE: should a rank not say so (a loss that split the ranks' flushes)
+                # the flush goes on as any flush, not stalls
+                patience = min(PLAN_PATIENCE, max(0.2, 3 * self._gap))
+                patience = patience if left is None else min(left, patience)
+                done, _ = await asyncio.wait({arrived, ex.current}, timeout=patience,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:  # (nobody should be that late: flush as any flush does)
+                    log.warning("rank %d: planned flush of partial allreduce %r: not every "
+                                "rank said it began after %.0f s; forcing an execution",
+                                self.rank, self.name, patience)
             while True:
                 if self.survivable(ex.error):  # a rank was lost: go on without it
                     await self._survive()
                     ex, P, forced = self._ex, self.world_size, False
+                    # said again in the new world (its key agreed again: the ranks that
+                    # begin this flush only now say so there, and wait for this rank's)
+                    self._say_arrived()
                 if self._flushing_seen == P:  # (it completed while this rank waited above)
                     break
                 cur = ex.completed + 1

@@ -127,9 +127,10 @@ class HandleState:
     _given: int
     _round: int
     _last_flush: int
+    _flushing_seen: int
+    _planned_seen: int
     _stamps: slice
     _takes: collections.deque[tuple[PartialResult, Any, Any, int]]
-    _flushing_seen: int
     _wait_round: int
     _wait_included: bool
     _wait_stamp: int
@@ -397,6 +398,10 @@ class MemberSide(HandleState):
             self._stamps = slice(2 * P + 2, 3 * P + 2)
             self._takes.clear()  # results of cancelled calls in the old world: not given back
             self._flushing_seen = 0
+            self._planned_seen = 0  # (a plan still in force shows in the new world's first)
+            # the flushes' key, agreed again: a loss can end a flush on some ranks (its final
+            # execution completed there) and not on others (which finish it in the new world)
+            self._last_flush = first - 1
             self._writer = comm.trace_writer
             if self._wait_round >= first:
                 # the waiting call's data (put back, or never taken) goes into the new world's
@@ -426,7 +431,6 @@ class MemberSide(HandleState):
             # (a new handle of a process that joined starts there too)
             self._round = max(self._round, first - 1)
             self._given = max(self._given, first - 1)
-            self._last_flush = first - 1  # (the members' flush before the admission)
         if self._survival is not None:
             self._survival.moved_to(comm)
             self._catch_up(self._survival)  # a joiner lost during its admission

@@ -235,10 +235,9 @@ class TakesJoinersBack(JoinSide):
         assert h is not None
         name = h.name
         self._has_momentum()
-        grown, first, meta = await joining.join(self.comm, name, self._state(), self.timeout)
-        members = list(grown.members)
-        ranks = [members.index(m) if m in members else -1 for m in range(self.comm.size)]
-        await self.comm.on_runtime(lambda: h.grow(grown, first, ranks))
+        # the handle grows as soon as the header says the new world (while the state comes)
+        grown, first, meta = await joining.join(self.comm, name, self._state(), self.timeout,
+                                                grow=joining.grow_into(h, self.comm.size))
         self._restore(meta)
         P = grown.size
         return StepInfo(first - 1, False, frozenset(), 0, 0, 0.0, joined=True,
