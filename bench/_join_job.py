@@ -129,9 +129,9 @@ class Sampler:
 
 
 def _timed(name: str, times: dict[str, float], key: str) -> None:
-    """Wrap ``joining.NAME`` (``check``: what ``admit`` and ``join`` end with once the stripes
+    """Wrap ``joining.NAME`` (``compare``: what ``admit`` and ``join`` end with once the stripes
     are through; ``admit``: what a training class's member calls at the join) so that its
-    start and end are recorded as ``KEY0`` / ``KEY1``. ``admit`` and ``join`` look ``check``
+    start and end are recorded as ``KEY0`` / ``KEY1``. ``admit`` and ``join`` look ``compare``
     up in their module, the training classes ``admit``: the wrapper is what they call."""
     fn = getattr(joining, name)
 
@@ -148,7 +148,7 @@ async def transfer(cfg: dict[str, Any]) -> None:
     if "ring_min" in cfg:  # the shared-memory path measured at every size (bench/join.py)
         os.environ["ASYNCCOLL_JOIN_RING_MIN"] = str(cfg["ring_min"])  # read by connect()
     comm, times = await connect(cfg)
-    _timed("check", times, "t_check")
+    _timed("compare", times, "t_check")
     rank = comm.rank
     x = np.ones(16, np.float32)
     h = comm.partial_allreduce(Solo(), like=x, name="join-bench")
@@ -246,7 +246,7 @@ def _phases(spans: list[tuple[str, float, float]]) -> None:
     _spans(spans, Communicator, "rejoined_group", "make_comm")
     _spans(spans, MemberSide, "grow", "grow")
     for fn, name in (("admit_sent", "admit"), ("digest", "digest"), ("give", "give"),
-                     ("check", "check")):
+                     ("compare", "check")):
         _spans(spans, joining, fn, name)
     _spans(spans, joining.DigestCheck, "settle", "settle")
 

@@ -82,7 +82,7 @@ from .membership import CLOSE_SCHED
 from .partial_member import stable_id
 from .route import SHM, state_route
 from .shm import new_token
-from .state_digest import INLINE_BYTES, Digest, StateMismatchError, check, digest, units
+from .state_digest import INLINE_BYTES, Digest, StateMismatchError, digest, units
 from .state_ring import Ring
 from .state_send import GO, HEADER, READY, _all, give, take_all
 
@@ -306,9 +306,9 @@ async def admit_sent(h: Joinable, now: Any, joiners: list[int], state: Sequence[
     how = "in (new to the job)" if all(r in job.membership.grown for r in joiners) else "back"
     log.warning("rank %d: partial allreduce %r took rank(s) %s %s: %d ranks from execution "
                 "%d", job.rank, h.name, joiners, how, len(members), first)
-    pending = DigestCheck(grown, asyncio.ensure_future(check(grown, value, h.timeout)),
-                          job, joiners, h.name)
-    await asyncio.sleep(0)  # the allgather is under way (its first step posted it)
+    pending = DigestCheck(grown, asyncio.ensure_future(
+        compare(grown, value, h.timeout, key, joiners)), job, joiners, h.name)
+    await asyncio.sleep(0)  # the comparison is under way (its first step sent this digest)
     return grown, pending
 
 
@@ -325,6 +325,44 @@ def _lost_joiners(job: Any, joiners: list[int], name: str, exc: PeerLostError) -
         log.warning("rank %d: rank(s) %s lost while joining partial allreduce %r; it goes "
                     "on without them", job.rank, gone, name)
     return gone
+
+
+async def compare(grown: Any, mine: int, timeout: float | None, key: str,
+                  joiners: Sequence[int] = ()) -> None:
+    """Every rank of ``grown`` compares ``mine``, its digest of the state
+    (:func:`~.state_digest.digest`), with the others', each digest sent straight to every rank, so
+    that no rank's digest reaches another through a third: a joiner that leaves as soon as it
+    found a difference (its job raising the error) keeps no member from finding it too. The
+    digest of one of ``joiners`` (job ranks) lost before it came is left out; a member's loss
+    raises :class:`~asynccoll.PeerLostError`. Raises :class:`StateMismatchError` naming the
+    ranks (of ``grown``) whose digest differs from the lowest rank's."""
+    job, t, me = grown.job, grown.transport, grown.rank
+    sid = stable_id(f"{key}#digest", 1)
+    P, members = grown.size, list(grown.members)
+    word = np.array([mine], np.int64).view(np.uint8)
+
+    def start() -> list[asyncio.Future[Any]]:  # on the runtime's loop
+        for r in range(P):
+            if r != me:
+                t.post_frame(r, int(Kind.DATA), sid, 0, 0, word).add_done_callback(
+                    ignore_outcome)
+        return [t.post_recv(r, sid, 0, 0) for r in range(P) if r != me]
+
+    futs = await job.on_runtime(start)
+    got = await _bounded(job, lambda: asyncio.gather(*futs, return_exceptions=True), timeout,
+                         "compare the state's digests after a join")
+    ds: dict[int, int] = {me: mine}
+    for r, m in zip([r for r in range(P) if r != me], got, strict=True):
+        if isinstance(m, PeerLostError) and members[r] in joiners:
+            continue  # (a joiner lost meanwhile: the handle goes on without it)
+        if isinstance(m, BaseException):
+            raise m
+        ds[r] = int(np.frombuffer(bytes(m.payload), np.int64)[0])
+    order = sorted(ds)
+    differ = [r for r in order if ds[r] != ds[order[0]]]
+    if differ:
+        raise StateMismatchError(f"after the join, the states of ranks {differ} differ from "
+                                 f"rank {order[0]}'s (digests {[ds[r] for r in order]})")
 
 
 class DigestCheck:
@@ -429,7 +467,7 @@ async def join(comm: Any, name: str, state: Sequence[Any], timeout: float | None
                 os.unlink(Ring.path(token, sid, src, first))
     others = [r for r in members if r not in donors and r != job.rank]  # joining with it
     try:
-        await check(grown, sums.value(), timeout)
+        await compare(grown, sums.value(), timeout, str(head["key"]), others)
     except PeerLostError as exc:
         # another rank taken in with this one, lost meanwhile: this one goes on without it,
         # as the members do (DigestCheck.settle); any other loss is this join's failure

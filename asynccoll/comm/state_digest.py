@@ -22,7 +22,7 @@ import xxhash
 from ..errors import AsyncCollError
 from .state_ring import Unit
 
-__all__ = ["HASH_CHUNK", "INLINE_BYTES", "Digest", "StateMismatchError", "check", "digest", "pool",
+__all__ = ["HASH_CHUNK", "INLINE_BYTES", "Digest", "StateMismatchError", "digest", "pool",
            "stripe", "units"]
 
 HASH_CHUNK = 8 << 20  #: bytes per unit hash of :func:`digest`
@@ -109,15 +109,3 @@ def pool() -> ThreadPoolExecutor:
         _hashers.append(ThreadPoolExecutor(min(4, os.cpu_count() or 1),
                                            thread_name_prefix="asynccoll-digest"))
     return _hashers[0]
-
-
-async def check(comm: Any, mine: int, timeout: float | None) -> None:
-    """Every rank of ``comm`` compares ``mine``, its :func:`digest` of the state (with as many
-    parts as there were donors), with the others' (collective, one allgather); raises
-    :class:`StateMismatchError` naming the ranks that differ from the lowest rank."""
-    got = await comm.allgather(np.array([mine], np.int64), timeout)
-    ds = [int(v) for v in got[:, 0]]
-    differ = [r for r, v in enumerate(ds) if v != ds[0]]
-    if differ:
-        raise StateMismatchError(f"after the join, the states of ranks {differ} differ from "
-                                 f"rank 0's (digests {ds})")
