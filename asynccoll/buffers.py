@@ -49,6 +49,19 @@ def is_cupy(a: Any) -> bool:
     return type(a).__module__.startswith("cupy")
 
 
+def check_out(out: Any, x: Any, *, copy: bool = True) -> Any:
+    """A collective's ``out=`` for data ``x``: a contiguous writable array of ``x``'s shape
+    and dtype (``ValueError`` naming ``out`` else), holding ``x`` unless it is ``x`` or not
+    ``copy``; returns it flat."""
+    check_array(out, "out", writable=True)
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out must have x's shape {x.shape} and dtype {x.dtype}, got "
+                         f"{out.shape} and {out.dtype}")
+    if copy and out is not x:
+        out[...] = x
+    return out.reshape(-1)
+
+
 def check_array(a: Any, name: str = "array", *, writable: bool = False) -> None:
     """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``a`` is a contiguous array
     (NumPy arrays also in native byte order: the wire carries native values; and writable

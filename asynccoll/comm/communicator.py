@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..buffers import check_array
+from ..buffers import check_array, check_out
 from ..collectives import KERNELS, dense
 from ..collectives._plan import check_op
 from ..collectives.dense import block_bounds
@@ -471,13 +471,7 @@ class Communicator(PartialCollectives):
         if out is None:
             buf = _flat_copy(x)
         else:
-            check_array(out, "out", writable=True)
-            if out.shape != x.shape or out.dtype != x.dtype:
-                raise ValueError(f"out must have x's shape {x.shape} and dtype {x.dtype}, got "
-                                 f"{out.shape} and {out.dtype}")
-            if out is not x:
-                out[...] = x
-            buf = out.reshape(-1)
+            buf = check_out(out, x)
         await self._run(self._dense_allreduce(buf, op, algorithm, timeout))
         if average:
             buf /= self.size
@@ -493,10 +487,8 @@ class Communicator(PartialCollectives):
                         out: Any = None) -> Any:
         """Return a new array holding ``root``'s ``x`` (every rank passes the same shape).
 
-        ``out=`` names a contiguous NumPy array of ``x``'s shape and dtype to hold it instead
-        (no allocation), and ``out=x`` broadcasts in place, as ``torch.distributed.broadcast``
-        does; do not touch ``out`` until the call returns (if the call fails, ``out`` holds
-        part of ``root``'s data). Raises ``ValueError`` naming ``root`` or ``out``."""
+        ``out=`` (a NumPy array as ``allreduce``'s) holds it instead, ``out=x``: in place, as
+        ``torch.distributed.broadcast``; a failed call leaves part of ``root``'s data there."""
         x, kind = from_tensor(x, "x")
         _check_x(x)
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)) \
@@ -505,15 +497,9 @@ class Communicator(PartialCollectives):
         if out is None:
             buf = _flat_copy(x)
         else:
-            check_array(out, "out", writable=True)
-            if not isinstance(out, np.ndarray) or out.shape != x.shape \
-                    or out.dtype != x.dtype or not out.flags.c_contiguous:
-                raise ValueError(f"out must be a contiguous NumPy array of x's shape {x.shape} "
-                                 f"and dtype {x.dtype}, got {type(out).__name__} "
-                                 f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}")
-            if out is not x and self.rank == root:
-                out[...] = x
-            buf = out.reshape(-1)
+            if not isinstance(out, np.ndarray):
+                raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
+            buf = check_out(out, x, copy=self.rank == root)
         key = ("broadcast", buf.size, buf.dtype.str, int(root))
         await self._run(self._dense_call(key, lambda: dense.broadcast(
             self.rank, self.size, buf.size, buf.dtype, int(root)), buf, timeout))

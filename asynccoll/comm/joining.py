@@ -329,13 +329,10 @@ def _lost_joiners(job: Any, joiners: list[int], name: str, exc: PeerLostError) -
 
 async def compare(grown: Any, mine: int, timeout: float | None, key: str,
                   joiners: Sequence[int] = ()) -> None:
-    """Every rank of ``grown`` compares ``mine``, its digest of the state
-    (:func:`~.state_digest.digest`), with the others', each digest sent straight to every rank, so
-    that no rank's digest reaches another through a third: a joiner that leaves as soon as it
-    found a difference (its job raising the error) keeps no member from finding it too. The
-    digest of one of ``joiners`` (job ranks) lost before it came is left out; a member's loss
-    raises :class:`~asynccoll.PeerLostError`. Raises :class:`StateMismatchError` naming the
-    ranks (of ``grown``) whose digest differs from the lowest rank's."""
+    """Every rank of ``grown`` compares ``mine``, its state's digest, with the others', each
+    sent straight to every rank (a joiner that leaves once it found a difference keeps no
+    member from finding it too); a lost joiner's (``joiners``: job ranks) is left out, a lost
+    member raises. :class:`StateMismatchError` names the ranks differing from the lowest's."""
     job, t, me = grown.job, grown.transport, grown.rank
     sid = stable_id(f"{key}#digest", 1)
     P, members = grown.size, list(grown.members)
@@ -400,10 +397,8 @@ async def join(comm: Any, name: str, state: Sequence[Any], timeout: float | None
     arrays), then say ``GO`` to every member and take what each sends (over the connection or
     through its ring in shared memory). Returns ``(communicator of the new world, its first
     execution, the meta data)``; the caller makes its handle on that communicator and grows it
-    to that execution, or passes ``grow(grown, first)``, called on the runtime's loop as soon
-    as the header says them: the handle then grows while the state arrives, and the members'
-    first execution of the new world does not wait for this rank's handle (its send buffer is
-    empty until its first call)."""
+    to that execution, or passes ``grow(grown, first)``, called on the runtime's loop once the
+    header says them: the handle grows while the state arrives (empty until its first call)."""
     job = comm.job
     t = job.transport
     sid = channel(name)
@@ -529,8 +524,7 @@ async def join_handle(h: Any, comm: Any, state: Sequence[Any] = (),
 
 
 def grow_into(h: Any, size: int) -> Callable[[Any, int], None]:
-    """The ``grow`` of :func:`join` for handle ``h`` of a job of ``size`` ranks: grow it over
-    the new world's communicator from its first execution (on the runtime's loop)."""
+    """:func:`join`'s ``grow`` for handle ``h`` of a job of ``size`` ranks."""
     def grow(grown: Any, first: int) -> None:
         members = list(grown.members)
         h.grow(grown, first, [members.index(m) if m in members else -1 for m in range(size)])

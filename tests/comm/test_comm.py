@@ -128,8 +128,10 @@ async def test_broadcast_out_in_place_and_into_another_array(n: int) -> None:
             assert np.array_equal(o, np.ones(n))
             assert np.array_equal(x, np.full(n, rank))  # x untouched
         c = comms[0]
-        with pytest.raises(ValueError, match="out must be a contiguous NumPy array"):
+        with pytest.raises(ValueError, match="out must have"):
             await c.broadcast(xs[0], 0, out=np.empty(n + 1))
+        with pytest.raises(TypeError, match="out must be a NumPy array"):
+            await c.broadcast(xs[0], 0, out=[0.0] * n)
         with pytest.raises(ValueError, match="out must be C-contiguous"):
             await c.broadcast(xs[0], 0, out=np.empty(2 * n)[::2])
         frozen = xs[0].copy()
