@@ -80,7 +80,7 @@ from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 from .membership import CLOSE_SCHED
 from .partial_member import stable_id
-from .route import SHM, state_route
+from .route import SHM, exchange, state_route
 from .shm import new_token
 from .state_digest import INLINE_BYTES, Digest, StateMismatchError, digest, units
 from .state_ring import Ring
@@ -333,23 +333,14 @@ async def compare(grown: Any, mine: int, timeout: float | None, key: str,
     sent straight to every rank (a joiner that leaves once it found a difference keeps no
     member from finding it too); a lost joiner's (``joiners``: job ranks) is left out, a lost
     member raises. :class:`StateMismatchError` names the ranks differing from the lowest's."""
-    job, t, me = grown.job, grown.transport, grown.rank
-    sid = stable_id(f"{key}#digest", 1)
-    P, members = grown.size, list(grown.members)
+    job, me, members = grown.job, grown.rank, list(grown.members)
     word = np.array([mine], np.int64).view(np.uint8)
-
-    def start() -> list[asyncio.Future[Any]]:  # on the runtime's loop
-        for r in range(P):
-            if r != me:
-                t.post_frame(r, int(Kind.DATA), sid, 0, 0, word).add_done_callback(
-                    ignore_outcome)
-        return [t.post_recv(r, sid, 0, 0) for r in range(P) if r != me]
-
-    futs = await job.on_runtime(start)
-    got = await _bounded(job, lambda: asyncio.gather(*futs, return_exceptions=True), timeout,
-                         "compare the state's digests after a join")
+    futs = await job.on_runtime(lambda: exchange(grown.transport,
+                                                 stable_id(f"{key}#digest", 1), 0, word))
+    got = await _bounded(job, lambda: asyncio.gather(*futs.values(), return_exceptions=True),
+                         timeout, "compare the state's digests after a join")
     ds: dict[int, int] = {me: mine}
-    for r, m in zip([r for r in range(P) if r != me], got, strict=True):
+    for r, m in zip(futs, got, strict=True):
         if isinstance(m, PeerLostError) and members[r] in joiners:
             continue  # (a joiner lost meanwhile: the handle goes on without it)
         if isinstance(m, BaseException):

@@ -19,12 +19,12 @@ from typing import Any
 from ..collectives.partial import COUNT, FLUSHING, PLANNED, SNAPSHOTS
 from ..errors import BusyError, PeerLostError, TransportClosedError
 from ..results import PartialResult
-from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 from .contribution import Combine
 from .partial_member import MemberSide
 from .partial_results import KeptResults
 from .progress import ProgressEngine
+from .route import exchange
 
 __all__ = ["PLAN_PATIENCE", "FlushSide"]
 
@@ -130,16 +130,11 @@ class FlushSide(KeptResults, MemberSide):
         lost (None in a world of one). Each flush of the handle is one key (the round of the
         last flush: the same on every rank), so every rank's messages meet posted receives:
         nothing is left waiting or held. A planned flush waits on it before forcing."""
-        P, me = self.world_size, self.rank
-        if P == 1:
+        if self.world_size == 1:
             return None
-        t, key = self._ex.transport, self._last_flush + 1
-        for r in range(P):
-            if r != me:
-                t.post_frame(r, int(Kind.DATA), self._plan_sid, key, 0, b""
-                             ).add_done_callback(ignore_outcome)
+        got = exchange(self._ex.transport, self._plan_sid, self._last_flush + 1, b"")
         all_in: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        left = [P - 1]
+        left = [len(got)]
 
         def one(f: asyncio.Future[Any]) -> None:  # (a lost rank's fails: counted as arrived)
             ignore_outcome(f)
@@ -147,9 +142,8 @@ class FlushSide(KeptResults, MemberSide):
             if not left[0] and not all_in.done():
                 all_in.set_result(None)
 
-        for r in range(P):
-            if r != me:
-                t.post_recv(r, self._plan_sid, key, 0).add_done_callback(one)
+        for f in got.values():
+            f.add_done_callback(one)
         return all_in
 
     async def _flush(self, timeout: float | None, flat: Any = None,

@@ -45,6 +45,7 @@ from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 
 __all__ = ["READ", "RING_MIN", "DataPath", "Layout", "Router", "Switches", "agree_flags",
+    "exchange",
            "shm_flag", "state_route"]
 
 #: the paths a plan names
@@ -339,6 +340,20 @@ def state_route(switches: Switches, here: int, joiner: int, nbytes: int, asked: 
     return SHM if nbytes >= switches.ring_min else NETWORK
 
 
+def exchange(transport: Transport, sched_id: int, key: int, payload: Any
+             ) -> dict[int, asyncio.Future[Any]]:
+    """Send ``payload`` (a few bytes) to every other rank of ``transport``, keyed ``(sched_id,
+    key, 0)``, each straight (no rank forwards another's), and post a receive for each of
+    theirs; returns the receives by rank (on the runtime's loop). A lost peer's receive fails
+    with :class:`~asynccoll.PeerLostError`."""
+    me, P = transport.rank, transport.world_size
+    futs = {r: transport.post_recv(r, sched_id, key, 0) for r in range(P) if r != me}
+    for r in futs:
+        transport.post_frame(r, int(Kind.DATA), sched_id, key, 0, payload
+                             ).add_done_callback(ignore_outcome)
+    return futs
+
+
 async def agree_flags(transport: Transport, sched_id: int, ok: bool,
                       timeout: float | None, what: str) -> list[int]:
     """Tell every other rank of ``transport`` whether this one could set its path up (``ok``)
@@ -347,13 +362,8 @@ async def agree_flags(transport: Transport, sched_id: int, ok: bool,
     may use it). Raises :class:`~asynccoll.PeerLostError` when a peer is lost meanwhile,
     :class:`~asynccoll.CollectiveTimeoutError` (naming ``what`` and the silent ranks) after
     ``timeout`` seconds."""
-    me, P = transport.rank, transport.world_size
-    peers = [r for r in range(P) if r != me]
-    futs = {r: transport.post_recv(r, sched_id, 0, 0) for r in peers}
-    flag = np.array([1 if ok else 0], np.uint8)
-    for r in peers:
-        transport.post_frame(r, int(Kind.DATA), sched_id, 0, 0,
-                             flag.data.cast("B")).add_done_callback(ignore_outcome)
+    me = transport.rank
+    futs = exchange(transport, sched_id, 0, np.array([1 if ok else 0], np.uint8).data.cast("B"))
     failed = [] if ok else [me]
     try:
         done = await asyncio.wait_for(
