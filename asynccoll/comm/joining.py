@@ -38,8 +38,8 @@ contribution: after a flush, as the training classes' sync events have it.
    MiB (:data:`.state_digest.INLINE_BYTES`) that cannot take a ring goes at once, before the
    ``GO`` (held and copied once at the joiner: nothing at that size), saving the members the
    round trip. The lowest member's header goes out before the members grow their handle, so the
-   joiner's round trip runs meanwhile. Then every rank of the new world compares a 63-bit digest
-   of its state with the others' (:func:`.state_digest.digest`, one allgather): replicas are
+   joiner's round trip runs meanwhile. Then every rank of the new world sends every other a
+   63-bit digest of its state (:func:`.state_digest.digest`, :func:`compare`): replicas are
    equal to the bit, checked, or every rank raises :class:`StateMismatchError` naming the ranks
    that differ. The digest costs no pass of its own where there are cores to spare: a member
    hashes its state on other threads while it sends, the joiner each unit as it lands (while it
@@ -51,12 +51,12 @@ contribution: after a flush, as the training classes' sync events have it.
    returns.
 
 The members' pause is the flush boundary they were at anyway, plus the time to send one stripe
-(after one round trip for ``GO``, for a large stripe) and, with :func:`admit`, one allgather
-that waits for the joiner to hash what it received; with :func:`admit_sent` not that (measured:
-``bench/join.py``, docs/benchmarks.md "join"). The joiner's first contribution goes into the
-first execution of the new world. What the lost process held (its send buffer, a snapshot
-nobody completed) was lost with it and reported lost at the time (:mod:`.survival`); the
-joiner starts from nothing.
+(after one round trip for ``GO``, for a large stripe) and, with :func:`admit`, the digests'
+exchange, which waits for the joiner to hash what it received; with :func:`admit_sent` not
+that (measured: ``bench/join.py``, docs/benchmarks.md "join"). The joiner's first
+contribution goes into the first execution of the new world. What the lost process held (its
+send buffer, a snapshot nobody completed) was lost with it and reported lost at the time
+(:mod:`.survival`); the joiner starts from nothing.
 
 Host (NumPy) arrays only: device arrays are staged by the caller. A rank lost during the
 admission fails it on every rank with :class:`~asynccoll.PeerLostError`, as a loss during any
@@ -234,13 +234,13 @@ async def admit(h: Joinable, now: Any, joiners: list[int], state: Sequence[Any],
 
 async def admit_sent(h: Joinable, now: Any, joiners: list[int], state: Sequence[Any],
                      meta: dict[str, Any] | None = None) -> tuple[Any, DigestCheck]:
-    """:func:`admit` up to the digests' comparison, which it starts (an allgather over the
-    grown communicator, in flight) and returns with the grown communicator: the caller may
-    change ``state`` at once (its digest and its stripes are taken) and must await
-    :meth:`DigestCheck.settle` before any other collective of the grown communicator (the
-    training classes: at their next sync event), on every member at the same point, so that
-    a mismatch raises :class:`StateMismatchError` on every rank there. The members' pause is
-    then the stripes sent, not the slowest rank's (the joiner's) digest."""
+    """:func:`admit` up to the digests' comparison, which it starts (:func:`compare`, in
+    flight; also where joiners were lost here: another member may have taken them in) and
+    returns the grown communicator: the caller may change ``state`` at once (its digest and
+    stripes are taken) and must await :meth:`DigestCheck.settle` before any other collective
+    of the grown communicator (the training classes: at their next sync event), on every
+    member at the same point, so that a mismatch raises :class:`StateMismatchError` on every
+    rank there. The members' pause is the stripes sent, not the joiner's digest."""
     job = now.job
     old = list(now.members)
     members = sorted(set(old) | set(joiners))
@@ -295,19 +295,26 @@ async def admit_sent(h: Joinable, now: Any, joiners: list[int], state: Sequence[
                                                                       strict=True)]),
                        h.timeout, "send the state to the joining ranks")
         value = await mine
+        gone: list[int] = []
     except PeerLostError as exc:
-        if not _lost_joiners(job, joiners, h.name, exc):
+        gone = _lost_joiners(job, joiners, h.name, exc)
+        if not gone:
             raise
-        return grown, DigestCheck(grown, None, job, joiners, h.name)
+        value = await mine
     finally:
         if not at_once:
             for g in gos:
                 g.cancel()  # (a GO never received: its receive is no destination any more)
-    how = "in (new to the job)" if all(r in job.membership.grown for r in joiners) else "back"
-    log.warning("rank %d: partial allreduce %r took rank(s) %s %s: %d ranks from execution "
-                "%d", job.rank, h.name, joiners, how, len(members), first)
+    if not gone:
+        how = "in (new to the job)" if all(r in job.membership.grown for r in joiners) \
+            else "back"
+        log.warning("rank %d: partial allreduce %r took rank(s) %s %s: %d ranks from "
+                    "execution %d", job.rank, h.name, joiners, how, len(members), first)
+    # Compared even when joiners were lost here: another member that completed their
+    # admission (a joiner killed between its GOs) waits for this digest, as other joiners do
+    # (seen: all waited forever); a lost joiner's restart would never answer: left out
     pending = DigestCheck(grown, asyncio.ensure_future(
-        compare(grown, value, h.timeout, key, joiners)), job, joiners, h.name)
+        compare(grown, value, h.timeout, key, joiners, gone)), job, joiners, h.name)
     await asyncio.sleep(0)  # the comparison is under way (its first step sent this digest)
     return grown, pending
 
@@ -328,15 +335,17 @@ def _lost_joiners(job: Any, joiners: list[int], name: str, exc: PeerLostError) -
 
 
 async def compare(grown: Any, mine: int, timeout: float | None, key: str,
-                  joiners: Sequence[int] = ()) -> None:
+                  joiners: Sequence[int] = (), gone: Sequence[int] = ()) -> None:
     """Every rank of ``grown`` compares ``mine``, its state's digest, with the others', each
     sent straight to every rank (a joiner that leaves once it found a difference keeps no
     member from finding it too); a lost joiner's (``joiners``: job ranks) is left out, a lost
-    member raises. :class:`StateMismatchError` names the ranks differing from the lowest's."""
+    member raises; ``gone``: joiners known lost, not asked. :class:`StateMismatchError`
+    names the ranks differing from the lowest's."""
     job, me, members = grown.job, grown.rank, list(grown.members)
     word = np.array([mine], np.int64).view(np.uint8)
+    skip = [members.index(r) for r in gone]
     futs = await job.on_runtime(lambda: exchange(grown.transport,
-                                                 stable_id(f"{key}#digest", 1), 0, word))
+                                                 stable_id(f"{key}#digest", 1), 0, word, skip))
     got = await _bounded(job, lambda: asyncio.gather(*futs.values(), return_exceptions=True),
                          timeout, "compare the state's digests after a join")
     ds: dict[int, int] = {me: mine}
@@ -354,8 +363,8 @@ async def compare(grown: Any, mine: int, timeout: float | None, key: str,
 
 
 class DigestCheck:
-    """An admission's comparison of the digests (:func:`admit_sent`), in flight: an
-    allgather over the grown communicator that every rank of it, joiners included, makes."""
+    """An admission's comparison of the digests (:func:`admit_sent`, :func:`compare`), in
+    flight."""
 
     def __init__(self, grown: Any, task: asyncio.Future[None] | None, job: Any,
                  joiners: list[int], name: str) -> None:
@@ -368,7 +377,7 @@ class DigestCheck:
 
     async def settle(self) -> None:
         """Wait for the comparison to end: :class:`StateMismatchError` when the states
-        differ (on every rank alike), what the allgather raised else, except a loss of
+        differ (on every rank alike), what the exchange raised else, except a loss of
         joiners only (the handle goes on without them, as :func:`admit` does). Again: no-op."""
         task, self._task = self._task, None
         if task is None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -340,14 +340,15 @@ def state_route(switches: Switches, here: int, joiner: int, nbytes: int, asked: 
     return SHM if nbytes >= switches.ring_min else NETWORK
 
 
-def exchange(transport: Transport, sched_id: int, key: int, payload: Any
-             ) -> dict[int, asyncio.Future[Any]]:
-    """Send ``payload`` (a few bytes) to every other rank of ``transport``, keyed ``(sched_id,
-    key, 0)``, each straight (no rank forwards another's), and post a receive for each of
-    theirs; returns the receives by rank (on the runtime's loop). A lost peer's receive fails
-    with :class:`~asynccoll.PeerLostError`."""
+def exchange(transport: Transport, sched_id: int, key: int, payload: Any,
+             skip: Sequence[int] = ()) -> dict[int, asyncio.Future[Any]]:
+    """Send ``payload`` (a few bytes) to every other rank of ``transport`` but ``skip``, keyed
+    ``(sched_id, key, 0)``, each straight (no rank forwards another's), and post a receive for
+    each of theirs; returns the receives by rank (on the runtime's loop). A lost peer's
+    receive fails with :class:`~asynccoll.PeerLostError`."""
     me, P = transport.rank, transport.world_size
-    futs = {r: transport.post_recv(r, sched_id, key, 0) for r in range(P) if r != me}
+    futs = {r: transport.post_recv(r, sched_id, key, 0) for r in range(P)
+            if r != me and r not in skip}
     for r in futs:
         transport.post_frame(r, int(Kind.DATA), sched_id, key, 0, payload
                              ).add_done_callback(ignore_outcome)

@@ -21,7 +21,7 @@ parameters. So:
   broadcast, when there is any), grow the handle, and stripe the parameters, the optimizer
   state and the step counters to the joiners; every rank checks a digest of the state: the
   joiner before its first step returns, a member at its next sync event, before that event's
-  allreduce (:func:`~asynccoll.comm.joining.admit_sent`: the digests' allgather goes on while
+  allreduce (:func:`~asynccoll.comm.joining.admit_sent`: the digests' exchange goes on while
   the members step, so they do not wait there for the joiner to hash what it received; a
   mismatch raises :class:`~asynccoll.comm.joining.StateMismatchError` on every rank at that
   point, and :meth:`finish` settles it too);

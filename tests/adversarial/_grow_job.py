@@ -8,7 +8,9 @@ rank trains past N until its world has k ranks, and 10 steps more (the test's me
 the new node). With
 KILL_JOINING=1 the first process of rank 2 (a new rank) SIGKILLs itself while it is taken in:
 once the members' header came, as it would receive their state (its launcher restarts it under
---max-restarts)."""
+--max-restarts). With SPLIT_JOIN=1 the admission splits: rank 2's first process dies a second
+after the header (once rank 0's stripe went out), and rank 1 sends its stripe two seconds after
+the header: rank 0 took rank 2 in, rank 1 lost it while taking it in."""
 import asyncio
 import hashlib
 import os
@@ -34,7 +36,21 @@ async def main():
             print("rank 2 dies as it would receive the state", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        joining.take_all = dying
+        async def dying_later(*args, **kwargs):
+            await asyncio.sleep(1.0)
+            dying()
+
+        joining.take_all = dying_later if os.environ.get("SPLIT_JOIN") else dying
+    if rank == 1 and os.environ.get("SPLIT_JOIN"):
+        from asynccoll.comm import joining
+
+        give = joining.give
+
+        async def late_give(*args, **kwargs):
+            await asyncio.sleep(2.0)
+            await give(*args, **kwargs)
+
+        joining.give = late_give
     w0 = np.zeros(1000, np.float32)
     target = np.linspace(-1, 1, 1000, dtype=np.float32) * (rank + 1)
     opt = EagerSGD(comm, w0, 0.1, Solo(), momentum=0.5,

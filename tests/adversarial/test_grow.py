@@ -32,7 +32,7 @@ JOB = str(HERE / "_grow_job.py")
 TORCH_JOB = str(HERE / "_rejoin_torch_job.py")
 COUNT_JOB = str(HERE / "_rejoin_count_job.py")
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(150)]
 
 
 def _launch(node: int, port: int, env: dict[str, str], log: Path, job: str = JOB,
@@ -61,14 +61,20 @@ def _grow(tmp_path: Path, job: str, extra: tuple[str, ...] = (), **env: str) -> 
     try:
         time.sleep(2.0)  # node 0's ranks train meanwhile (they hold until the world has 4)
         second = _launch(1, port, env, logs[1], job, extra)
-        try:
-            codes = [first.wait(timeout=120), second.wait(timeout=90)]
+        try:  # (within the test's timeout: a hang fails with both launchers' output)
+            deadline = time.monotonic() + 110
+            codes: list[int | None] = []
+            for p in (first, second):
+                try:
+                    codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    codes.append(None)
         finally:
             second.kill()
     finally:
         first.kill()
     out0, out1 = (p.read_text(errors="replace") for p in logs)
-    assert codes == [0, 0], (out0 + out1)[-4000:]
+    assert codes == [0, 0], (out0[-3000:], out1[-3000:])
     return out0, out1
 
 
@@ -119,6 +125,25 @@ def test_a_new_rank_killed_while_it_is_taken_in_is_restarted_and_joins(tmp_path:
     assert re.search(r"rank 2 joined the job \(restart 1\)", out1), out1[-3000:]
     finals = _finals(both)
     assert sorted(finals) == [0, 1, 2, 3], both[-4000:]
+    assert len({d for _, _, d in finals.values()}) == 1, finals
+    assert {w for _, w, _ in finals.values()} == {4}, finals
+
+
+def test_a_new_rank_lost_after_one_member_took_it_in_is_restarted_and_joins(
+        tmp_path: Path) -> None:
+    """The admission splits (``SPLIT_JOIN``): rank 2's first process dies once rank 0's
+    stripe went out and before rank 1's did, so rank 0 took it in while rank 1 lost it
+    taking it in. Both still compare their digests (rank 0 waits for rank 1's: before the
+    fix every member waited there forever); the restart joins and all four end equal."""
+    out0, out1 = _grow(tmp_path, JOB, ("--max-restarts", "1"), N="60", SYNC_EVERY="5",
+                       KILL_JOINING="1", SPLIT_JOIN="1")
+    assert re.search(r"\[0\] rank 0: partial allreduce 'eager-sgd' took rank\(s\) \[2", out0), \
+        out0[-3000:]
+    assert re.search(r"\[1\] rank 1: rank\(s\) \[2\] lost while joining", out0), out0[-3000:]
+    assert "rank 2 was killed by SIGKILL; restarting it" in out1, out1[-3000:]
+    assert re.search(r"rank 2 joined the job \(restart 1\)", out1), out1[-3000:]
+    finals = _finals(out0 + out1)
+    assert sorted(finals) == [0, 1, 2, 3], (out0 + out1)[-4000:]
     assert len({d for _, _, d in finals.values()}) == 1, finals
     assert {w for _, w, _ in finals.values()} == {4}, finals
 
