@@ -260,7 +260,7 @@ class MemberSide(HandleState):
         """The schedule's :data:`~.shm.SHM_ATTACH` kernel: every peer has said "written", so
         its segments exist; map those not mapped yet and bind them (the first execution)."""
         segs = self._segments
-        if segs is not None and segs.attach():
+        if segs is not None and segs.attach_or_wait(self._ex):
             self._ex.bind({**self._bufs, **segs.buffers(self._ex.execution % 2)})
 
     def _shm_next(self, e: int) -> None:

@@ -40,6 +40,7 @@ at the first execution that needs them) and unlinked once every peer has provabl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import errno
@@ -60,9 +61,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["JOB_TAG_ENV", "SHM_DIR", "PartialSegments", "Segment", "check_tag", "host_hash",
-           "host_id", "install_cleanup", "job_prefix", "job_tag", "new_job_tag", "new_token",
-           "segment_path", "unlink_job"]
+#: how long a rank that found a peer's segment gone waits for the loss that explains it
+#: (:meth:`PartialSegments.attach_or_wait`) before it fails with the missing segment
+GONE_GRACE = 5.0
+
+__all__ = ["GONE_GRACE", "JOB_TAG_ENV", "SHM_DIR", "PartialSegments", "Segment", "check_tag",
+           "host_hash", "host_id", "install_cleanup", "job_prefix", "job_tag", "new_job_tag",
+           "new_token", "segment_path", "unlink_job"]
 
 #: where segments live: a tmpfs, ``/dev/shm`` unless ``ASYNCCOLL_SHM_DIR`` names another
 #: directory (read once, at import; tests give each job a private one to count what is left)
@@ -406,13 +411,44 @@ class PartialSegments:
         :meth:`Segment.attach`); return whether any was. Costs nothing once all are."""
         if not self._missing:
             return False
-        for q in self._missing:
+        while self._missing:
+            q = self._missing[0]
             for part in range(self.parts):
-                seg = Segment.attach(self.path(q, part), self._nbytes)
-                self._peer_segs.append(seg)
-                self._peer_arrays[(q, part)] = seg.array(self.dtype, self.count)
-        self._missing = []
+                if (q, part) not in self._peer_arrays:
+                    seg = Segment.attach(self.path(q, part), self._nbytes)
+                    self._peer_segs.append(seg)
+                    self._peer_arrays[(q, part)] = seg.array(self.dtype, self.count)
+            self._missing.pop(0)
         return True
+
+    def attach_or_wait(self, ex: Any) -> bool:
+        """:meth:`attach`, for the ``SHM_ATTACH`` kernel of executor ``ex``. A peer unlinks
+        its segments before every peer mapped them only when its execution failed (a loss it
+        saw first, its timeout): this rank's cannot complete either, and the loss that failed
+        the peer's reaches this rank a moment later, as it reaches every rank. So a segment
+        found gone leaves the op pending (:class:`~asynccoll.sched.executor.KernelWaits`):
+        the execution fails with that loss, as everywhere else (and with ``survive=True`` the
+        survivors go on; a ``FileNotFoundError`` they could not go on from, seen in CI), or,
+        after :data:`GONE_GRACE` s without one, with an ``ExecutionError`` naming the
+        segment."""
+        try:
+            return self.attach()
+        except FileNotFoundError as exc:
+            from ..errors import ExecutionError
+            from ..sched.executor import KernelWaits
+
+            e = ex.execution
+            err = ExecutionError(
+                f"rank {self.rank}: a peer's shared-memory segment {exc.filename} was gone "
+                f"before this rank mapped it (the peer's execution {e} failed), and no loss "
+                f"was reported within {GONE_GRACE} s")
+
+            def give_up() -> None:
+                if ex.execution == e:
+                    ex.abort(err)  # (no-op once the loss failed it, or closed)
+
+            asyncio.get_running_loop().call_later(GONE_GRACE, give_up)
+            raise KernelWaits(str(exc)) from exc
 
     def unlink_own(self) -> None:
         """Unlink this rank's segments (the mappings stay valid). Idempotent."""

@@ -251,7 +251,7 @@ class HandleShmSparseAllreduce(ShmSparseAllreduce):
 
     def _attach(self, out: Any, inputs: Any, params: Any, msgs: Any) -> None:
         """The schedule's attach op: map the peers' segments (the first time) and bind them."""
-        if self._parts.attach():
+        if self._parts.attach_or_wait(self.executor):
             self._arrays = self._segment_arrays()
             self.executor.bind({**self._arrays, self.schedule.meta["result"]: self._out})
 

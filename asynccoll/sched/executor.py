@@ -40,7 +40,14 @@ from .schedule import BufRef, Schedule
 from .trace import COMPLETED, Trace
 from .waits import activation_op, wait_status
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "KernelWaits"]
+
+
+class KernelWaits(Exception):
+    """Raised by a kernel whose op cannot complete now and will not by itself: the op stays
+    pending and the execution waits for what fails it (a loss notice on its way, a timeout,
+    or an :meth:`Executor.abort` the kernel arranged), instead of failing with the kernel's
+    symptom (:meth:`asynccoll.comm.shm.PartialSegments.attach_or_wait`)."""
 
 _NOP, _SEND, _RECV, _COMPUTE = 0, 1, 2, 3
 _KIND_CODE = {"nop": _NOP, "send": _SEND, "recv": _RECV, "compute": _COMPUTE}
@@ -540,6 +547,8 @@ class Executor:
         except PeerLostError as exc:  # a kernel that reads a peer's memory saw it gone
             self._fail(exc)
             return
+        except KernelWaits:
+            return
         except Exception as exc:
             self._fail(ExecutionError(f"rank {self.schedule.rank} op {i} {op.describe()} "
                                       f"failed: {exc!r}"), exc)
@@ -552,6 +561,8 @@ class Executor:
         if fut.cancelled() or e != self.execution or not self._armed:
             return
         exc = fut.exception()
+        if isinstance(exc, KernelWaits):
+            return
         if isinstance(exc, PeerLostError):
             self._fail(exc)
             return

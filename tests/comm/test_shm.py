@@ -252,3 +252,44 @@ async def test_a_full_dev_shm_falls_back_to_the_network(
         assert warned
         assert "--shm-size" in warned[0].getMessage()
     assert _ours() - before == set()
+
+
+@pytest.mark.timeout(10)
+async def test_a_peer_segment_gone_waits_for_the_loss_then_names_the_segment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer's segment already unlinked when this rank maps it (the peer's execution failed
+    first): the attach kernel leaves its op pending (KernelWaits) so that the loss on its way
+    fails the execution; with none within GONE_GRACE, the execution is aborted with an
+    ExecutionError naming the missing segment, once, and only that execution."""
+    from asynccoll.comm import shm
+    from asynccoll.errors import ExecutionError
+    from asynccoll.sched.executor import KernelWaits
+
+    monkeypatch.setattr(shm, "GONE_GRACE", 0.05)
+
+    class Ex:  # what attach_or_wait needs of an executor
+        def __init__(self) -> None:
+            self.execution = 0
+            self.aborted: list[BaseException] = []
+
+        def abort(self, exc: BaseException) -> None:
+            self.aborted.append(exc)
+
+    segs = shm.PartialSegments(shm.new_token(), 77, 0, 2, 16, np.float32)  # rank 1 made none
+    try:
+        ex = Ex()
+        with pytest.raises(KernelWaits):
+            segs.attach_or_wait(ex)
+        assert ex.aborted == []  # not at once: the loss may be on its way
+        await asyncio.sleep(0.2)
+        assert len(ex.aborted) == 1
+        assert isinstance(ex.aborted[0], ExecutionError)
+        assert segs.path(1, 0) in str(ex.aborted[0])
+        later = Ex()
+        with pytest.raises(KernelWaits):
+            segs.attach_or_wait(later)
+        later.execution = 1  # the execution that waited is over: nothing aborted
+        await asyncio.sleep(0.2)
+        assert later.aborted == []
+    finally:
+        segs.close()
