@@ -123,6 +123,10 @@ async def numpy_part() -> None:
                  for dtype in (np.float32, np.float64) for average in (True, False)
                  for k, (label, make) in enumerate(numpy_makers(comm, dtype))]
         rng = np.random.default_rng(comm.rank)
+        # started together: majority and two_choice handles stepped one after another wait on
+        # each other in a circle when a rank starts a whole step late (docs/partial.md, "What a
+        # call returns"; seen once in CI and 2 of 200 runs under load before this barrier)
+        await comm.barrier()
         for step in range(STEPS):
             jitter(rng)
             for i, c in enumerate(cases):
@@ -244,6 +248,7 @@ def torch_part() -> None:
             cases.append(Case(label, (state, torch.optim.SGD(ddp.parameters(), lr=0.05))))
         rng = np.random.default_rng(rank)
         gen = torch.Generator().manual_seed(rank)
+        comm.barrier()  # started together (numpy_part)
         for step in range(STEPS):
             jitter(rng)
             for i, c in enumerate(cases):
