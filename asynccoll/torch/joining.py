@@ -6,7 +6,10 @@ partial allreduce (every rank hands in what it holds and applies what it has not
 allreduce of the parameters with two kinds of flags, "finished" and "ready joiners". Any rank
 triggers one by flushing (a rank that learned a restarted rank is ready does, at its next
 step); a flush marks the results ``flushed``, and a rank that receives such a result joins the
-event, so every rank enters the same events whatever its step count. ``finish()`` repeats them
+event, so every rank enters the same events whatever its step count. A member that learned a
+rank is ready *plans* the event instead (``plan_flush``, as :class:`~asynccoll.train.EagerSGD`
+does): every rank learns it from the next execution and holds the event's flush in its next
+step's own execution (``flush(x=g)``), one to three executions fewer. ``finish()`` repeats them
 until every rank has called it, so a rank still stepping never meets a collective another rank
 skips.
 
@@ -97,11 +100,16 @@ class SyncEvents(JoinSide):
         return self.comm.comm if c is None else c
 
     # -- sync events -------------------------------------------------------------------------
-    def _sync(self, *, finished: bool, average: bool = True) -> tuple[bool, int]:
+    def _sync(self, *, finished: bool, average: bool = True,
+              flushed: bool = False) -> tuple[bool, int]:
         """One sync event (module doc): returns (whether every rank has finished, how many
-        local gradients the flush applied)."""
-        res = self._h.flush_blocking(self.timeout)
-        self._apply_result(res)
+        local gradients the flush applied). ``flushed``: the event's flush was the step's own
+        (planned), its result applied."""
+        count = 0
+        if not flushed:
+            res = self._h.flush_blocking(self.timeout)
+            self._apply_result(res)
+            count = res.count
         now = self._comm_now()
         P = self.comm.comm.job.size  # a flag per rank of the job (its vacant ranks too)
         flat = self._flat_params().to(torch.float64).numpy()
@@ -117,7 +125,7 @@ class SyncEvents(JoinSide):
             tot = self.comm.submit(now.allreduce(buf, timeout=self.timeout)).result()
         except PeerLostError as exc:  # (in a job that survives losses: another event follows)
             self._lost_in_event(exc, "its parameters' allreduce", now)
-            return False, res.count
+            return False, count
         averaged = bool(tot[n + 1] == 0)
         if averaged:
             self._load(torch.from_numpy(tot[:n] / now.size).to(self._dtype))
@@ -130,7 +138,7 @@ class SyncEvents(JoinSide):
                 except PeerLostError as exc:
                     self._joiners.again(admitted)
                     self._lost_in_event(exc, f"taking {admitted} back")
-        return done, res.count
+        return done, count
 
     def _admit(self, now: Any, admitted: list[int], *, equal: bool) -> None:
         if not equal:

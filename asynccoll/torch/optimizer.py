@@ -360,18 +360,24 @@ class DistributedOptimizer(SyncEvents):
         else:
             combine = self._combine if self.algorithm != "rna" else \
                 staleness_combine(s, self._pending, self.staleness_bound)
-            res: PartialResult = self.comm.submit(
-                self._h(g, self.timeout, combine=combine)).result()
+            # a sync event planned to take a rank in (.joining): held in this step's own
+            # execution, every rank that learned of the plan flushing with its gradient in it
+            planned = self._joiners is not None and self._h.flush_planned
+            coro = self._h.flush(self.timeout, g, combine=combine) if planned \
+                else self._h(g, self.timeout, combine=combine)
+            res: PartialResult = self.comm.submit(coro).result()
             self._stale = 0 if res.included else self._stale + 1
             lr = self._apply_result(res)
             # Sync events where the job takes restarted ranks back (.joining); elsewhere a
             # flushed result is just a result, as before
-            synced = self._joiners is not None and (res.flushed or self._join_wanted()
+            synced = self._joiners is not None and (planned or res.flushed
                                                      or self._sync_wanted)
             drained = 0
-            if synced:  # a sync event another rank started, or one to take a joiner back
-                drained = self._sync(finished=False)[1]  # (applied in this step too)
+            if synced:  # a sync event another rank started or planned, or one cut short
+                drained = self._sync(finished=False, flushed=planned)[1]  # (applied here)
                 self._pending.clear()
+            if self._joiners is not None and self._join_wanted():
+                self._h.plan_flush()  # a rank is ready here: every rank holds the event soon
             info = StepInfo(res.round, res.included, res.contributors, res.count + drained,
                             self._stale,
                             lr, res.missed, synced, res.fresh, res.lateness,

@@ -58,7 +58,10 @@ def main() -> None:
         loss.backward()
         info = opt.step()
         if info.joined:
-            print(f"rank {rank} joined at step {opt.step_count}", flush=True)
+            print(f"rank {rank} joined at step {opt.step_count} (from execution "
+                  f"{info.round + 1})", flush=True)
+        elif info.synced:  # (a planned event: in the step's own execution, this round)
+            print(f"EVENT rank={rank} round={info.round}", flush=True)
         time.sleep(float(os.environ.get("STEP_S", 0.06)) * (1 + rank % 2))
     opt.finish()
     h = hashlib.sha256()

@@ -218,9 +218,16 @@ def test_torch_distributed_optimizer_around_adam_takes_a_restarted_rank_back() -
     assert code == 0, out[-4000:]
     finals = _all_equal_at(out, 300)  # the digest covers Adam's state too
     assert [r for r, _, _, k in finals if k == 1] == [2], finals
-    joined = re.search(r"rank 2 joined at step (\d+)", out)
+    joined = re.search(r"rank 2 joined at step (\d+) \(from execution (\d+)\)", out)
     assert joined is not None, out[-3000:]
     assert int(joined.group(1)) < 300, out[-3000:]  # taken back while the others train
+    # the event was planned: held in the members' step's own execution, the one right
+    # before the joiner's first (an event after a step flushes one to three more first)
+    first = int(joined.group(2))
+    at = {int(r) for r, e in re.findall(r"EVENT rank=(\d) round=(\d+)", out)
+          if int(e) == first - 1}
+    assert at, out[-3000:]
+    assert at <= {0, 1, 3}, at
 
 
 @pytest.mark.timeout(200)
