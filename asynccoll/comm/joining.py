@@ -290,21 +290,20 @@ async def admit_sent(h: Joinable, now: Any, joiners: list[int], state: Sequence[
         go = None if at_once else msgpack.unpackb(bytes((await go_fut).payload))
         await give(t, sid, r, first, views, mine_units, go, switches)
 
+    gone: list[int] = []
     try:
         await _bounded(job, lambda: _all([give_to(r, g) for r, g in zip(joiners, gos,
                                                                       strict=True)]),
                        h.timeout, "send the state to the joining ranks")
-        value = await mine
-        gone: list[int] = []
     except PeerLostError as exc:
         gone = _lost_joiners(job, joiners, h.name, exc)
         if not gone:
             raise
-        value = await mine
     finally:
         if not at_once:
             for g in gos:
                 g.cancel()  # (a GO never received: its receive is no destination any more)
+    value = await mine
     if not gone:
         how = "in (new to the job)" if all(r in job.membership.grown for r in joiners) \
             else "back"

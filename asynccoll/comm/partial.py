@@ -84,7 +84,6 @@ log = logging.getLogger("asynccoll.comm")
 _NONE: frozenset[int] = frozenset()
 
 
-
 class PartialAllreduce(FlushSide):
     """A persistent partial allreduce (solo, majority, two-choice, quorum or deadline); see
     the module doc.
@@ -324,7 +323,6 @@ class PartialAllreduce(FlushSide):
                 f"rank={self.rank}/{self.world_size})")
 
     # -- on the loop -------------------------------------------------------------------------
-
     def _check(self, x: Any) -> Any:
         self._check_open()
         flat = self._contribution.check(x)

@@ -19,7 +19,6 @@ from typing import Any
 from ..collectives.partial import COUNT, FLUSHING, PLANNED, SNAPSHOTS
 from ..errors import BusyError, PeerLostError, TransportClosedError
 from ..results import PartialResult
-from ..transport.matching import ignore_outcome
 from .contribution import Combine
 from .partial_member import MemberSide
 from .partial_results import KeptResults
@@ -133,18 +132,8 @@ class FlushSide(KeptResults, MemberSide):
         if self.world_size == 1:
             return None
         got = exchange(self._ex.transport, self._plan_sid, self._last_flush + 1, b"")
-        all_in: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        left = [len(got)]
-
-        def one(f: asyncio.Future[Any]) -> None:  # (a lost rank's fails: counted as arrived)
-            ignore_outcome(f)
-            left[0] -= 1
-            if not left[0] and not all_in.done():
-                all_in.set_result(None)
-
-        for f in got.values():
-            f.add_done_callback(one)
-        return all_in
+        # (a lost rank's receive fails: counted as arrived)
+        return asyncio.gather(*got.values(), return_exceptions=True)
 
     async def _flush(self, timeout: float | None, flat: Any = None,
                      combine: Combine | None = None,

@@ -45,8 +45,7 @@ from ..transport.frames import Kind
 from ..transport.matching import ignore_outcome
 
 __all__ = ["READ", "RING_MIN", "DataPath", "Layout", "Router", "Switches", "agree_flags",
-    "exchange",
-           "shm_flag", "state_route"]
+           "exchange", "shm_flag", "state_route"]
 
 #: the paths a plan names
 NETWORK, SHM, HIER = "network", "shm", "hier"

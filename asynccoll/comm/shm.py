@@ -411,14 +411,12 @@ class PartialSegments:
         :meth:`Segment.attach`); return whether any was. Costs nothing once all are."""
         if not self._missing:
             return False
-        while self._missing:
-            q = self._missing[0]
+        for q in self._missing:
             for part in range(self.parts):
-                if (q, part) not in self._peer_arrays:
-                    seg = Segment.attach(self.path(q, part), self._nbytes)
-                    self._peer_segs.append(seg)
-                    self._peer_arrays[(q, part)] = seg.array(self.dtype, self.count)
-            self._missing.pop(0)
+                seg = Segment.attach(self.path(q, part), self._nbytes)
+                self._peer_segs.append(seg)
+                self._peer_arrays[(q, part)] = seg.array(self.dtype, self.count)
+        self._missing = []
         return True
 
     def attach_or_wait(self, ex: Any) -> bool:
@@ -433,8 +431,8 @@ class PartialSegments:
         segment."""
         try:
             return self.attach()
-        except FileNotFoundError as exc:
-            from ..errors import ExecutionError
+        except FileNotFoundError as exc:  # (imported here: this module stays light, the
+            from ..errors import ExecutionError  # launcher's reaper imports it)
             from ..sched.executor import KernelWaits
 
             e = ex.execution

@@ -376,7 +376,7 @@ class DistributedOptimizer(SyncEvents):
             if synced:  # a sync event another rank started or planned, or one cut short
                 drained = self._sync(finished=False, flushed=planned)[1]  # (applied here)
                 self._pending.clear()
-            if self._joiners is not None and self._join_wanted():
+            if self._join_wanted():
                 self._h.plan_flush()  # a rank is ready here: every rank holds the event soon
             info = StepInfo(res.round, res.included, res.contributors, res.count + drained,
                             self._stale,

@@ -238,7 +238,7 @@ class EagerSGD(TakesJoinersBack):
                 or (self.sync_every is not None and self._since_sync >= self.sync_every) \
                 or (self.max_staleness is not None and stale > self.max_staleness) \
                 or self._sync_wanted:
-            await self._sync(finished=False, flushed=res if planned else None)
+            await self._sync(finished=False, flushed=planned)
             synced = True
         if self._join_wanted() or self._sync_due_soon():  # (held in a step's own execution)
             self._h.plan_flush()
@@ -258,7 +258,7 @@ class EagerSGD(TakesJoinersBack):
         self.updater.apply(self.params, value.reshape(-1) / divisor, lr)
 
     async def _sync(self, *, finished: bool, average: bool = True,
-                    flushed: PartialResult | None = None) -> bool:
+                    flushed: bool = False) -> bool:
         """One sync event (module doc); returns whether every rank has finished.
 
         The parameter allreduce also carries two flags, so that every rank learns the same
@@ -266,7 +266,7 @@ class EagerSGD(TakesJoinersBack):
         ``flushed``: the event's flush was the step's own (planned), its result applied.
         """
         assert self._h is not None
-        if flushed is None:
+        if not flushed:
             res = await self._h.flush(self.timeout)
             self.applied += res.count
             if res.count:  # an empty round must not add a weight-decay or momentum step

@@ -205,7 +205,7 @@ class RNA(EagerSGD):
         await self.hier.deliver()
 
     async def _sync(self, *, finished: bool, average: bool = True,
-                    flushed: PartialResult | None = None) -> bool:
+                    flushed: bool = False) -> bool:
         # Flat mode: every sync event (the same sequence on every rank) is followed by one
         # switch check, so the check's allgather meets the same allgather everywhere, and no
         # rank waits in it for a rank stuck in a round that only a waiting rank could start.
